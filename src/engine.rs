@@ -1,0 +1,613 @@
+//! The engine handle: opens devices, starts one pinned worker per configured core, routes jobs
+//! to workers by key hash and collects their results.
+//!
+//! Every method takes `&self` and never blocks on I/O (except `drain` and `shutdown`, whose job
+//! is to wait). Admission is bounded twice: by `jobs_in_flight_max` jobs and by
+//! `queue_blocks_max` queued blocks per worker; either limit turns a submission into an explicit
+//! [`Error::Backpressure`] with nothing queued.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::config::{Config, Cores, Layout};
+use crate::error::{Error, Result};
+use crate::events::{Event, EventSink};
+use crate::io::{BackendSettings, DeviceInfo, EventFd, Region, Storage};
+use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
+use crate::key::Key;
+use crate::metrics::Stats;
+use crate::shard::{self, DeviceSpec, Msg, Part, Shard, ShardParams, ShardShared};
+use crate::slab::{table_bytes, Geometry, Header, HeaderRead, HeaderState, HEADER_BYTES};
+
+/// Which tier answered a lookup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Nvme,
+}
+
+/// The answer to a lookup, from the in-memory index (no I/O, no retry step).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    Hit(Tier),
+    Miss,
+    /// Not known yet (reserved for tiers that answer asynchronously, such as S3).
+    Pending,
+}
+
+/// One device as opened.
+#[derive(Clone, Debug)]
+pub struct DeviceSummary {
+    pub path: PathBuf,
+    pub kind: &'static str,
+    pub direct: bool,
+    pub size_bytes: u64,
+    pub geometry: Geometry,
+    /// True if it was formatted at this open (nothing to recover).
+    pub formatted: bool,
+}
+
+/// One worker as started.
+#[derive(Clone, Debug)]
+pub struct WorkerSummary {
+    pub core: Option<usize>,
+    pub pinned: bool,
+    pub backend: String,
+    pub recovered_blocks: u64,
+}
+
+/// What `Engine::open` set up.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub block_bytes: u64,
+    pub region_blocks: u64,
+    pub region_backing: &'static str,
+    pub devices: Vec<DeviceSummary>,
+    pub workers: Vec<WorkerSummary>,
+    pub open_seconds: f64,
+}
+
+struct ShardHandle {
+    tx: Sender<Msg>,
+    /// A second receiver, to fail work that arrives after the worker stopped.
+    rx: Receiver<Msg>,
+    shared: Arc<ShardShared>,
+}
+
+pub struct Engine {
+    region_blocks: u64,
+    queue_blocks_max: usize,
+    jobs_in_flight_max: usize,
+    shared: Arc<Shared>,
+    shards: Vec<ShardHandle>,
+    results: Receiver<JobResult>,
+    shut: AtomicBool,
+    /// Held shared by every submit and exclusively by shutdown while it sets `shut`.
+    gate: RwLock<()>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    info: EngineInfo,
+}
+
+impl Engine {
+    /// Opens the engine on the kernel's devices (io_uring, O_DIRECT per config).
+    pub fn open(config: &Config, region: Arc<Region>) -> Result<Engine> {
+        Engine::open_with(config, region, Arc::new(crate::uring::KernelStorage::default()))
+    }
+
+    /// Opens the engine on any [`Storage`] (the simulated one in tests).
+    pub fn open_with(config: &Config, region: Arc<Region>, storage: Arc<dyn Storage>) -> Result<Engine> {
+        let started = std::time::Instant::now();
+        config.validate()?;
+        let block_bytes = config.block_size;
+        if (region.len() as u64) < block_bytes {
+            return Err(Error::Memory(format!(
+                "the region is {} bytes, smaller than one block of {block_bytes}",
+                region.len()
+            )));
+        }
+        let region_blocks = region.len() as u64 / block_bytes;
+        if region_blocks > u64::from(u32::MAX) {
+            return Err(Error::Memory(format!("{region_blocks} blocks: at most 2^32-1")));
+        }
+        let mut devices = Vec::with_capacity(config.devices.len());
+        let mut summaries = Vec::with_capacity(config.devices.len());
+        for (i, dcfg) in config.devices.iter().enumerate() {
+            if dcfg.layout == Layout::Files {
+                return Err(crate::config::ConfigError::Invalid {
+                    field: format!("devices[{i}].layout"),
+                    value: "\"files\"".into(),
+                    expected: "\"slab\" (the files layout is not available in this build yet)".into(),
+                }
+                .into());
+            }
+            let info = storage.open_device(i, dcfg, config.direct_io)?;
+            let (geometry, formatted) = prepare_slab(storage.as_ref(), i, &info, block_bytes, dcfg.overwrite)?;
+            summaries.push(DeviceSummary {
+                path: info.path.clone(),
+                kind: info.kind,
+                direct: info.direct,
+                size_bytes: info.size_bytes,
+                geometry,
+                formatted,
+            });
+            devices.push(DeviceSpec { geometry, fresh: formatted });
+        }
+        let cores: Vec<Option<usize>> = match &config.cores {
+            Cores::Auto => {
+                let avail = kvtier_sys::affinity::available_cores();
+                if avail.is_empty() { vec![None] } else { avail.into_iter().map(Some).collect() }
+            }
+            Cores::List(list) => list.iter().copied().map(Some).collect(),
+        };
+        let workers = cores.len();
+        let devices = Arc::new(devices);
+        let (results_tx, results) = crossbeam_channel::unbounded();
+        let shared = Arc::new(Shared {
+            results_tx,
+            jobs_in_flight: std::sync::atomic::AtomicUsize::new(0),
+            idle_lock: Mutex::new(()),
+            idle: Condvar::new(),
+            events: EventSink::new(config.events.enabled, config.events.max, config.events.locality),
+        });
+        let piece_blocks = ((1u64 << 30) / block_bytes).max(1);
+        let settings = BackendSettings {
+            ring_entries: config.ring_entries,
+            sqpoll: config.sqpoll,
+            sqpoll_idle_ms: config.sqpoll_idle_ms,
+            iopoll: config.iopoll,
+            ioprio: config.scheduler.ioprio,
+            piece_bytes: (piece_blocks * block_bytes) as usize,
+        };
+        let mut shards = Vec::with_capacity(workers);
+        let mut threads = Vec::with_capacity(workers);
+        let (ready_tx, ready_rx) = crossbeam_channel::unbounded();
+        for (id, core) in cores.iter().copied().enumerate() {
+            let wake = Arc::new(EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?);
+            let me = Arc::new(ShardShared::new(Arc::clone(&wake)));
+            let (tx, rx) = crossbeam_channel::unbounded();
+            shards.push(ShardHandle { tx, rx: rx.clone(), shared: Arc::clone(&me) });
+            let ctx = WorkerCtx {
+                id,
+                workers,
+                core,
+                storage: Arc::clone(&storage),
+                region: Arc::clone(&region),
+                devices: Arc::clone(&devices),
+                shared: Arc::clone(&shared),
+                me,
+                rx,
+                settings: settings.clone(),
+                config: config.clone(),
+                ready: ready_tx.clone(),
+            };
+            let handle = std::thread::Builder::new()
+                .name(format!("kvtier-w{id}"))
+                .spawn(move || worker_main(ctx))
+                .map_err(|e| Error::Worker(format!("spawning worker {id}: {e}")))?;
+            threads.push(handle);
+        }
+        drop(ready_tx);
+        let mut worker_info = vec![None; workers];
+        let mut first_error = None;
+        for _ in 0..workers {
+            match ready_rx.recv() {
+                Ok((id, Ok(w))) => worker_info[id] = Some(w),
+                Ok((id, Err(e))) => {
+                    first_error.get_or_insert(Error::Worker(format!("worker {id}: {e}")));
+                }
+                Err(_) => {
+                    first_error.get_or_insert(Error::Worker("a worker died while starting".into()));
+                    break;
+                }
+            }
+        }
+        let engine = Engine {
+            region_blocks,
+            queue_blocks_max: config.queue_blocks_max,
+            jobs_in_flight_max: config.jobs_in_flight_max,
+            shared,
+            shards,
+            results,
+            shut: AtomicBool::new(false),
+            gate: RwLock::new(()),
+            threads: Mutex::new(threads),
+            info: EngineInfo {
+                block_bytes,
+                region_blocks,
+                region_backing: region.backing().as_str(),
+                devices: summaries,
+                workers: worker_info.into_iter().flatten().collect(),
+                open_seconds: 0.0,
+            },
+        };
+        if let Some(e) = first_error {
+            engine.shutdown();
+            return Err(e);
+        }
+        let mut engine = engine;
+        engine.info.open_seconds = started.elapsed().as_secs_f64();
+        for (i, d) in engine.info.devices.iter().enumerate() {
+            tracing::info!(
+                device = i,
+                path = %d.path.display(),
+                kind = d.kind,
+                direct = d.direct,
+                slots = d.geometry.slot_count,
+                formatted = d.formatted,
+                "device ready"
+            );
+        }
+        Ok(engine)
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    /// Queues a store job. Never blocks: a full queue is [`Error::Backpressure`]. A malformed
+    /// job (lengths differ, block id out of range) is accepted and reported failed.
+    pub fn submit_store(&self, job: Job) -> Result<()> {
+        self.submit(JobKind::Store, job)
+    }
+
+    /// Queues a load job; see [`Engine::submit_store`].
+    pub fn submit_load(&self, job: Job) -> Result<()> {
+        self.submit(JobKind::Load, job)
+    }
+
+    fn submit(&self, kind: JobKind, job: Job) -> Result<()> {
+        let _gate = self.gate.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.shut.load(Ordering::Acquire) {
+            return Err(Error::Shutdown);
+        }
+        let prev = self.shared.jobs_in_flight.fetch_add(1, Ordering::AcqRel);
+        if prev >= self.jobs_in_flight_max {
+            self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::Backpressure(format!(
+                "{prev} jobs in flight (jobs_in_flight_max = {})",
+                self.jobs_in_flight_max
+            )));
+        }
+        if let Some((index, detail)) = self.invalid(&job) {
+            let state = JobState::new(kind, job);
+            state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
+            return Ok(());
+        }
+        let workers = self.shards.len();
+        let mut parts: Vec<Vec<u32>> = vec![Vec::new(); workers];
+        for (i, key) in job.keys.iter().enumerate() {
+            parts[key.shard(workers)].push(i as u32);
+        }
+        // Reserve queue room on every shard first, so a job is queued whole or not at all.
+        for s in 0..workers {
+            let n = parts[s].len();
+            if n == 0 {
+                continue;
+            }
+            let q = &self.shards[s].shared.queued_blocks;
+            let before = q.fetch_add(n, Ordering::AcqRel);
+            if before + n > self.queue_blocks_max {
+                for (t, part) in parts.iter().enumerate().take(s + 1) {
+                    if !part.is_empty() {
+                        self.shards[t].shared.queued_blocks.fetch_sub(part.len(), Ordering::AcqRel);
+                    }
+                }
+                self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
+                self.notify_if_idle();
+                return Err(Error::Backpressure(format!(
+                    "worker {s} has {before} blocks queued, this job adds {n} (queue_blocks_max = {})",
+                    self.queue_blocks_max
+                )));
+            }
+        }
+        let state = Arc::new(JobState::new(kind, job));
+        if state.job.keys.is_empty() {
+            state.publish(&self.shared);
+            return Ok(());
+        }
+        for (s, items) in parts.into_iter().enumerate() {
+            if items.is_empty() {
+                continue;
+            }
+            let h = &self.shards[s];
+            // Cannot fail: the handle holds a receiver too.
+            let _ = h.tx.send(Msg::Work(Part { job: Arc::clone(&state), items }));
+            h.shared.nudge();
+        }
+        Ok(())
+    }
+
+    fn invalid(&self, job: &Job) -> Option<(usize, String)> {
+        if job.keys.len() != job.blocks.len() {
+            return Some((0, format!("{} keys but {} blocks", job.keys.len(), job.blocks.len())));
+        }
+        job.blocks.iter().position(|&b| u64::from(b) >= self.region_blocks).map(|i| {
+            (0, format!("block id {} at position {i} is out of range: the region has {} blocks", job.blocks[i], self.region_blocks))
+        })
+    }
+
+    fn notify_if_idle(&self) {
+        if self.shared.jobs_in_flight.load(Ordering::Acquire) == 0 {
+            let _g = self.shared.idle_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.shared.idle.notify_all();
+        }
+    }
+
+    /// Moves every finished job's result into `out`; returns how many. Each job appears once.
+    pub fn poll_finished(&self, out: &mut Vec<JobResult>) -> usize {
+        let before = out.len();
+        out.extend(self.results.try_iter());
+        out.len() - before
+    }
+
+    /// Blocks until a result is available or `timeout` passes.
+    pub fn wait_finished(&self, out: &mut Vec<JobResult>, timeout: Duration) -> usize {
+        match self.results.recv_timeout(timeout) {
+            Ok(r) => {
+                out.push(r);
+                1 + self.poll_finished(out)
+            }
+            Err(_) => 0,
+        }
+    }
+
+    /// Answers from the in-memory index: a key is a hit once its store completed.
+    pub fn lookup(&self, keys: &[Key]) -> Vec<Lookup> {
+        let workers = self.shards.len();
+        keys.iter()
+            .map(|k| {
+                let set = self.shards[k.shard(workers)]
+                    .shared
+                    .published
+                    .read()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if set.contains(k) { Lookup::Hit(Tier::Nvme) } else { Lookup::Miss }
+            })
+            .collect()
+    }
+
+    /// Jobs submitted whose result has not been published yet.
+    pub fn jobs_in_flight(&self) -> usize {
+        self.shared.jobs_in_flight.load(Ordering::Acquire)
+    }
+
+    /// Blocks until every submitted job has completed or failed. Afterwards no I/O touches the
+    /// region until the next submit; results wait in `poll_finished`.
+    pub fn drain(&self) {
+        let mut guard = self.shared.idle_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while self.shared.jobs_in_flight.load(Ordering::Acquire) > 0 {
+            guard = self
+                .shared
+                .idle
+                .wait_timeout(guard, Duration::from_millis(50))
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Stops the engine: queued jobs fail with [`KeyFailure::Shutdown`], I/O in flight completes,
+    /// table writes are flushed, workers exit. Idempotent; later submits fail with
+    /// [`Error::Shutdown`]. Results stay available to `poll_finished`.
+    pub fn shutdown(&self) {
+        {
+            let _gate = self.gate.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if self.shut.swap(true, Ordering::AcqRel) {
+                return;
+            }
+        }
+        for h in &self.shards {
+            let _ = h.tx.send(Msg::Stop);
+            h.shared.wake.notify();
+        }
+        let threads: Vec<JoinHandle<()>> =
+            self.threads.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..).collect();
+        for t in threads {
+            if t.join().is_err() {
+                tracing::error!("a kvtier worker panicked");
+            }
+        }
+        // Work that reached a channel after its worker stopped is failed here, so every job
+        // is reported exactly once. The submit gate guarantees no submit is still running.
+        for h in &self.shards {
+            while let Ok(msg) = h.rx.try_recv() {
+                if let Msg::Work(part) = msg {
+                    for &item in &part.items {
+                        h.shared.queued_blocks.fetch_sub(1, Ordering::AcqRel);
+                        part.job.fail(&self.shared, item as usize, KeyFailure::Shutdown, String::new());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stored and removed events since the last call (empty unless `events.enabled`).
+    pub fn take_events(&self) -> Vec<Event> {
+        self.shared.events.take()
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut s = Stats::default();
+        for h in &self.shards {
+            s.add(&h.shared.metrics);
+            let tid = h.shared.tid.load(Ordering::Acquire);
+            if tid > 0 {
+                s.worker_cpu_seconds += shard::thread_cpu_ns(tid) as f64 / 1e9;
+            }
+        }
+        s.jobs_in_flight = self.jobs_in_flight() as u64;
+        s.events_dropped = self.shared.events.dropped();
+        s
+    }
+
+    pub fn workers(&self) -> usize {
+        self.shards.len()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+struct WorkerCtx {
+    id: usize,
+    workers: usize,
+    core: Option<usize>,
+    storage: Arc<dyn Storage>,
+    region: Arc<Region>,
+    devices: Arc<Vec<DeviceSpec>>,
+    shared: Arc<Shared>,
+    me: Arc<ShardShared>,
+    rx: Receiver<Msg>,
+    settings: BackendSettings,
+    config: Config,
+    ready: Sender<(usize, std::result::Result<WorkerSummary, String>)>,
+}
+
+fn worker_main(ctx: WorkerCtx) {
+    let id = ctx.id;
+    ctx.me.tid.store(nix::unistd::gettid().as_raw(), Ordering::Release);
+    let pinned = match ctx.core {
+        Some(core) => match kvtier_sys::affinity::pin_current_thread(core) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(worker = id, core, "could not pin worker: {}", e.desc());
+                false
+            }
+        },
+        None => false,
+    };
+    let meta_len = shard::meta_bytes(&ctx.devices, id, ctx.workers);
+    let meta = match Region::allocate(meta_len, kvtier_sys::mem::HugePages::Off) {
+        Ok(m) => Arc::new(m),
+        Err(e) => {
+            let _ = ctx.ready.send((id, Err(format!("allocating {meta_len} bytes of slot table: {e}"))));
+            return;
+        }
+    };
+    let backend = match ctx.storage.backend(id, vec![Arc::clone(&ctx.region), Arc::clone(&meta)], Arc::clone(&ctx.me.wake), &ctx.settings) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = ctx.ready.send((id, Err(e.to_string())));
+            return;
+        }
+    };
+    let mut shard = Shard::new(
+        ShardParams {
+            id,
+            workers: ctx.workers,
+            backend,
+            region: ctx.region,
+            meta,
+            rx: ctx.rx,
+            shared: ctx.shared,
+            me: ctx.me,
+            sched: ctx.config.scheduler.clone(),
+            block_bytes: ctx.config.block_size,
+            ring_entries: ctx.config.ring_entries as usize,
+        },
+        &ctx.devices,
+    );
+    match shard.recover(&ctx.devices) {
+        Ok(r) => {
+            let _ = ctx.ready.send((
+                id,
+                Ok(WorkerSummary { core: ctx.core, pinned, backend: r.backend, recovered_blocks: r.recovered_blocks }),
+            ));
+        }
+        Err(e) => {
+            let _ = ctx.ready.send((id, Err(e)));
+            return;
+        }
+    }
+    drop(ctx.ready);
+    shard.run();
+}
+
+/// Reads a device's header and formats it if needed; returns its geometry and whether it was
+/// formatted now.
+fn prepare_slab(
+    storage: &dyn Storage,
+    index: usize,
+    info: &DeviceInfo,
+    block_bytes: u64,
+    overwrite: bool,
+) -> Result<(Geometry, bool)> {
+    if info.align_bytes > crate::slab::TABLE_PAGE_BYTES as u64 {
+        return Err(Error::device(
+            &info.path,
+            format!("direct I/O alignment {} bytes is above the 4096 this layout supports", info.align_bytes),
+        ));
+    }
+    let geometry = Geometry::compute(info.size_bytes, block_bytes, info.align_bytes.max(4096)).ok_or_else(|| {
+        Error::device(
+            &info.path,
+            format!("{} bytes is too small for one {block_bytes}-byte slot and the slot table", info.size_bytes),
+        )
+    })?;
+    let page = Region::allocate(HEADER_BYTES as usize, kvtier_sys::mem::HugePages::Off)
+        .map_err(|e| Error::Memory(e.to_string()))?;
+    storage.read_sync(index, 0, &page, 0, HEADER_BYTES as usize)?;
+    let mut raw = vec![0u8; HEADER_BYTES as usize];
+    page.read(0, &mut raw);
+    let reason = match Header::decode(&raw) {
+        HeaderRead::Valid(h) if h.state == HeaderState::Ready && h.geometry == geometry => {
+            return Ok((geometry, false));
+        }
+        HeaderRead::Valid(h) if h.state == HeaderState::Formatting => None,
+        HeaderRead::Empty => None,
+        HeaderRead::Valid(h) if h.geometry.block_bytes != block_bytes => Some(format!(
+            "holds a kvtier store formatted for block_size {} bytes, the config says {block_bytes}",
+            h.geometry.block_bytes
+        )),
+        HeaderRead::Valid(h) => Some(format!(
+            "holds a kvtier store of {} slots, this size and block_size give {} slots",
+            h.geometry.slot_count, geometry.slot_count
+        )),
+        HeaderRead::Foreign(why) => Some(why),
+    };
+    if let Some(why) = reason {
+        if !(overwrite || info.fresh) {
+            return Err(Error::device(
+                &info.path,
+                format!("{why}; set `overwrite = true` on this device to reformat it (its contents are lost), or use another path"),
+            ));
+        }
+        tracing::warn!(path = %info.path.display(), "{why}: reformatting (overwrite = true)");
+    }
+    format(storage, index, &page, geometry)?;
+    Ok((geometry, true))
+}
+
+/// Writes a header marked "formatting", zeroes the slot table, then marks the header ready, so
+/// an interrupted format is redone at the next open.
+fn format(storage: &dyn Storage, index: usize, page: &Region, geometry: Geometry) -> Result<()> {
+    let format_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id()) << 32;
+    let mut raw = vec![0u8; HEADER_BYTES as usize];
+    let mut header = Header { state: HeaderState::Formatting, geometry, format_id };
+    header.encode(&mut raw);
+    page.write(0, &raw);
+    storage.write_sync(index, 0, page, 0, HEADER_BYTES as usize)?;
+    let zeros_len = 1usize << 20;
+    let zeros = Region::allocate(zeros_len, kvtier_sys::mem::HugePages::Off).map_err(|e| Error::Memory(e.to_string()))?;
+    let total = table_bytes(geometry.slot_count);
+    let mut done = 0u64;
+    while done < total {
+        let len = (total - done).min(zeros_len as u64) as usize;
+        storage.write_sync(index, geometry.table_offset + done, &zeros, 0, len)?;
+        done += len as u64;
+    }
+    header.state = HeaderState::Ready;
+    header.encode(&mut raw);
+    page.write(0, &raw);
+    storage.write_sync(index, 0, page, 0, HEADER_BYTES as usize)?;
+    Ok(())
+}

@@ -1,0 +1,214 @@
+//! Jobs, their per-key outcomes and their results.
+//!
+//! A job names keys and primary-region blocks in parallel lists. The engine splits it by shard;
+//! each shard resolves its keys (loaded, stored, or failed with a [`KeyFailure`]) and the last
+//! resolution publishes exactly one [`JobResult`]. A failed load reports how many keys *in job
+//! order* loaded before the first failure (vLLM's `successful_keys` prefix semantics).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::events::EventSink;
+use crate::key::Key;
+use crate::Errno;
+
+/// A job's caller-chosen identifier.
+pub type JobId = u64;
+
+/// Index of a block in the primary region.
+pub type BlockId = u32;
+
+/// "Store blocks `blocks[i]` under `keys[i]`" or "load `keys[i]` into `blocks[i]`".
+#[derive(Clone, Debug, Default)]
+pub struct Job {
+    pub id: JobId,
+    pub keys: Vec<Key>,
+    pub blocks: Vec<BlockId>,
+}
+
+impl Job {
+    pub fn new(id: JobId, keys: Vec<Key>, blocks: Vec<BlockId>) -> Job {
+        Job { id, keys, blocks }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobKind {
+    Load,
+    Store,
+}
+
+/// Why one key of a job failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyFailure {
+    /// The key is not stored (a load of an unknown or evicted key).
+    Miss,
+    /// The key's store has not completed yet.
+    NotReady,
+    /// The device returned an error.
+    Io(Errno),
+    /// The device moved fewer bytes than asked.
+    ShortIo { done: u32, wanted: u32 },
+    /// The stored data does not match its checksum; the block was dropped.
+    Checksum,
+    /// No slot could be freed for a store.
+    NoSpace,
+    /// The engine shut down before the key was processed.
+    Shutdown,
+    /// The job itself is malformed (block id out of range, list lengths differ).
+    InvalidJob,
+}
+
+impl std::fmt::Display for KeyFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyFailure::Miss => write!(f, "not stored"),
+            KeyFailure::NotReady => write!(f, "store still in progress"),
+            KeyFailure::Io(e) => write!(f, "I/O error: {}", e.desc()),
+            KeyFailure::ShortIo { done, wanted } => write!(f, "short I/O: {done} of {wanted} bytes"),
+            KeyFailure::Checksum => write!(f, "checksum mismatch (block dropped)"),
+            KeyFailure::NoSpace => write!(f, "no free slot"),
+            KeyFailure::Shutdown => write!(f, "engine shut down"),
+            KeyFailure::InvalidJob => write!(f, "invalid job"),
+        }
+    }
+}
+
+/// The first failure of a job, by key position.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobFailure {
+    pub key_index: usize,
+    pub reason: KeyFailure,
+    pub detail: String,
+}
+
+/// What happened to a job; reported exactly once by `poll_finished`.
+#[derive(Clone, Debug)]
+pub struct JobResult {
+    pub id: JobId,
+    pub kind: JobKind,
+    /// True only if every key succeeded.
+    pub success: bool,
+    pub keys_total: usize,
+    /// Keys, in job order, that succeeded before the first failure (all of them on success).
+    pub succeeded_prefix: usize,
+    pub failure: Option<JobFailure>,
+    /// Bytes moved between the region and the device.
+    pub bytes: u64,
+    /// From submission to the last key's resolution.
+    pub elapsed: Duration,
+}
+
+impl JobResult {
+    /// vLLM's `successful_keys`: `None` when every key shares the job's fate or none loaded.
+    pub fn successful_keys(&self) -> Option<usize> {
+        if self.success || self.succeeded_prefix == 0 {
+            None
+        } else {
+            Some(self.succeeded_prefix)
+        }
+    }
+}
+
+/// State shared by the engine handle and every worker.
+pub(crate) struct Shared {
+    pub results_tx: crossbeam_channel::Sender<JobResult>,
+    pub jobs_in_flight: AtomicUsize,
+    pub idle_lock: Mutex<()>,
+    pub idle: Condvar,
+    pub events: EventSink,
+}
+
+impl Shared {
+    pub fn finish(&self, result: JobResult) {
+        // The receiver lives in the Engine, which outlives the workers; ignore a closed channel
+        // only because there is nobody left to tell.
+        let _ = self.results_tx.send(result);
+        if self.jobs_in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _guard = self.idle_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.idle.notify_all();
+        }
+    }
+}
+
+/// One job in flight, shared by the shards that hold its keys.
+pub(crate) struct JobState {
+    pub kind: JobKind,
+    pub job: Job,
+    pub submitted: Instant,
+    remaining: AtomicUsize,
+    first_failure: Mutex<Option<JobFailure>>,
+    bytes: AtomicU64,
+}
+
+impl JobState {
+    pub fn new(kind: JobKind, job: Job) -> JobState {
+        let n = job.keys.len();
+        JobState {
+            kind,
+            job,
+            submitted: Instant::now(),
+            remaining: AtomicUsize::new(n),
+            first_failure: Mutex::new(None),
+            bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// Records that key `index` succeeded after moving `bytes`.
+    pub fn succeed(&self, shared: &Shared, index: usize, bytes: u64) {
+        debug_assert!(index < self.job.keys.len());
+        if bytes > 0 {
+            self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        self.resolve(shared);
+    }
+
+    /// Records that key `index` failed.
+    pub fn fail(&self, shared: &Shared, index: usize, reason: KeyFailure, detail: String) {
+        {
+            let mut first = self.first_failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if first.as_ref().is_none_or(|f| index < f.key_index) {
+                *first = Some(JobFailure { key_index: index, reason, detail });
+            }
+        }
+        self.resolve(shared);
+    }
+
+    /// Fails the whole job before any of it was queued (a malformed job).
+    pub fn fail_whole(&self, shared: &Shared, index: usize, reason: KeyFailure, detail: String) {
+        *self.first_failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(JobFailure { key_index: index, reason, detail });
+        self.publish(shared);
+    }
+
+    fn resolve(&self, shared: &Shared) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.publish(shared);
+        }
+    }
+
+    /// Publishes the result of a job with no keys left to resolve (also used for empty jobs).
+    pub fn publish(&self, shared: &Shared) {
+        let failure = self
+            .first_failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let total = self.job.keys.len();
+        let success = failure.is_none();
+        if success && self.kind == JobKind::Store && shared.events.enabled() {
+            shared.events.push(self.job.keys.clone(), false);
+        }
+        shared.finish(JobResult {
+            id: self.job.id,
+            kind: self.kind,
+            success,
+            keys_total: total,
+            succeeded_prefix: failure.as_ref().map_or(total, |f| f.key_index),
+            failure,
+            bytes: self.bytes.load(Ordering::Relaxed),
+            elapsed: self.submitted.elapsed(),
+        });
+    }
+}

@@ -1,0 +1,1141 @@
+//! A shard: one worker thread, pinned to one core, owning one I/O queue (ring), the index
+//! entries of the keys that hash to it, and a page-aligned range of slots on every device.
+//!
+//! Nothing here takes a lock on the data path except the write side of the shard's published
+//! key set (what `Engine::lookup` reads), touched once per stored or removed block.
+//!
+//! Scheduling (per loop turn): take new work from the channel into a load queue and a store
+//! queue; reap completions; fill the ring with loads first (up to `load_inflight_max`); then
+//! stores, in chunks of `store_chunk_bytes`, while the bytes of store I/O in flight stay under
+//! `store_inflight_max` — or under `store_inflight_max_while_loading` while any load is queued or
+//! in flight. One store chunk is always allowed when none is in flight, so stores never starve.
+//! Table pages are written after the data they describe has completed.
+//!
+//! Invariants: an op's memory (a region block or a table page) is not reused before its
+//! completion is reaped; a slot pinned by a load is never evicted or freed; the worker exits only
+//! when no op is in flight.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use crossbeam_channel::Receiver;
+
+use crate::config::SchedulerConfig;
+use crate::events::EventSink;
+use crate::io::{BufRef, Completion, EventFd, IoBackend, IoClass, IoKind, IoRequest, Region};
+use crate::job::{JobKind, JobState, KeyFailure, Shared};
+use crate::key::{Key, KeyMap, KeySet};
+use crate::metrics::ShardMetrics;
+use crate::slab::{Entry, EntryRead, Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
+use crate::Errno;
+
+/// Buffer indexes in every backend: the primary region and this worker's table copy.
+pub(crate) const BUF_REGION: u16 = 0;
+pub(crate) const BUF_META: u16 = 1;
+
+/// Largest single read used while recovering the slot table.
+const RECOVER_READ_BYTES: usize = 1 << 20;
+
+/// Work for one shard: the indexes of the job's keys that hash to it.
+pub(crate) struct Part {
+    pub job: Arc<JobState>,
+    pub items: Vec<u32>,
+}
+
+pub(crate) enum Msg {
+    Work(Part),
+    Stop,
+}
+
+/// The parts of a shard that the engine handle sees.
+pub(crate) struct ShardShared {
+    pub published: RwLock<KeySet>,
+    pub metrics: ShardMetrics,
+    pub sleeping: AtomicBool,
+    pub wake: Arc<EventFd>,
+    pub queued_blocks: AtomicUsize,
+    pub tid: AtomicI32,
+}
+
+impl ShardShared {
+    pub fn new(wake: Arc<EventFd>) -> ShardShared {
+        ShardShared {
+            published: RwLock::new(KeySet::default()),
+            metrics: ShardMetrics::default(),
+            sleeping: AtomicBool::new(false),
+            wake,
+            queued_blocks: AtomicUsize::new(0),
+            tid: AtomicI32::new(0),
+        }
+    }
+
+    /// Wakes the worker if it is (about to be) asleep. Pairs with the fence in `Shard::run`.
+    pub fn nudge(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.wake.notify();
+        }
+    }
+}
+
+/// A device as one shard sees it.
+pub(crate) struct DeviceSpec {
+    pub geometry: Geometry,
+    /// True if the device was just formatted: its table holds nothing to recover.
+    pub fresh: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Writing,
+    Valid,
+    /// Dropped from the index (checksum failure) but still pinned by loads; freed at last unpin.
+    Doomed,
+}
+
+#[derive(Clone, Copy)]
+struct SlotMeta {
+    state: SlotState,
+    key: Option<Key>,
+    pins: u16,
+    referenced: bool,
+    /// The data is known to match `crc` (written by this process, or checked once).
+    verified: bool,
+    crc: u32,
+}
+
+const FREE_SLOT: SlotMeta = SlotMeta {
+    state: SlotState::Free,
+    key: None,
+    pins: 0,
+    referenced: false,
+    verified: true,
+    crc: 0,
+};
+
+#[derive(Clone, Copy, Default)]
+struct PageState {
+    dirty: bool,
+    in_flight: bool,
+}
+
+struct Dev {
+    geometry: Geometry,
+    /// First slot this shard owns; local slot `i` is device slot `first + i`.
+    first: u64,
+    slots: Vec<SlotMeta>,
+    free: Vec<u32>,
+    hand: usize,
+    /// Byte offset of this device's table range in the meta buffer.
+    meta_offset: usize,
+    pages: Vec<PageState>,
+}
+
+impl Dev {
+    fn first_page(&self) -> u64 {
+        self.first / ENTRIES_PER_PAGE as u64
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpKind {
+    Load,
+    Store,
+    Table { page: u32 },
+    Recover,
+}
+
+struct Op {
+    gen: u32,
+    live: bool,
+    kind: OpKind,
+    job: Option<Arc<JobState>>,
+    item: u32,
+    dev: u16,
+    slot: u32,
+    block: u32,
+    chunks_total: u16,
+    chunks_issued: u16,
+    chunks_done: u16,
+    failure: Option<(KeyFailure, String)>,
+    started: Instant,
+}
+
+/// Fixed table of in-flight ops addressed by index + generation (never by pointer).
+struct Ops {
+    ops: Vec<Op>,
+    free: Vec<u32>,
+}
+
+impl Ops {
+    fn new(capacity: usize) -> Ops {
+        let now = Instant::now();
+        let ops = (0..capacity)
+            .map(|_| Op {
+                gen: 0,
+                live: false,
+                kind: OpKind::Load,
+                job: None,
+                item: 0,
+                dev: 0,
+                slot: 0,
+                block: 0,
+                chunks_total: 0,
+                chunks_issued: 0,
+                chunks_done: 0,
+                failure: None,
+                started: now,
+            })
+            .collect();
+        Ops { ops, free: (0..capacity as u32).rev().collect() }
+    }
+
+    fn alloc(&mut self, kind: OpKind) -> Option<u32> {
+        let idx = self.free.pop()?;
+        let op = &mut self.ops[idx as usize];
+        debug_assert!(!op.live);
+        op.live = true;
+        op.kind = kind;
+        op.gen = op.gen.wrapping_add(1);
+        op.job = None;
+        op.chunks_total = 1;
+        op.chunks_issued = 0;
+        op.chunks_done = 0;
+        op.failure = None;
+        op.started = Instant::now();
+        Some(idx)
+    }
+
+    fn release(&mut self, idx: u32) {
+        let op = &mut self.ops[idx as usize];
+        assert!(op.live, "op {idx} released twice");
+        op.live = false;
+        op.job = None;
+        self.free.push(idx);
+    }
+
+    fn user_data(&self, idx: u32, chunk: u16) -> u64 {
+        (u64::from(self.ops[idx as usize].gen) << 32) | (u64::from(chunk) << 24) | u64::from(idx)
+    }
+
+    /// Decodes `user_data`, asserting that it names a live op of the current generation.
+    fn decode(&self, user_data: u64) -> (u32, u16) {
+        let idx = (user_data & 0xff_ffff) as u32;
+        let chunk = ((user_data >> 24) & 0xff) as u16;
+        let gen = (user_data >> 32) as u32;
+        let op = &self.ops[idx as usize];
+        assert!(op.live && op.gen == gen, "completion for a stale op {idx} gen {gen}");
+        (idx, chunk)
+    }
+}
+
+/// A queue of parts with a cursor into the front one.
+#[derive(Default)]
+struct WorkQueue {
+    parts: VecDeque<Part>,
+    cursor: usize,
+    /// Blocks not yet taken (mirrors the metrics gauge).
+    blocks: usize,
+}
+
+impl WorkQueue {
+    fn push(&mut self, part: Part) {
+        self.blocks += part.items.len();
+        self.parts.push_back(part);
+    }
+
+    fn peek(&self) -> Option<(&Arc<JobState>, usize)> {
+        let part = self.parts.front()?;
+        Some((&part.job, part.items[self.cursor] as usize))
+    }
+
+    fn advance(&mut self) {
+        self.cursor += 1;
+        self.blocks -= 1;
+        if let Some(part) = self.parts.front() {
+            if self.cursor >= part.items.len() {
+                self.parts.pop_front();
+                self.cursor = 0;
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+}
+
+/// What the worker reports once it has recovered its slots.
+#[derive(Clone, Debug)]
+pub(crate) struct Ready {
+    pub backend: String,
+    pub recovered_blocks: u64,
+}
+
+pub(crate) struct Shard {
+    id: usize,
+    workers: usize,
+    backend: Box<dyn IoBackend>,
+    region: Arc<Region>,
+    meta: Arc<Region>,
+    rx: Receiver<Msg>,
+    shared: Arc<Shared>,
+    me: Arc<ShardShared>,
+    sched: SchedulerConfig,
+    block_bytes: u64,
+    chunk_bytes: u64,
+    devs: Vec<Dev>,
+    index: KeyMap<(u16, u32)>,
+    ops: Ops,
+    loads: WorkQueue,
+    stores: WorkQueue,
+    /// Store ops with chunks still to issue, oldest first.
+    store_issuing: VecDeque<u32>,
+    dirty_pages: VecDeque<(u16, u32)>,
+    loads_in_flight: usize,
+    store_bytes_in_flight: u64,
+    table_in_flight: usize,
+    seq: u64,
+    stopping: bool,
+    completions: Vec<Completion>,
+    scratch_entry: [u8; ENTRY_BYTES],
+    error_logs: u32,
+}
+
+/// Bytes of meta buffer a shard needs for its table ranges on `devices`.
+pub(crate) fn meta_bytes(devices: &[DeviceSpec], shard: usize, workers: usize) -> usize {
+    devices
+        .iter()
+        .map(|d| {
+            let r = d.geometry.worker_slots(shard, workers);
+            (r.end - r.start).div_ceil(ENTRIES_PER_PAGE as u64) as usize * TABLE_PAGE_BYTES
+        })
+        .sum::<usize>()
+        .max(TABLE_PAGE_BYTES)
+}
+
+pub(crate) struct ShardParams {
+    pub id: usize,
+    pub workers: usize,
+    pub backend: Box<dyn IoBackend>,
+    pub region: Arc<Region>,
+    pub meta: Arc<Region>,
+    pub rx: Receiver<Msg>,
+    pub shared: Arc<Shared>,
+    pub me: Arc<ShardShared>,
+    pub sched: SchedulerConfig,
+    pub block_bytes: u64,
+    pub ring_entries: usize,
+}
+
+impl Shard {
+    pub fn new(p: ShardParams, devices: &[DeviceSpec]) -> Shard {
+        let mut devs = Vec::with_capacity(devices.len());
+        let mut meta_offset = 0usize;
+        let mut capacity = 0usize;
+        for d in devices {
+            let r = d.geometry.worker_slots(p.id, p.workers);
+            let n = (r.end - r.start) as usize;
+            let pages = n.div_ceil(ENTRIES_PER_PAGE);
+            devs.push(Dev {
+                geometry: d.geometry,
+                first: r.start,
+                slots: vec![FREE_SLOT; n],
+                free: (0..n as u32).rev().collect(),
+                hand: 0,
+                meta_offset,
+                pages: vec![PageState::default(); pages],
+            });
+            meta_offset += pages * TABLE_PAGE_BYTES;
+            capacity += n;
+        }
+        // At most 255 chunks per block: the chunk number travels in 8 bits of user_data.
+        let chunk_floor = p.block_bytes.div_ceil(255).div_ceil(4096) * 4096;
+        let chunk_bytes = p.sched.store_chunk_bytes.max(chunk_floor).min(p.block_bytes);
+        let ops_capacity = p.ring_entries * 2 + p.sched.load_inflight_max + 64;
+        let total_slots = capacity as u64;
+        p.me.metrics.slots_total.store(total_slots, Ordering::Relaxed);
+        let mut index = KeyMap::default();
+        index.reserve(capacity);
+        Shard {
+            id: p.id,
+            workers: p.workers,
+            backend: p.backend,
+            region: p.region,
+            meta: p.meta,
+            rx: p.rx,
+            shared: p.shared,
+            me: p.me,
+            sched: p.sched,
+            block_bytes: p.block_bytes,
+            chunk_bytes,
+            devs,
+            index,
+            ops: Ops::new(ops_capacity),
+            loads: WorkQueue::default(),
+            stores: WorkQueue::default(),
+            store_issuing: VecDeque::new(),
+            dirty_pages: VecDeque::new(),
+            loads_in_flight: 0,
+            store_bytes_in_flight: 0,
+            table_in_flight: 0,
+            seq: 1,
+            stopping: false,
+            completions: Vec::with_capacity(p.ring_entries * 2),
+            scratch_entry: [0; ENTRY_BYTES],
+            error_logs: 0,
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Recovery
+
+    /// Reads this shard's slot table ranges and rebuilds the index from them.
+    pub fn recover(&mut self, devices: &[DeviceSpec]) -> Result<Ready, String> {
+        let mut pending = 0usize;
+        for (d, spec) in devices.iter().enumerate() {
+            if spec.fresh || self.devs[d].slots.is_empty() {
+                continue;
+            }
+            let dev = &self.devs[d];
+            let total = dev.pages.len() * TABLE_PAGE_BYTES;
+            let base = dev.geometry.table_page_offset(dev.first_page());
+            let meta_offset = dev.meta_offset;
+            let mut done = 0usize;
+            while done < total {
+                let len = (total - done).min(RECOVER_READ_BYTES);
+                let idx = self.ops.alloc(OpKind::Recover).ok_or("op table exhausted")?;
+                self.ops.ops[idx as usize].dev = d as u16;
+                let req = IoRequest {
+                    user_data: self.ops.user_data(idx, 0),
+                    kind: IoKind::Read,
+                    device: d as u16,
+                    offset: base + done as u64,
+                    buf: BufRef { region: BUF_META, offset: meta_offset + done, len: len as u32 },
+                    class: IoClass::Meta,
+                };
+                while !self.backend.push(&req) {
+                    self.backend.submit(true).map_err(|e| e.to_string())?;
+                    pending -= self.reap_recover()?;
+                }
+                pending += 1;
+                done += len;
+            }
+        }
+        while pending > 0 {
+            self.backend.submit(true).map_err(|e| e.to_string())?;
+            pending -= self.reap_recover()?;
+        }
+        let mut recovered = 0u64;
+        for d in 0..self.devs.len() {
+            if !devices[d].fresh {
+                recovered += self.rebuild_device(d, devices.len());
+            }
+        }
+        let m = &self.me.metrics;
+        m.recovered_blocks.store(recovered, Ordering::Relaxed);
+        m.blocks_stored.store(recovered, Ordering::Relaxed);
+        Ok(Ready { backend: self.backend.describe(), recovered_blocks: recovered })
+    }
+
+    fn reap_recover(&mut self) -> Result<usize, String> {
+        let mut out = std::mem::take(&mut self.completions);
+        out.clear();
+        self.backend.complete(&mut out);
+        let mut n = 0;
+        let mut err = None;
+        for c in &out {
+            let (idx, _) = self.ops.decode(c.user_data);
+            if c.result < 0 {
+                err = Some(format!(
+                    "reading the slot table of device {}: {}",
+                    self.ops.ops[idx as usize].dev,
+                    Errno::from_raw(-c.result).desc()
+                ));
+            }
+            self.ops.release(idx);
+            n += 1;
+        }
+        self.completions = out;
+        err.map_or(Ok(n), Err)
+    }
+
+    fn rebuild_device(&mut self, d: usize, devices: usize) -> u64 {
+        let mut recovered = 0;
+        let mut raw = [0u8; ENTRY_BYTES];
+        let n = self.devs[d].slots.len();
+        let mut keep: Vec<(Key, u32, u64)> = Vec::new();
+        for local in 0..n {
+            let off = self.devs[d].meta_offset + local * ENTRY_BYTES;
+            self.meta.read(off, &mut raw);
+            match Entry::decode(&raw) {
+                EntryRead::Empty => {}
+                EntryRead::Torn => {
+                    self.me.metrics.torn_entries.fetch_add(1, Ordering::Relaxed);
+                    self.clear_entry(d, local as u32);
+                }
+                EntryRead::Valid(e) => {
+                    let routed_here =
+                        e.key.shard(self.workers) == self.id && e.key.device(devices) == d;
+                    if !routed_here || u64::from(e.data_len) != self.block_bytes {
+                        // Written under another worker or device count: unreachable now.
+                        self.clear_entry(d, local as u32);
+                        continue;
+                    }
+                    self.seq = self.seq.max(e.seq + 1);
+                    if let Some(&(od, os)) = self.index.get(&e.key) {
+                        // Two entries for one key: keep the newer.
+                        let old_seq = keep.iter().find(|k| k.0 == e.key).map_or(0, |k| k.2);
+                        if old_seq >= e.seq {
+                            self.clear_entry(d, local as u32);
+                            continue;
+                        }
+                        self.drop_recovered(od as usize, os);
+                        recovered -= 1;
+                    }
+                    let dev = &mut self.devs[d];
+                    dev.slots[local] = SlotMeta {
+                        state: SlotState::Valid,
+                        key: Some(e.key),
+                        pins: 0,
+                        referenced: false,
+                        verified: false,
+                        crc: e.data_crc,
+                    };
+                    self.index.insert(e.key, (d as u16, local as u32));
+                    keep.push((e.key, local as u32, e.seq));
+                    recovered += 1;
+                }
+            }
+        }
+        let dev = &mut self.devs[d];
+        dev.free = (0..n as u32).rev().filter(|&s| dev.slots[s as usize].state == SlotState::Free).collect();
+        let mut published = self.me.published.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (key, _, _) in &keep {
+            if self.index.contains_key(key) {
+                published.insert(*key);
+            }
+        }
+        recovered
+    }
+
+    fn drop_recovered(&mut self, d: usize, local: u32) {
+        self.devs[d].slots[local as usize] = FREE_SLOT;
+        self.clear_entry(d, local);
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Main loop
+
+    pub fn run(mut self) {
+        loop {
+            let mut progress = self.intake();
+            progress |= self.reap();
+            progress |= self.issue_loads();
+            progress |= self.issue_stores();
+            progress |= self.issue_table_writes();
+            self.publish_gauges();
+            if self.stopping && self.idle() {
+                break;
+            }
+            let mut wait = !progress;
+            if wait {
+                self.me.sleeping.store(true, Ordering::SeqCst);
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if !self.rx.is_empty() {
+                    wait = false;
+                }
+            }
+            let r = self.backend.submit(wait);
+            self.me.sleeping.store(false, Ordering::SeqCst);
+            self.me.metrics.submits.fetch_add(1, Ordering::Relaxed);
+            if wait {
+                self.me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Err(e) = r {
+                // The ring itself failed (not one I/O): nothing can be completed any more
+                // without it, so log and keep reaping; a persistent failure is a bug.
+                self.log_error(&format!("submit failed: {e}"));
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        self.publish_gauges();
+    }
+
+    fn idle(&self) -> bool {
+        self.loads.is_empty()
+            && self.stores.is_empty()
+            && self.store_issuing.is_empty()
+            && self.dirty_pages.is_empty()
+            && self.backend.in_flight() == 0
+    }
+
+    fn publish_gauges(&self) {
+        let m = &self.me.metrics;
+        m.queued_loads.store(self.loads.blocks as u64, Ordering::Relaxed);
+        m.queued_stores.store(self.stores.blocks as u64, Ordering::Relaxed);
+        m.inflight_ops.store(self.backend.in_flight() as u64, Ordering::Relaxed);
+    }
+
+    fn intake(&mut self) -> bool {
+        let mut any = false;
+        while let Ok(msg) = self.rx.try_recv() {
+            any = true;
+            match msg {
+                Msg::Work(part) => {
+                    if self.stopping {
+                        self.cancel_part(&part, 0);
+                        continue;
+                    }
+                    match part.job.kind {
+                        JobKind::Load => self.loads.push(part),
+                        JobKind::Store => self.stores.push(part),
+                    }
+                }
+                Msg::Stop => self.stop(),
+            }
+        }
+        any
+    }
+
+    fn cancel_part(&self, part: &Part, from: usize) {
+        for &item in &part.items[from..] {
+            self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
+            part.job.fail(&self.shared, item as usize, KeyFailure::Shutdown, String::new());
+        }
+    }
+
+    /// Fails everything queued and not yet started; in-flight I/O runs to completion.
+    fn stop(&mut self) {
+        self.stopping = true;
+        for q in [&mut self.loads, &mut self.stores] {
+            let cursor = q.cursor;
+            let parts: Vec<Part> = q.parts.drain(..).collect();
+            q.cursor = 0;
+            q.blocks = 0;
+            for (i, part) in parts.iter().enumerate() {
+                let from = if i == 0 { cursor } else { 0 };
+                for &item in &part.items[from..] {
+                    self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
+                    part.job.fail(&self.shared, item as usize, KeyFailure::Shutdown, String::new());
+                }
+            }
+        }
+        // Store ops with unissued chunks stop issuing; they fail once issued chunks complete.
+        for i in 0..self.store_issuing.len() {
+            let idx = self.store_issuing[i];
+            let op = &mut self.ops.ops[idx as usize];
+            op.failure.get_or_insert((KeyFailure::Shutdown, String::new()));
+            op.chunks_total = op.chunks_issued;
+        }
+        let issuing: Vec<u32> = self.store_issuing.drain(..).collect();
+        for idx in issuing {
+            let op = &self.ops.ops[idx as usize];
+            if op.chunks_done == op.chunks_issued {
+                self.finish_store(idx);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Loads
+
+    fn issue_loads(&mut self) -> bool {
+        let mut any = false;
+        while self.loads_in_flight < self.sched.load_inflight_max {
+            let Some((job, item)) = self.loads.peek() else { break };
+            let job = Arc::clone(job);
+            let key = job.job.keys[item];
+            let block = job.job.blocks[item];
+            let Some(&(d, local)) = self.index.get(&key) else {
+                self.take_queued(JobKind::Load);
+                self.me.metrics.load_misses.fetch_add(1, Ordering::Relaxed);
+                self.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
+                job.fail(&self.shared, item, KeyFailure::Miss, String::new());
+                any = true;
+                continue;
+            };
+            let slot = self.devs[d as usize].slots[local as usize];
+            if slot.state != SlotState::Valid {
+                self.take_queued(JobKind::Load);
+                self.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
+                job.fail(&self.shared, item, KeyFailure::NotReady, String::new());
+                any = true;
+                continue;
+            }
+            let Some(idx) = self.ops.alloc(OpKind::Load) else { break };
+            let dev = &self.devs[d as usize];
+            let req = IoRequest {
+                user_data: self.ops.user_data(idx, 0),
+                kind: IoKind::Read,
+                device: d,
+                offset: dev.geometry.slot_offset(dev.first + u64::from(local)),
+                buf: self.block_buf(block),
+                class: IoClass::Load,
+            };
+            if !self.backend.push(&req) {
+                self.ops.release(idx);
+                break;
+            }
+            let op = &mut self.ops.ops[idx as usize];
+            op.job = Some(job);
+            op.item = item as u32;
+            op.dev = d;
+            op.slot = local;
+            op.block = block;
+            let s = &mut self.devs[d as usize].slots[local as usize];
+            s.pins += 1;
+            s.referenced = true;
+            self.loads_in_flight += 1;
+            self.take_queued(JobKind::Load);
+            any = true;
+        }
+        any
+    }
+
+    fn take_queued(&mut self, kind: JobKind) {
+        match kind {
+            JobKind::Load => self.loads.advance(),
+            JobKind::Store => self.stores.advance(),
+        }
+        self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn block_buf(&self, block: u32) -> BufRef {
+        BufRef {
+            region: BUF_REGION,
+            offset: block as usize * self.block_bytes as usize,
+            len: self.block_bytes as u32,
+        }
+    }
+
+    fn on_load_done(&mut self, idx: u32, result: i32) {
+        self.loads_in_flight -= 1;
+        let op = &self.ops.ops[idx as usize];
+        let (d, local, block, item) = (op.dev as usize, op.slot as usize, op.block, op.item as usize);
+        let job = op.job.clone().expect("load op has a job");
+        let latency = op.started.elapsed();
+        let me = Arc::clone(&self.me);
+        let m = &me.metrics;
+        m.read_ops.fetch_add(1, Ordering::Relaxed);
+        m.load_latency.record(latency.as_micros() as u64);
+        let wanted = self.block_bytes as u32;
+        let outcome = if result < 0 {
+            m.io_errors.fetch_add(1, Ordering::Relaxed);
+            Err((KeyFailure::Io(Errno::from_raw(-result)), String::new()))
+        } else if (result as u32) < wanted {
+            m.io_errors.fetch_add(1, Ordering::Relaxed);
+            Err((KeyFailure::ShortIo { done: result as u32, wanted }, String::new()))
+        } else {
+            m.bytes_read.fetch_add(u64::from(wanted), Ordering::Relaxed);
+            let slot = self.devs[d].slots[local];
+            if slot.verified {
+                Ok(())
+            } else {
+                let crc = region_crc(&self.region, block as usize * wanted as usize, wanted as usize);
+                if crc == slot.crc {
+                    self.devs[d].slots[local].verified = true;
+                    Ok(())
+                } else {
+                    m.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                    self.doom_slot(d, local as u32);
+                    Err((KeyFailure::Checksum, format!("stored crc {:08x}, read {crc:08x}", slot.crc)))
+                }
+            }
+        };
+        let s = &mut self.devs[d].slots[local];
+        s.pins -= 1;
+        if s.pins == 0 && s.state == SlotState::Doomed {
+            self.free_slot(d, local as u32);
+        }
+        self.ops.release(idx);
+        match outcome {
+            Ok(()) => {
+                m.loads_ok.fetch_add(1, Ordering::Relaxed);
+                job.succeed(&self.shared, item, u64::from(wanted));
+            }
+            Err((reason, detail)) => {
+                m.loads_failed.fetch_add(1, Ordering::Relaxed);
+                job.fail(&self.shared, item, reason, detail);
+            }
+        }
+    }
+
+    /// Removes a bad block from the index now; its slot is freed when the last load unpins it.
+    fn doom_slot(&mut self, d: usize, local: u32) {
+        let s = &mut self.devs[d].slots[local as usize];
+        if s.state != SlotState::Valid {
+            return;
+        }
+        s.state = SlotState::Doomed;
+        if let Some(key) = s.key {
+            self.unindex(key);
+            self.shared_events().push(vec![key], true);
+        }
+        self.me.metrics.blocks_stored.fetch_sub(1, Ordering::Relaxed);
+        self.clear_entry(d, local);
+    }
+
+    fn shared_events(&self) -> &EventSink {
+        &self.shared.events
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Stores
+
+    fn store_cap(&self) -> u64 {
+        if self.loads_in_flight > 0 || !self.loads.is_empty() {
+            self.sched.store_inflight_max_while_loading
+        } else {
+            self.sched.store_inflight_max
+        }
+    }
+
+    fn issue_stores(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let cap = self.store_cap();
+            if self.store_bytes_in_flight > 0 && self.store_bytes_in_flight + self.chunk_bytes > cap {
+                break;
+            }
+            let idx = match self.store_issuing.front() {
+                Some(&idx) => idx,
+                None => match self.start_store() {
+                    StoreStart::Op(idx) => {
+                        any = true;
+                        idx
+                    }
+                    StoreStart::Resolved => {
+                        any = true;
+                        continue;
+                    }
+                    StoreStart::Blocked => break,
+                },
+            };
+            if !self.issue_chunk(idx) {
+                break;
+            }
+            any = true;
+        }
+        any
+    }
+
+    fn start_store(&mut self) -> StoreStart {
+        let Some((job, item)) = self.stores.peek() else { return StoreStart::Blocked };
+        let job = Arc::clone(job);
+        let key = job.job.keys[item];
+        let block = job.job.blocks[item];
+        if self.index.contains_key(&key) {
+            // Already stored (or being stored): a cheap no-op success.
+            self.take_queued(JobKind::Store);
+            self.me.metrics.stores_skipped_present.fetch_add(1, Ordering::Relaxed);
+            job.succeed(&self.shared, item, 0);
+            return StoreStart::Resolved;
+        }
+        let d = key.device(self.devs.len());
+        let Some(local) = self.alloc_slot(d) else {
+            if self.backend.in_flight() > self.table_in_flight {
+                return StoreStart::Blocked; // a completion may free or unpin a slot
+            }
+            self.take_queued(JobKind::Store);
+            self.me.metrics.stores_failed.fetch_add(1, Ordering::Relaxed);
+            let detail = format!("device {d}: all {} slots of worker {} are busy", self.devs[d].slots.len(), self.id);
+            job.fail(&self.shared, item, KeyFailure::NoSpace, detail);
+            return StoreStart::Resolved;
+        };
+        let Some(idx) = self.ops.alloc(OpKind::Store) else {
+            self.free_slot(d, local);
+            return StoreStart::Blocked;
+        };
+        let crc = region_crc(&self.region, block as usize * self.block_bytes as usize, self.block_bytes as usize);
+        let s = &mut self.devs[d].slots[local as usize];
+        *s = SlotMeta { state: SlotState::Writing, key: Some(key), pins: 0, referenced: true, verified: true, crc };
+        self.index.insert(key, (d as u16, local));
+        let op = &mut self.ops.ops[idx as usize];
+        op.job = Some(job);
+        op.item = item as u32;
+        op.dev = d as u16;
+        op.slot = local;
+        op.block = block;
+        op.chunks_total = self.block_bytes.div_ceil(self.chunk_bytes) as u16;
+        self.take_queued(JobKind::Store);
+        self.store_issuing.push_back(idx);
+        StoreStart::Op(idx)
+    }
+
+    /// Issues the next chunk of store op `idx`; false if the ring is full.
+    fn issue_chunk(&mut self, idx: u32) -> bool {
+        let op = &self.ops.ops[idx as usize];
+        let chunk = op.chunks_issued;
+        let start = u64::from(chunk) * self.chunk_bytes;
+        let len = self.chunk_bytes.min(self.block_bytes - start);
+        let dev = &self.devs[op.dev as usize];
+        let req = IoRequest {
+            user_data: self.ops.user_data(idx, chunk),
+            kind: IoKind::Write,
+            device: op.dev,
+            offset: dev.geometry.slot_offset(dev.first + u64::from(op.slot)) + start,
+            buf: BufRef {
+                region: BUF_REGION,
+                offset: op.block as usize * self.block_bytes as usize + start as usize,
+                len: len as u32,
+            },
+            class: IoClass::Store,
+        };
+        if !self.backend.push(&req) {
+            return false;
+        }
+        let op = &mut self.ops.ops[idx as usize];
+        op.chunks_issued += 1;
+        self.store_bytes_in_flight += len;
+        if op.chunks_issued == op.chunks_total {
+            let front = self.store_issuing.pop_front();
+            debug_assert_eq!(front, Some(idx));
+        }
+        true
+    }
+
+    fn on_store_chunk_done(&mut self, idx: u32, chunk: u16, result: i32) {
+        let start = u64::from(chunk) * self.chunk_bytes;
+        let len = self.chunk_bytes.min(self.block_bytes - start);
+        self.store_bytes_in_flight -= len;
+        let m = &self.me.metrics;
+        m.write_ops.fetch_add(1, Ordering::Relaxed);
+        let failure = if result < 0 {
+            m.io_errors.fetch_add(1, Ordering::Relaxed);
+            Some((KeyFailure::Io(Errno::from_raw(-result)), String::new()))
+        } else if (result as u64) < len {
+            m.io_errors.fetch_add(1, Ordering::Relaxed);
+            Some((KeyFailure::ShortIo { done: result as u32, wanted: len as u32 }, String::new()))
+        } else {
+            m.bytes_written.fetch_add(len, Ordering::Relaxed);
+            None
+        };
+        let op = &mut self.ops.ops[idx as usize];
+        op.chunks_done += 1;
+        if let Some(f) = failure {
+            if op.failure.is_none() {
+                op.failure = Some(f);
+            }
+            // Stop issuing the rest of a failed block.
+            if op.chunks_issued < op.chunks_total {
+                op.chunks_total = op.chunks_issued;
+                self.store_issuing.retain(|&i| i != idx);
+            }
+        }
+        let op = &self.ops.ops[idx as usize];
+        if op.chunks_done == op.chunks_total && op.chunks_issued == op.chunks_total {
+            self.finish_store(idx);
+        }
+    }
+
+    fn finish_store(&mut self, idx: u32) {
+        let op = &self.ops.ops[idx as usize];
+        let (d, local, item) = (op.dev as usize, op.slot, op.item as usize);
+        let job = op.job.clone().expect("store op has a job");
+        let failure = op.failure.clone();
+        self.me.metrics.store_latency.record(op.started.elapsed().as_micros() as u64);
+        self.ops.release(idx);
+        let key = self.devs[d].slots[local as usize].key.expect("writing slot has a key");
+        match failure {
+            None => {
+                let s = &mut self.devs[d].slots[local as usize];
+                s.state = SlotState::Valid;
+                let crc = s.crc;
+                self.me.published.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key);
+                let seq = self.seq;
+                self.seq += 1;
+                self.write_entry(d, local, Some(Entry { seq, data_len: self.block_bytes as u32, data_crc: crc, key }));
+                self.me.metrics.stores_ok.fetch_add(1, Ordering::Relaxed);
+                self.me.metrics.blocks_stored.fetch_add(1, Ordering::Relaxed);
+                job.succeed(&self.shared, item, self.block_bytes);
+            }
+            Some((reason, detail)) => {
+                self.index.remove(&key);
+                self.free_slot(d, local);
+                self.me.metrics.stores_failed.fetch_add(1, Ordering::Relaxed);
+                if let KeyFailure::Io(e) = reason {
+                    self.log_error(&format!("store to device {d} failed: {}", e.desc()));
+                }
+                job.fail(&self.shared, item, reason, detail);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Slots and eviction
+
+    fn alloc_slot(&mut self, d: usize) -> Option<u32> {
+        if let Some(s) = self.devs[d].free.pop() {
+            return Some(s);
+        }
+        let victim = self.clock_victim(d)?;
+        self.evict(d, victim);
+        self.devs[d].free.pop()
+    }
+
+    /// CLOCK: the first valid, unpinned slot whose reference bit is clear, clearing bits on the way.
+    fn clock_victim(&mut self, d: usize) -> Option<u32> {
+        let dev = &mut self.devs[d];
+        let n = dev.slots.len();
+        for _ in 0..2 * n {
+            dev.hand = (dev.hand + 1) % n;
+            let s = &mut dev.slots[dev.hand];
+            if s.state != SlotState::Valid || s.pins > 0 {
+                continue;
+            }
+            if s.referenced {
+                s.referenced = false;
+                continue;
+            }
+            return Some(dev.hand as u32);
+        }
+        None
+    }
+
+    fn evict(&mut self, d: usize, local: u32) {
+        let key = self.devs[d].slots[local as usize].key.expect("valid slot has a key");
+        self.unindex(key);
+        self.clear_entry(d, local);
+        self.free_slot(d, local);
+        self.me.metrics.evictions.fetch_add(1, Ordering::Relaxed);
+        self.me.metrics.blocks_stored.fetch_sub(1, Ordering::Relaxed);
+        self.shared.events.push(vec![key], true);
+    }
+
+    fn unindex(&mut self, key: Key) {
+        self.index.remove(&key);
+        self.me.published.write().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&key);
+    }
+
+    fn free_slot(&mut self, d: usize, local: u32) {
+        let dev = &mut self.devs[d];
+        dev.slots[local as usize] = FREE_SLOT;
+        dev.free.push(local);
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Slot table
+
+    fn clear_entry(&mut self, d: usize, local: u32) {
+        self.write_entry(d, local, None);
+    }
+
+    fn write_entry(&mut self, d: usize, local: u32, entry: Option<Entry>) {
+        match entry {
+            Some(e) => e.encode(&mut self.scratch_entry),
+            None => self.scratch_entry.fill(0),
+        }
+        let dev = &mut self.devs[d];
+        self.meta.write(dev.meta_offset + local as usize * ENTRY_BYTES, &self.scratch_entry);
+        let page = local as usize / ENTRIES_PER_PAGE;
+        let p = &mut dev.pages[page];
+        if !p.dirty {
+            p.dirty = true;
+            if !p.in_flight {
+                self.dirty_pages.push_back((d as u16, page as u32));
+            }
+        }
+    }
+
+    fn issue_table_writes(&mut self) -> bool {
+        let mut any = false;
+        while let Some(&(d, page)) = self.dirty_pages.front() {
+            let Some(idx) = self.ops.alloc(OpKind::Table { page }) else { break };
+            let dev = &self.devs[d as usize];
+            let req = IoRequest {
+                user_data: self.ops.user_data(idx, 0),
+                kind: IoKind::Write,
+                device: d,
+                offset: dev.geometry.table_page_offset(dev.first_page() + u64::from(page)),
+                buf: BufRef {
+                    region: BUF_META,
+                    offset: dev.meta_offset + page as usize * TABLE_PAGE_BYTES,
+                    len: TABLE_PAGE_BYTES as u32,
+                },
+                class: IoClass::Meta,
+            };
+            if !self.backend.push(&req) {
+                self.ops.release(idx);
+                break;
+            }
+            self.ops.ops[idx as usize].dev = d;
+            self.dirty_pages.pop_front();
+            let p = &mut self.devs[d as usize].pages[page as usize];
+            p.dirty = false;
+            p.in_flight = true;
+            self.table_in_flight += 1;
+            any = true;
+        }
+        any
+    }
+
+    fn on_table_done(&mut self, idx: u32, page: u32, result: i32) {
+        let d = self.ops.ops[idx as usize].dev;
+        self.ops.release(idx);
+        self.table_in_flight -= 1;
+        self.me.metrics.table_writes.fetch_add(1, Ordering::Relaxed);
+        if result != TABLE_PAGE_BYTES as i32 {
+            // The entries of this page may not survive a restart; the data is still served now.
+            self.me.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
+            let why = if result < 0 { Errno::from_raw(-result).desc().to_string() } else { format!("short write {result}") };
+            self.log_error(&format!("slot table write on device {d} failed: {why}"));
+        }
+        let p = &mut self.devs[d as usize].pages[page as usize];
+        p.in_flight = false;
+        if p.dirty {
+            self.dirty_pages.push_back((d, page));
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+
+    fn reap(&mut self) -> bool {
+        let mut out = std::mem::take(&mut self.completions);
+        out.clear();
+        self.backend.complete(&mut out);
+        let any = !out.is_empty();
+        for c in &out {
+            let (idx, chunk) = self.ops.decode(c.user_data);
+            match self.ops.ops[idx as usize].kind {
+                OpKind::Load => self.on_load_done(idx, c.result),
+                OpKind::Store => self.on_store_chunk_done(idx, chunk, c.result),
+                OpKind::Table { page } => self.on_table_done(idx, page, c.result),
+                OpKind::Recover => unreachable!("recovery ops are reaped before the loop starts"),
+            }
+        }
+        self.completions = out;
+        any
+    }
+
+    /// Logs an I/O error, at most 20 times per worker and then every 1000th, so a dead device
+    /// cannot flood the log.
+    fn log_error(&mut self, msg: &str) {
+        self.error_logs += 1;
+        if self.error_logs <= 20 || self.error_logs % 1000 == 0 {
+            tracing::error!(worker = self.id, count = self.error_logs, "{msg}");
+        }
+    }
+}
+
+enum StoreStart {
+    Op(u32),
+    Resolved,
+    Blocked,
+}
+
+/// Counts the CPU time of a thread from `/proc/self/task/<tid>/schedstat` (nanoseconds).
+pub(crate) fn thread_cpu_ns(tid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// crc32c of a range of the primary region.
+fn region_crc(region: &Region, offset: usize, len: usize) -> u32 {
+    region.with_bytes(offset, len, crc32c::crc32c)
+}

@@ -1,0 +1,298 @@
+//! The production I/O: real files and block devices, one io_uring per worker with the region
+//! and the worker's table buffer registered as fixed buffers and every device as a registered
+//! file.
+//!
+//! Device preparation lives here too: a file that does not exist is created, fallocated and
+//! written once end to end, because reads of fallocated-but-unwritten extents return zeros
+//! without touching the disk (they would fake every benchmark) and O_DIRECT writes into
+//! unwritten extents are several times slower than overwrites.
+
+use std::os::unix::fs::FileTypeExt;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use kvtier_sys::file::{DeviceFile, FileKind, OpenOptions};
+use kvtier_sys::ring::{ioprio, IoprioClass, Ring, RingConfig};
+
+use crate::config::{DeviceConfig, DirectIo};
+use crate::error::{Error, Result};
+use crate::io::{
+    BackendSettings, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, IoRequest, Region,
+    Storage,
+};
+use crate::Errno;
+
+/// Bytes written per call while pre-writing a new file.
+const PREWRITE_CHUNK_BYTES: usize = 8 << 20;
+
+/// Devices opened through the kernel.
+#[derive(Default)]
+pub struct KernelStorage {
+    files: RwLock<Vec<Option<Arc<DeviceFile>>>>,
+}
+
+impl KernelStorage {
+    fn file(&self, index: usize) -> Result<Arc<DeviceFile>> {
+        self.files
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(index)
+            .and_then(Clone::clone)
+            .ok_or_else(|| Error::Worker(format!("device {index} is not open")))
+    }
+}
+
+fn errno_msg(what: &str, e: Errno) -> String {
+    format!("{what}: {} ({e})", e.desc())
+}
+
+fn open_file(path: &Path, create: bool, direct: DirectIo) -> Result<DeviceFile> {
+    let want_direct = direct != DirectIo::Off;
+    let opts = OpenOptions { create, direct: want_direct, read_only: false };
+    match DeviceFile::open(path, opts) {
+        Ok(f) => Ok(f),
+        Err(Errno::EINVAL) if want_direct && direct == DirectIo::Auto => {
+            tracing::warn!(
+                path = %path.display(),
+                "the filesystem refuses O_DIRECT: falling back to buffered I/O (direct_io = \"auto\"); \
+                 loads and stores now go through the page cache"
+            );
+            DeviceFile::open(path, OpenOptions { create, direct: false, read_only: false })
+                .map_err(|e| Error::device(path, errno_msg("open", e)))
+        }
+        Err(Errno::EINVAL) if want_direct => Err(Error::device(
+            path,
+            "the filesystem refuses O_DIRECT (ramfs, some FUSE and network filesystems do); \
+             set direct_io = \"auto\" to fall back to buffered I/O, or use a path on ext4/xfs/a block device",
+        )),
+        Err(e) => Err(Error::device(path, errno_msg("open", e))),
+    }
+}
+
+/// Writes zeros over `[from, to)` so that later reads hit real, written extents.
+fn prewrite(file: &DeviceFile, from: u64, to: u64) -> Result<()> {
+    let zeros = Region::allocate(PREWRITE_CHUNK_BYTES, kvtier_sys::mem::HugePages::Off)
+        .map_err(|e| Error::Memory(e.to_string()))?;
+    let mut at = from;
+    while at < to {
+        let len = (to - at).min(PREWRITE_CHUNK_BYTES as u64) as usize;
+        file.write_all_at(at, &zeros, 0, len)
+            .map_err(|e| Error::device(file.path(), errno_msg("pre-writing", e)))?;
+        at += len as u64;
+    }
+    Ok(())
+}
+
+impl Storage for KernelStorage {
+    fn open_device(&self, index: usize, cfg: &DeviceConfig, direct: DirectIo) -> Result<DeviceInfo> {
+        let path = cfg.path.as_path();
+        let meta = std::fs::metadata(path);
+        let mut fresh = false;
+        let file = match meta {
+            Ok(m) if m.file_type().is_block_device() => open_file(path, false, direct)?,
+            Ok(m) if m.is_file() => {
+                let f = open_file(path, false, direct)?;
+                let size = m.len();
+                if let Some(cap) = cfg.capacity_bytes {
+                    if cap > size {
+                        tracing::info!(path = %path.display(), from = size, to = cap, "growing device file and pre-writing the new part");
+                        if let Err(e) = f.fallocate(cap) {
+                            if e != Errno::EOPNOTSUPP {
+                                return Err(Error::device(path, errno_msg(&format!("fallocate {cap} bytes"), e)));
+                            }
+                        }
+                        prewrite(&f, size, cap)?;
+                        fresh = true;
+                    }
+                }
+                f
+            }
+            Ok(_) => {
+                return Err(Error::device(path, "not a regular file or a block device"));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let Some(cap) = cfg.capacity_bytes else {
+                    return Err(Error::device(
+                        path,
+                        format!("does not exist; set devices[{index}].capacity_bytes to create it"),
+                    ));
+                };
+                if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(parent)
+                        .map_err(|e| Error::device(path, format!("creating {}: {e}", parent.display())))?;
+                }
+                let f = open_file(path, true, direct)?;
+                tracing::info!(path = %path.display(), bytes = cap, "creating device file: fallocate, then one pre-write pass");
+                match f.fallocate(cap) {
+                    Ok(()) => {}
+                    Err(Errno::EOPNOTSUPP) => {
+                        f.set_len(cap).map_err(|e| Error::device(path, errno_msg("set_len", e)))?;
+                    }
+                    Err(e) => {
+                        let _ = std::fs::remove_file(path);
+                        return Err(Error::device(path, errno_msg(&format!("fallocate {cap} bytes"), e)));
+                    }
+                }
+                if let Err(e) = prewrite(&f, 0, cap) {
+                    let _ = std::fs::remove_file(path);
+                    return Err(e);
+                }
+                fresh = true;
+                f
+            }
+            Err(e) => return Err(Error::device(path, format!("stat: {e}"))),
+        };
+        let mut size = file.size_bytes().map_err(|e| Error::device(path, errno_msg("size", e)))?;
+        if file.kind() == FileKind::BlockDevice {
+            if let Some(cap) = cfg.capacity_bytes {
+                size = size.min(cap);
+            }
+        }
+        let align = if file.is_direct() {
+            match file.dio_alignment() {
+                Some(a) => u64::from(a.offset_align.max(a.mem_align)).max(512),
+                None => u64::from(file.logical_block_bytes().unwrap_or(512)).max(512),
+            }
+        } else {
+            512
+        };
+        let direct_ok = file.is_direct();
+        let kind = match file.kind() {
+            FileKind::BlockDevice => "block device",
+            FileKind::Regular => "file",
+        };
+        let mut files = self.files.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if files.len() <= index {
+            files.resize(index + 1, None);
+        }
+        files[index] = Some(Arc::new(file));
+        Ok(DeviceInfo {
+            path: path.to_path_buf(),
+            size_bytes: size,
+            align_bytes: align,
+            direct: direct_ok,
+            fresh,
+            kind,
+        })
+    }
+
+    fn read_sync(&self, device: usize, offset: u64, buf: &Region, buf_offset: usize, len: usize) -> Result<()> {
+        let f = self.file(device)?;
+        f.read_exact_at(offset, buf, buf_offset, len)
+            .map_err(|e| Error::device(f.path(), errno_msg(&format!("read {len} bytes at {offset}"), e)))
+    }
+
+    fn write_sync(&self, device: usize, offset: u64, buf: &Region, buf_offset: usize, len: usize) -> Result<()> {
+        let f = self.file(device)?;
+        f.write_all_at(offset, buf, buf_offset, len)
+            .map_err(|e| Error::device(f.path(), errno_msg(&format!("write {len} bytes at {offset}"), e)))
+    }
+
+    fn backend(
+        &self,
+        _worker: usize,
+        buffers: Vec<Arc<Region>>,
+        wake: Arc<EventFd>,
+        settings: &BackendSettings,
+    ) -> Result<Box<dyn IoBackend>> {
+        let files: Vec<Arc<DeviceFile>> = {
+            let guard = self.files.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+            guard.iter().flatten().cloned().collect()
+        };
+        let mut ring = Ring::new(&RingConfig {
+            entries: settings.ring_entries,
+            sqpoll: settings.sqpoll,
+            sqpoll_idle_ms: settings.sqpoll_idle_ms,
+            iopoll: settings.iopoll,
+        })
+        .map_err(|e| Error::Ring(errno_msg("setting up the ring", e)))?;
+        ring.register_buffers(buffers, settings.piece_bytes).map_err(|e| Error::Memory(e.to_string()))?;
+        ring.register_files(files).map_err(|e| Error::Ring(errno_msg("registering device files", e)))?;
+        let (load_prio, store_prio) = if settings.ioprio {
+            (ioprio(IoprioClass::Be, 0), ioprio(IoprioClass::Be, 7))
+        } else {
+            (0, 0)
+        };
+        Ok(Box::new(UringBackend { ring, wake, armed: false, load_prio, store_prio }))
+    }
+}
+
+/// `user_data` of the wake-up read; never handed to the worker.
+const WAKE_USER_DATA: u64 = u64::MAX;
+
+struct UringBackend {
+    ring: Ring,
+    wake: Arc<EventFd>,
+    /// Whether the eventfd read is in flight.
+    armed: bool,
+    load_prio: u16,
+    store_prio: u16,
+}
+
+impl IoBackend for UringBackend {
+    fn push(&mut self, req: &IoRequest) -> bool {
+        let prio = match req.class {
+            IoClass::Load => self.load_prio,
+            IoClass::Store | IoClass::Meta => self.store_prio,
+        };
+        let file = u32::from(req.device);
+        match req.kind {
+            IoKind::Read => self.ring.push_read(req.user_data, file, req.offset, req.buf, prio).is_ok(),
+            IoKind::Write => self.ring.push_write(req.user_data, file, req.offset, req.buf, prio).is_ok(),
+        }
+    }
+
+    fn submit(&mut self, wait: bool) -> std::io::Result<()> {
+        if wait && !self.armed {
+            // Sleep in the kernel until an I/O completes or a submitter writes the eventfd.
+            if self.ring.push_eventfd_read(WAKE_USER_DATA, &self.wake).is_ok() {
+                self.armed = true;
+            }
+        }
+        self.ring
+            .submit(usize::from(wait))
+            .map(|_| ())
+            .map_err(|e| std::io::Error::from_raw_os_error(e as i32))
+    }
+
+    fn complete(&mut self, out: &mut Vec<Completion>) {
+        let start = out.len();
+        self.ring.complete(out);
+        let before = out.len();
+        out.retain(|c| c.user_data != WAKE_USER_DATA);
+        if out.len() != before {
+            self.armed = false;
+        }
+        debug_assert!(out.len() >= start);
+    }
+
+    fn in_flight(&self) -> usize {
+        self.ring.in_flight() - usize::from(self.armed)
+    }
+
+    fn describe(&self) -> String {
+        let f = self.ring.features();
+        let mut flags = Vec::new();
+        if f.single_issuer {
+            flags.push("SINGLE_ISSUER");
+        }
+        if f.defer_taskrun {
+            flags.push("DEFER_TASKRUN");
+        }
+        if f.coop_taskrun {
+            flags.push("COOP_TASKRUN");
+        }
+        if f.sqpoll {
+            flags.push("SQPOLL");
+        }
+        if f.iopoll {
+            flags.push("IOPOLL");
+        }
+        format!("io_uring [{}]", flags.join("|"))
+    }
+}
+
+/// Whether `path` is a block device (for the CLI and tests).
+pub fn is_block_device(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device())
+}

@@ -1,0 +1,724 @@
+//! One `io_uring` instance per worker thread, moving blocks between registered [`Region`]s and
+//! registered [`DeviceFile`]s with `READ_FIXED`/`WRITE_FIXED`.
+//!
+//! Invariants:
+//! * Memory the kernel may touch stays alive until its completion has been reaped: the ring
+//!   holds an `Arc` to every registered region and file and to every eventfd it reads, and owns
+//!   the 8-byte buffer of eventfd reads; `Drop` first drains every in-flight operation (cancelling
+//!   what can be cancelled), then unregisters buffers and files, and only then releases them. If
+//!   draining fails, the memory is leaked rather than freed under the kernel.
+//! * `in_flight` counts every SQE pushed whose CQE has not been popped by [`Ring::complete`].
+//! * A fixed-buffer operation lies inside one registered piece of one region (checked on push;
+//!   a violation panics, because it would let the kernel write outside the region).
+//! * A ring is used only by the thread that created it (`SINGLE_ISSUER` and `DEFER_TASKRUN`
+//!   require it), so `Ring` is neither `Send` nor `Sync`.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+use crate::eventfd::EventFd;
+use crate::file::DeviceFile;
+use crate::mem::Region;
+use crate::{errno_of, Errno};
+
+/// Largest registered buffer piece the kernel accepts (one iovec).
+pub const MAX_PIECE_BYTES: usize = 1 << 30;
+/// Largest number of registered buffer pieces the kernel accepts (`IORING_MAX_REG_BUFFERS`).
+pub const MAX_BUFFERS: usize = 1 << 14;
+
+/// `user_data` of the cancel-everything SQE that `Drop` pushes; its CQE is discarded.
+const CANCEL_USER_DATA: u64 = u64::MAX;
+/// `Drop` waits at most this long per round, then re-notifies eventfds...
+const DRAIN_WAIT: Duration = Duration::from_millis(100);
+/// ...for at most this many rounds before it gives up and leaks the memory (60 s).
+const DRAIN_ROUNDS: u32 = 600;
+
+/// How to build a [`Ring`].
+#[derive(Clone, Debug)]
+pub struct RingConfig {
+    /// Submission queue entries (the completion queue gets twice as many).
+    pub entries: u32,
+    /// Ask for a kernel submission thread (costs a core while busy).
+    pub sqpoll: bool,
+    /// Idle time before the SQPOLL thread sleeps.
+    pub sqpoll_idle_ms: u32,
+    /// Ask for polled completions (needs a device with poll queues).
+    pub iopoll: bool,
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig {
+            entries: 256,
+            sqpoll: false,
+            sqpoll_idle_ms: 1000,
+            iopoll: false,
+        }
+    }
+}
+
+/// The setup flags a [`Ring`] actually got from the kernel.
+// One bool per kernel setup flag, mirroring the flags word: an enum would not be clearer.
+#[allow(clippy::struct_excessive_bools)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingFeatures {
+    pub single_issuer: bool,
+    pub defer_taskrun: bool,
+    pub coop_taskrun: bool,
+    pub sqpoll: bool,
+    pub iopoll: bool,
+}
+
+impl fmt::Display for RingFeatures {
+    /// `+`-separated flag names, e.g. `single_issuer+defer_taskrun+coop_taskrun`, or `none`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names = [
+            (self.single_issuer, "single_issuer"),
+            (self.defer_taskrun, "defer_taskrun"),
+            (self.coop_taskrun, "coop_taskrun"),
+            (self.sqpoll, "sqpoll"),
+            (self.iopoll, "iopoll"),
+        ];
+        let on: Vec<&str> = names.iter().filter(|(b, _)| *b).map(|(_, n)| *n).collect();
+        if on.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&on.join("+"))
+        }
+    }
+}
+
+/// A byte range of a registered region. `region` indexes the Vec given to
+/// [`Ring::register_buffers`].
+#[derive(Clone, Copy, Debug)]
+pub struct BufRef {
+    pub region: u16,
+    pub offset: usize,
+    pub len: u32,
+}
+
+/// One reaped completion.
+#[derive(Clone, Copy, Debug)]
+pub struct Completion {
+    pub user_data: u64,
+    /// Bytes transferred, or `-errno`.
+    pub result: i32,
+}
+
+/// The submission queue has no free entry; nothing was queued. Submit, then retry.
+#[derive(Debug)]
+pub struct SqFull;
+
+impl fmt::Display for SqFull {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("io_uring submission queue is full; submit before pushing more")
+    }
+}
+
+impl std::error::Error for SqFull {}
+
+/// Why [`Ring::register_buffers`] failed; `message` names what failed and how to fix it.
+#[derive(Debug)]
+pub struct RegisterError {
+    pub errno: Errno,
+    pub message: String,
+}
+
+impl fmt::Display for RegisterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for RegisterError {}
+
+/// Shift of the class in an I/O priority value (`IOPRIO_CLASS_SHIFT`).
+pub const IOPRIO_CLASS_SHIFT: u16 = 13;
+
+/// I/O scheduling class (`ioprio_set(2)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoprioClass {
+    /// No priority: the submitting task's priority applies.
+    None,
+    /// Real time; needs `CAP_SYS_NICE` or `CAP_SYS_ADMIN`, else the CQE carries -EPERM.
+    Rt,
+    /// Best effort.
+    Be,
+    /// Only when the disk is otherwise idle.
+    Idle,
+}
+
+/// Raw ioprio value for an SQE: `class << 13 | level`. `IoprioClass::None` gives 0 (the kernel
+/// refuses a level without a class). Panics if `level > 7`.
+pub fn ioprio(class: IoprioClass, level: u8) -> u16 {
+    assert!(level < 8, "ioprio level {level} out of range 0..=7");
+    let class = match class {
+        IoprioClass::None => return 0,
+        IoprioClass::Rt => 1,
+        IoprioClass::Be => 2,
+        IoprioClass::Idle => 3,
+    };
+    (class << IOPRIO_CLASS_SHIFT) | u16::from(level)
+}
+
+/// Base setup flags tried in order, best first.
+#[derive(Clone, Copy, Debug)]
+struct BaseFlags {
+    single_issuer: bool,
+    defer_taskrun: bool,
+    coop_taskrun: bool,
+}
+
+const fn base(single_issuer: bool, defer_taskrun: bool, coop_taskrun: bool) -> BaseFlags {
+    BaseFlags {
+        single_issuer,
+        defer_taskrun,
+        coop_taskrun,
+    }
+}
+
+/// Without SQPOLL: `SINGLE_ISSUER` (6.0) + `DEFER_TASKRUN` (6.1) + `COOP_TASKRUN` (5.19),
+/// dropping one flag per step.
+const BASE_LADDER: [BaseFlags; 5] = [
+    base(true, true, true),
+    base(true, true, false),
+    base(true, false, true),
+    base(false, false, true),
+    base(false, false, false),
+];
+/// With SQPOLL the task-run flags are refused by the kernel.
+const SQPOLL_LADDER: [BaseFlags; 2] = [base(true, false, false), base(false, false, false)];
+
+/// An `io_uring` instance with registered buffers and files. Use it only on the thread that
+/// created it.
+pub struct Ring {
+    // Declared first so that the ring fd closes before the Arcs below are released.
+    uring: IoUring,
+    features: RingFeatures,
+    /// SQEs pushed whose CQE has not been popped.
+    in_flight: usize,
+    /// Registered regions; `first_piece[i]` is the kernel buffer index of region i's first
+    /// piece. Empty until `register_buffers`.
+    regions: Vec<Arc<Region>>,
+    first_piece: Vec<u16>,
+    piece_bytes: usize,
+    buffers_registered: bool,
+    files: Vec<Arc<DeviceFile>>,
+    files_registered: bool,
+    /// Every eventfd a read was pushed for, kept open until Drop has drained.
+    eventfds: Vec<Arc<EventFd>>,
+    /// 8-byte target of eventfd reads, from `Box::into_raw`. The kernel writes it (possibly for
+    /// several reads at once); Rust never reads it; freed in Drop after draining.
+    sink: NonNull<u64>,
+    /// `SINGLE_ISSUER/DEFER_TASKRUN` tie the ring to its creating thread.
+    _not_send: PhantomData<*mut ()>,
+}
+
+impl fmt::Debug for Ring {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ring")
+            .field("features", &self.features)
+            .field("in_flight", &self.in_flight)
+            .field("regions", &self.regions.len())
+            .field("files", &self.files.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Ring {
+    /// Builds a ring. Must be called on the thread that will use it.
+    ///
+    /// Tries `SINGLE_ISSUER | DEFER_TASKRUN | COOP_TASKRUN` (with `TASKRUN_FLAG`, so that
+    /// `submit(0)` also runs deferred completions) and drops flags one at a time while the kernel
+    /// answers EINVAL. SQPOLL and IOPOLL are used only if requested; if the kernel refuses them
+    /// they are dropped with a `warn!` naming what was dropped. [`Ring::features`] says what the
+    /// ring got.
+    pub fn new(cfg: &RingConfig) -> Result<Ring, Errno> {
+        if cfg.entries == 0 {
+            return Err(Errno::EINVAL);
+        }
+        let mut modes = vec![(cfg.sqpoll, cfg.iopoll)];
+        for mode in [(cfg.sqpoll, false), (false, cfg.iopoll), (false, false)] {
+            if !modes.contains(&mode) {
+                modes.push(mode);
+            }
+        }
+        let mut last = Errno::EINVAL;
+        for (sqpoll, iopoll) in modes {
+            let ladder: &[BaseFlags] = if sqpoll { &SQPOLL_LADDER } else { &BASE_LADDER };
+            for &flags in ladder {
+                match build(cfg, sqpoll, iopoll, flags) {
+                    Ok(ring) => {
+                        let features = RingFeatures {
+                            single_issuer: flags.single_issuer,
+                            defer_taskrun: flags.defer_taskrun,
+                            coop_taskrun: flags.coop_taskrun,
+                            sqpoll,
+                            iopoll,
+                        };
+                        warn_dropped(cfg, features, last);
+                        tracing::debug!(%features, entries = cfg.entries, "io_uring ring created");
+                        return Ok(Ring::with(ring, features));
+                    }
+                    // EINVAL: a flag this kernel does not know. EPERM: SQPOLL without privilege
+                    // on kernels before 5.11.
+                    Err(e) if e == Errno::EINVAL || (sqpoll && e == Errno::EPERM) => last = e,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Err(last)
+    }
+
+    fn with(ring: IoUring, features: RingFeatures) -> Ring {
+        let sink = NonNull::from(Box::leak(Box::new(0_u64)));
+        Ring {
+            uring: ring,
+            features,
+            in_flight: 0,
+            regions: Vec::new(),
+            first_piece: Vec::new(),
+            piece_bytes: 0,
+            buffers_registered: false,
+            files: Vec::new(),
+            files_registered: false,
+            eventfds: Vec::new(),
+            sink,
+            _not_send: PhantomData,
+        }
+    }
+
+    /// The setup flags the kernel accepted.
+    pub fn features(&self) -> RingFeatures {
+        self.features
+    }
+
+    /// Registers every region as fixed buffers, each split into pieces of at most `piece_bytes`
+    /// (at most 1 GiB; pass a multiple of the block size so that blocks never straddle pieces).
+    /// The ring keeps the Arcs until it is dropped. Call at most once.
+    pub fn register_buffers(
+        &mut self,
+        regions: Vec<Arc<Region>>,
+        piece_bytes: usize,
+    ) -> Result<(), RegisterError> {
+        let invalid = |message: String| RegisterError {
+            errno: Errno::EINVAL,
+            message,
+        };
+        if self.buffers_registered {
+            return Err(RegisterError {
+                errno: Errno::EBUSY,
+                message: "io_uring buffers are already registered on this ring; register all \
+                          regions in one call"
+                    .to_owned(),
+            });
+        }
+        if piece_bytes == 0 || piece_bytes > MAX_PIECE_BYTES {
+            return Err(invalid(format!(
+                "buffer piece size {piece_bytes} bytes is out of range: must be \
+                 1..={MAX_PIECE_BYTES}"
+            )));
+        }
+        if regions.is_empty() || regions.len() > usize::from(u16::MAX) + 1 {
+            return Err(invalid(format!(
+                "cannot register {} regions: need 1..=65536",
+                regions.len()
+            )));
+        }
+        let mut iovecs: Vec<libc::iovec> = Vec::new();
+        let mut first_piece = Vec::with_capacity(regions.len());
+        let mut total_bytes = 0_usize;
+        for region in &regions {
+            first_piece.push(u16::try_from(iovecs.len()).unwrap_or(u16::MAX));
+            total_bytes = total_bytes.saturating_add(region.len());
+            let mut offset = 0;
+            while offset < region.len() {
+                let len = piece_bytes.min(region.len() - offset);
+                iovecs.push(libc::iovec {
+                    iov_base: region.range_ptr(offset, len).cast(),
+                    iov_len: len,
+                });
+                offset += len;
+            }
+            if iovecs.len() > MAX_BUFFERS {
+                return Err(invalid(format!(
+                    "{total_bytes}+ bytes in pieces of {piece_bytes} bytes need more than \
+                     {MAX_BUFFERS} registered buffers (the kernel limit); use larger pieces"
+                )));
+            }
+        }
+        let submitter = self.uring.submitter();
+        // SAFETY: every iovec lies inside a Region (range_ptr checked it) that `self.regions`
+        // keeps alive until Drop has drained all I/O and unregistered the buffers.
+        let res = unsafe { submitter.register_buffers(&iovecs) };
+        if let Err(e) = res {
+            return Err(register_error(errno_of(&e), total_bytes, iovecs.len()));
+        }
+        tracing::debug!(
+            regions = regions.len(),
+            pieces = iovecs.len(),
+            total_bytes,
+            "io_uring buffers registered"
+        );
+        self.regions = regions;
+        self.first_piece = first_piece;
+        self.piece_bytes = piece_bytes;
+        self.buffers_registered = true;
+        Ok(())
+    }
+
+    /// Registers the files; index `i` in `push_read`/`push_write` is `files[i]`. The ring keeps
+    /// the Arcs until it is dropped. Call at most once (EBUSY otherwise).
+    pub fn register_files(&mut self, files: Vec<Arc<DeviceFile>>) -> Result<(), Errno> {
+        if self.files_registered {
+            return Err(Errno::EBUSY);
+        }
+        let fds: Vec<_> = files.iter().map(|f| f.raw_fd()).collect();
+        self.uring
+            .submitter()
+            .register_files(&fds)
+            .map_err(|e| errno_of(&e))?;
+        self.files = files;
+        self.files_registered = true;
+        Ok(())
+    }
+
+    /// Queues a `READ_FIXED` of `buf.len` bytes at byte `offset` of registered file `file` into
+    /// `buf`. `ioprio` is the raw SQE priority (see [`ioprio`]; 0 = none).
+    ///
+    /// Panics if `buf` is empty, outside its region, straddles a registered piece or names an
+    /// unregistered region, or if `file` is not registered. `Err(SqFull)` if the SQ has no room
+    /// (nothing queued).
+    pub fn push_read(
+        &mut self,
+        user_data: u64,
+        file: u32,
+        offset: u64,
+        buf: BufRef,
+        ioprio: u16,
+    ) -> Result<(), SqFull> {
+        let (ptr, index) = self.fixed_buf(buf);
+        let fd = self.fixed_file(file);
+        let entry = opcode::ReadFixed::new(fd, ptr, buf.len, index)
+            .offset(offset)
+            .ioprio(ioprio)
+            .build()
+            .user_data(user_data);
+        // SAFETY: the buffer lies inside one registered piece of a region this ring keeps alive
+        // until Drop has drained every CQE (checked by fixed_buf); the file is registered.
+        unsafe { self.push_entry(&entry) }
+    }
+
+    /// Queues a `WRITE_FIXED` of `buf` to byte `offset` of registered file `file`. Same rules
+    /// as [`Ring::push_read`].
+    pub fn push_write(
+        &mut self,
+        user_data: u64,
+        file: u32,
+        offset: u64,
+        buf: BufRef,
+        ioprio: u16,
+    ) -> Result<(), SqFull> {
+        let (ptr, index) = self.fixed_buf(buf);
+        let fd = self.fixed_file(file);
+        let entry = opcode::WriteFixed::new(fd, ptr.cast_const(), buf.len, index)
+            .offset(offset)
+            .ioprio(ioprio)
+            .build()
+            .user_data(user_data);
+        // SAFETY: the buffer lies inside one registered piece of a region this ring keeps alive
+        // until Drop has drained every CQE (checked by fixed_buf); the file is registered.
+        unsafe { self.push_entry(&entry) }
+    }
+
+    /// Queues an 8-byte read of `efd` into a buffer the ring owns; its CQE (result 8) arrives
+    /// with `user_data` once someone calls [`EventFd::notify`]. Used to wake a worker sleeping
+    /// in [`Ring::submit`]. The ring keeps the eventfd open until it is dropped. (An IOPOLL ring
+    /// cannot poll an eventfd: there the CQE carries an error instead of waiting.)
+    pub fn push_eventfd_read(&mut self, user_data: u64, efd: &Arc<EventFd>) -> Result<(), SqFull> {
+        let entry = opcode::Read::new(types::Fd(efd.raw_fd()), self.sink.as_ptr().cast(), 8)
+            .build()
+            .user_data(user_data);
+        // SAFETY: the read writes 8 bytes into `sink`, which is only freed after Drop drained
+        // every CQE; the eventfd's Arc is kept (below, before anything can be submitted) so the
+        // fd number cannot be closed and reused while the read is queued.
+        let res = unsafe { self.push_entry(&entry) };
+        if res.is_ok() && !self.eventfds.iter().any(|e| Arc::ptr_eq(e, efd)) {
+            self.eventfds.push(Arc::clone(efd));
+        }
+        res
+    }
+
+    /// Submits all queued SQEs and waits until at least `min(wait_nr, in_flight())`
+    /// completions are available (0 = don't wait). EINTR is retried; EBUSY/EAGAIN (completion
+    /// queue full) returns `Ok(0)` so that the caller reaps. Returns the number submitted.
+    pub fn submit(&mut self, wait_nr: usize) -> Result<usize, Errno> {
+        // Waiting for more completions than can ever arrive would sleep forever.
+        let want = wait_nr.min(self.in_flight);
+        loop {
+            match self.uring.submit_and_wait(want) {
+                Ok(n) => return Ok(n),
+                Err(e) => match errno_of(&e) {
+                    Errno::EINTR => {}
+                    Errno::EBUSY | Errno::EAGAIN => return Ok(0),
+                    errno => return Err(errno),
+                },
+            }
+        }
+    }
+
+    /// Pops every available completion into `out`.
+    pub fn complete(&mut self, out: &mut Vec<Completion>) {
+        let before = out.len();
+        out.extend(self.uring.completion().map(|cqe| Completion {
+            user_data: cqe.user_data(),
+            result: cqe.result(),
+        }));
+        let reaped = out.len() - before;
+        assert!(
+            reaped <= self.in_flight,
+            "io_uring returned {reaped} completions with only {} operations in flight",
+            self.in_flight
+        );
+        self.in_flight -= reaped;
+    }
+
+    /// Operations pushed (queued or submitted) whose completion has not been popped.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Free entries in the submission queue.
+    pub fn sq_space_left(&self) -> usize {
+        // SAFETY: submission queue handles are only created inside `&mut self` methods and
+        // dropped before they return, so none exists while `&self` is held.
+        let sq = unsafe { self.uring.submission_shared() };
+        sq.capacity() - sq.len()
+    }
+
+    /// The kernel's opcode support table (`IORING_REGISTER_PROBE`, 5.6+).
+    pub(crate) fn probe_opcodes(&self) -> Result<io_uring::Probe, Errno> {
+        let mut probe = io_uring::Probe::new();
+        self.uring
+            .submitter()
+            .register_probe(&mut probe)
+            .map_err(|e| errno_of(&e))?;
+        Ok(probe)
+    }
+
+    /// Pushes one SQE and counts it in flight.
+    ///
+    /// # Safety
+    ///
+    /// Every address in `entry` must stay valid (and the fd open) until its CQE is popped;
+    /// this ring guarantees that for memory it keeps until Drop has drained.
+    unsafe fn push_entry(&mut self, entry: &squeue::Entry) -> Result<(), SqFull> {
+        let mut sq = self.uring.submission();
+        // SAFETY: the caller guarantees the entry's memory outlives the operation.
+        unsafe { sq.push(entry) }.map_err(|_| SqFull)?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Address and kernel buffer index of `buf`, after the bounds checks that keep the kernel
+    /// inside the registered memory.
+    fn fixed_buf(&self, buf: BufRef) -> (*mut u8, u16) {
+        let Some(region) = self.regions.get(usize::from(buf.region)) else {
+            panic!(
+                "BufRef names region {} but {} regions are registered",
+                buf.region,
+                self.regions.len()
+            );
+        };
+        assert!(buf.len > 0, "zero-length I/O on {buf:?}");
+        let len = buf.len as usize;
+        let ptr = region.range_ptr(buf.offset, len);
+        let piece = buf.offset / self.piece_bytes;
+        let last = (buf.offset + len - 1) / self.piece_bytes;
+        assert!(
+            piece == last,
+            "BufRef {buf:?} straddles registered pieces of {} bytes",
+            self.piece_bytes
+        );
+        // Cannot overflow: register_buffers checked the total piece count fits.
+        let index = self.first_piece[usize::from(buf.region)] + piece as u16;
+        (ptr, index)
+    }
+
+    fn fixed_file(&self, file: u32) -> types::Fixed {
+        assert!(
+            (file as usize) < self.files.len(),
+            "file index {file} but {} files are registered",
+            self.files.len()
+        );
+        types::Fixed(file)
+    }
+
+    /// Waits for at least one completion or `timeout`; Ok on completion or timeout.
+    fn wait_one(&mut self, timeout: Duration) -> Result<(), Errno> {
+        let res = if self.uring.params().is_feature_ext_arg() {
+            let ts = types::Timespec::from(timeout);
+            let args = types::SubmitArgs::new().timespec(&ts);
+            self.uring.submitter().submit_with_args(1, &args)
+        } else {
+            self.uring.submit_and_wait(1)
+        };
+        match res.map_err(|e| errno_of(&e)) {
+            Ok(_) | Err(Errno::ETIME | Errno::EINTR | Errno::EBUSY | Errno::EAGAIN) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits until every operation in flight has completed. Returns false if that could not be
+    /// established (the kernel may still use the memory).
+    fn drain(&mut self) -> bool {
+        if self.in_flight == 0 {
+            return true;
+        }
+        let start = Instant::now();
+        let initial = self.in_flight;
+        tracing::warn!(
+            in_flight = initial,
+            "io_uring ring dropped with I/O in flight; cancelling and waiting before releasing \
+             its memory"
+        );
+        // Cancel everything cancellable: a pending eventfd read would otherwise never finish.
+        // Disk I/O already issued is not cancellable and completes normally. CANCEL_ANY needs
+        // 5.19; older kernels answer -EINVAL and the eventfd notify below does the job.
+        let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any())
+            .build()
+            .user_data(CANCEL_USER_DATA);
+        if self.sq_space_left() == 0 {
+            let _ = self.submit(0);
+        }
+        // SAFETY: a cancel SQE references no memory.
+        let _ = unsafe { self.push_entry(&cancel) };
+        let mut scratch = Vec::new();
+        for round in 0..DRAIN_ROUNDS {
+            if let Err(errno) = self.wait_one(DRAIN_WAIT) {
+                tracing::error!(%errno, in_flight = self.in_flight, "io_uring drain failed");
+                return false;
+            }
+            scratch.clear();
+            self.complete(&mut scratch);
+            if self.in_flight == 0 {
+                tracing::warn!(
+                    waited_ms = start.elapsed().as_millis() as u64,
+                    drained = initial,
+                    "io_uring ring drained"
+                );
+                return true;
+            }
+            if round % 10 == 0 {
+                for efd in &self.eventfds {
+                    efd.notify();
+                }
+            }
+        }
+        tracing::error!(in_flight = self.in_flight, "io_uring drain timed out");
+        false
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        if !self.drain() {
+            // The kernel may still write into the regions or the sink: leak them (they stay
+            // mapped) rather than free memory under it. Closing the ring fd makes the kernel
+            // cancel and release its own references once the operations end.
+            tracing::error!(
+                regions = self.regions.len(),
+                "leaking io_uring buffers: operations may still be in flight"
+            );
+            for region in self.regions.drain(..) {
+                std::mem::forget(region);
+            }
+            return;
+        }
+        let submitter = self.uring.submitter();
+        if self.buffers_registered {
+            // Must happen before the regions are unmapped, or pinned (huge) pages leak.
+            if let Err(e) = submitter.unregister_buffers() {
+                tracing::error!(errno = %errno_of(&e), "io_uring unregister_buffers failed");
+            }
+        }
+        if self.files_registered {
+            if let Err(e) = submitter.unregister_files() {
+                tracing::error!(errno = %errno_of(&e), "io_uring unregister_files failed");
+            }
+        }
+        // SAFETY: `sink` came from Box::leak in `with`, is freed only here, and no operation
+        // that writes it is in flight any more (drain succeeded).
+        drop(unsafe { Box::from_raw(self.sink.as_ptr()) });
+    }
+}
+
+/// Logs the requested setup flags that the kernel refused.
+fn warn_dropped(cfg: &RingConfig, got: RingFeatures, errno: Errno) {
+    if cfg.sqpoll && !got.sqpoll {
+        tracing::warn!(%errno, "io_uring: kernel refused SQPOLL; dropped it");
+    }
+    if cfg.iopoll && !got.iopoll {
+        tracing::warn!(%errno, "io_uring: kernel refused IOPOLL; dropped it");
+    }
+}
+
+fn build(cfg: &RingConfig, sqpoll: bool, iopoll: bool, flags: BaseFlags) -> Result<IoUring, Errno> {
+    let mut b = IoUring::builder();
+    if flags.single_issuer {
+        b.setup_single_issuer();
+    }
+    if flags.defer_taskrun {
+        b.setup_defer_taskrun();
+    }
+    if flags.coop_taskrun {
+        b.setup_coop_taskrun();
+    }
+    if flags.defer_taskrun || flags.coop_taskrun {
+        // Lets `submit(0)` see pending task work and enter the kernel to post completions.
+        b.setup_taskrun_flag();
+    }
+    if sqpoll {
+        b.setup_sqpoll(cfg.sqpoll_idle_ms);
+    }
+    if iopoll {
+        b.setup_iopoll();
+    }
+    b.build(cfg.entries).map_err(|e| errno_of(&e))
+}
+
+/// True if a ring with SQPOLL and/or IOPOLL can be built (it is closed at once).
+pub(crate) fn setup_flag_supported(sqpoll: bool, iopoll: bool) -> bool {
+    let cfg = RingConfig {
+        entries: 8,
+        sqpoll,
+        sqpoll_idle_ms: 10,
+        iopoll,
+    };
+    build(&cfg, sqpoll, iopoll, base(false, false, false)).is_ok()
+}
+
+fn register_error(errno: Errno, total_bytes: usize, pieces: usize) -> RegisterError {
+    let what = format!("registering {total_bytes} bytes ({pieces} pieces) as io_uring buffers");
+    let message = if errno == Errno::ENOMEM && !crate::probe::has_cap_ipc_lock() {
+        let limit = crate::probe::memlock_limit()
+            .map_or_else(|| "unlimited".to_owned(), |l| format!("{l} bytes"));
+        format!(
+            "{what} failed with ENOMEM: the pages are locked in memory and charged to \
+             RLIMIT_MEMLOCK, which is {limit}; raise it (`ulimit -l unlimited`, or \
+             LimitMEMLOCK=infinity in the systemd unit) or run with CAP_IPC_LOCK"
+        )
+    } else if errno == Errno::ENOMEM {
+        format!(
+            "{what} failed with ENOMEM: not enough memory to pin the pages; lower the DRAM size"
+        )
+    } else {
+        format!("{what} failed: {errno} ({})", errno.desc())
+    };
+    RegisterError { errno, message }
+}

@@ -1,0 +1,109 @@
+//! Shared helpers for the integration tests: engines on the simulated device or on real files,
+//! deterministic block contents, and waiting for job results with a bound.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier::config::{Cores, DeviceConfig};
+use kvtier::sim::{Rng, SimStorage};
+use kvtier::{Config, Engine, Job, JobResult, Key, Region};
+
+pub const BLOCK: u64 = 64 << 10;
+
+/// A config for `devices` simulated devices, `workers` workers and 64 KiB blocks.
+pub fn sim_config(devices: usize, workers: usize) -> Config {
+    let mut c = Config::default();
+    c.block_size = BLOCK;
+    c.cores = Cores::List((0..workers).collect());
+    c.devices = (0..devices).map(|i| DeviceConfig::new(format!("sim{i}"))).collect();
+    c.events.enabled = true;
+    c
+}
+
+/// A config for one real file device at `path` with `capacity` bytes.
+pub fn file_config(path: &Path, capacity: u64, workers: usize) -> Config {
+    let mut c = Config::default();
+    c.block_size = BLOCK;
+    c.cores = Cores::List((0..workers).collect());
+    let mut d = DeviceConfig::new(path);
+    d.capacity_bytes = Some(capacity);
+    c.devices = vec![d];
+    c.events.enabled = true;
+    c
+}
+
+pub fn region(blocks: u64) -> Arc<Region> {
+    kvtier::region::allocate_blocks(BLOCK, blocks, kvtier::config::HugePages::Off).expect("region")
+}
+
+pub fn open_sim(config: &Config, region: &Arc<Region>, sim: &Arc<SimStorage>) -> Engine {
+    Engine::open_with(config, Arc::clone(region), Arc::clone(sim) as Arc<dyn kvtier::io::Storage>)
+        .expect("engine opens on the simulated device")
+}
+
+pub fn key(id: u64) -> Key {
+    Key::vllm(&id.to_be_bytes().repeat(4), (id % 3) as u32).expect("key")
+}
+
+/// The bytes block `id` holds: a splitmix stream seeded by the id.
+pub fn content(id: u64, len: usize) -> Vec<u8> {
+    let mut rng = Rng::new(id.wrapping_mul(0x51_7CC1_B727_220A) ^ 0xfeed);
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        v.extend_from_slice(&rng.next_u64().to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+pub fn put(region: &Region, block: u32, id: u64) {
+    region.write(block as usize * BLOCK as usize, &content(id, BLOCK as usize));
+}
+
+pub fn holds(region: &Region, block: u32, id: u64) -> bool {
+    let mut got = vec![0u8; BLOCK as usize];
+    region.read(block as usize * BLOCK as usize, &mut got);
+    got == content(id, BLOCK as usize)
+}
+
+/// Waits until `n` results have arrived (at most 30 s, then panics with what it has).
+pub fn wait_results(engine: &Engine, n: usize) -> Vec<JobResult> {
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out.len() < n {
+        assert!(Instant::now() < deadline, "timed out: {} of {n} results: {out:?}", out.len());
+        engine.wait_finished(&mut out, Duration::from_millis(50));
+    }
+    out
+}
+
+/// Stores ids `ids` from region blocks `0..` in one job and returns its result.
+pub fn store(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> JobResult {
+    let blocks: Vec<u32> = (0..ids.len() as u32).collect();
+    for (b, &id) in blocks.iter().zip(ids) {
+        put(region, *b, id);
+    }
+    engine.submit_store(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks)).expect("submit");
+    let mut r = wait_results(engine, 1);
+    r.pop().expect("one result")
+}
+
+/// Loads ids into region blocks `0..` in one job (after scribbling over them) and returns its
+/// result.
+pub fn load(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> JobResult {
+    let blocks: Vec<u32> = (0..ids.len() as u32).collect();
+    for &b in &blocks {
+        region.fill(b as usize * BLOCK as usize, BLOCK as usize, 0xee);
+    }
+    engine.submit_load(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks)).expect("submit");
+    let mut r = wait_results(engine, 1);
+    r.pop().expect("one result")
+}
+
+/// A scratch directory on a disk filesystem (not tmpfs), for real-kernel tests.
+pub fn scratch_dir() -> tempfile::TempDir {
+    let base = std::env::var("KVTIER_TEST_DIR").unwrap_or_else(|_| "/var/tmp".into());
+    tempfile::Builder::new().prefix("kvtier-test").tempdir_in(base).expect("scratch dir")
+}
