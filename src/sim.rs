@@ -158,6 +158,14 @@ impl SimStorage {
         std::mem::take(&mut *self.state.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
+    /// Puts entries back at the front of the log (to peek without consuming).
+    pub fn restore_log(&self, entries: &[LogEntry]) {
+        let mut log = self.state.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let rest = std::mem::take(&mut *log);
+        log.extend_from_slice(entries);
+        log.extend(rest);
+    }
+
     /// Flips every byte in `[offset, offset + len)` of disk `dev` (silent corruption).
     pub fn corrupt(&self, dev: usize, offset: u64, len: usize) {
         let mut d = self.state.disks[dev].bytes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
