@@ -1,1 +1,107 @@
-fn main() {}
+//! The `kvtier` command: `bench` (whole-engine load generator with data verification), `probe`
+//! (what this host offers the engine, with advice), `inspect` (what a configured store holds,
+//! with checksum verification) and `config-check` (parse, validate and print a config).
+//!
+//! Exit codes: 0 success; 1 a runtime failure or bad data found (a corrupt block in `bench`, a
+//! checksum failure in `inspect`); 2 a usage or config error. Errors print as `error: ...` on
+//! stderr with the full message. Logs go to stderr through `tracing` (`-v` for debug, `RUST_LOG`
+//! overrides both), so stdout carries only the command's report.
+
+mod bench;
+mod inspect;
+mod interrupt;
+mod output;
+mod probe;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+use crate::output::{CliError, CliResult};
+
+#[derive(Parser)]
+#[command(
+    name = "kvtier",
+    version,
+    about = "kvtier: KV-cache block storage engine tools (bench, probe, inspect, config-check)"
+)]
+struct Cli {
+    #[arg(
+        short,
+        long,
+        global = true,
+        help = "Log at debug level to stderr (RUST_LOG, when set, chooses the filter instead)"
+    )]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Measure the engine: stores, verified loads, and loads under concurrent stores.
+    Bench(bench::BenchArgs),
+    #[command(
+        about = "Report what this host offers kvtier (io_uring, O_DIRECT, hugepages, memlock, \
+                 block queue), with advice"
+    )]
+    Probe(probe::ProbeArgs),
+    /// Show what the configured devices hold and verify every stored block's checksum.
+    Inspect(inspect::InspectArgs),
+    /// Parse and validate a config file and print the effective config.
+    ConfigCheck {
+        /// The TOML config file.
+        file: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.verbose);
+    let outcome = match cli.command {
+        Command::Bench(args) => bench::run(&args),
+        Command::Probe(args) => probe::run(&args),
+        Command::Inspect(args) => inspect::run(&args),
+        Command::ConfigCheck { file } => config_check(&file),
+    };
+    match outcome {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err}");
+            err.exit_code()
+        }
+    }
+}
+
+/// `RUST_LOG` if set; otherwise kvtier's own crates at info (debug with `-v`), others at warn.
+fn init_tracing(verbose: bool) {
+    let level = if verbose { "debug" } else { "info" };
+    let default = format!("warn,kvtier={level},kvtier_sys={level},kvtier_cli={level}");
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+            eprintln!("warning: RUST_LOG={spec:?} is not a valid filter ({e}); using {default}");
+            EnvFilter::new(&default)
+        }),
+        _ => EnvFilter::new(&default),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
+        .with_target(verbose)
+        .init();
+}
+
+/// `kvtier config-check FILE`: the effective config on stdout, or the error and exit 2.
+fn config_check(file: &std::path::Path) -> CliResult<ExitCode> {
+    let config = kvtier::Config::from_file(file).map_err(|e| {
+        // An unreadable file is not a usage error in the config's content, but it is still
+        // the user's to fix (wrong path), so both are exit 2.
+        CliError::usage(e.to_string())
+    })?;
+    print!("{}", config.to_toml_string());
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,68 @@
+//! A full device evicts (CLOCK) to make room, emits removal events, and never evicts a block
+//! that a load is reading. What would break: stores failing on a full device, evicting a
+//! pinned slot (the load would read another key's bytes), missing events.
+
+mod common;
+
+use common::*;
+use kvtier::sim::SimStorage;
+use kvtier::{Job, Lookup, Tier};
+
+const FOUR_SLOTS: u64 = (1 << 20) + 4 * BLOCK;
+
+#[test]
+fn full_device_evicts_and_emits_removal_events() {
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[FOUR_SLOTS]);
+    let region = region(8);
+    let engine = open_sim(&sim_config(1, 1), &region, &sim);
+    assert!(store(&engine, &region, 1, &[0, 1, 2, 3]).success);
+    let stored = engine.take_events();
+    assert_eq!(stored.len(), 1);
+    assert!(!stored[0].removed && stored[0].keys.len() == 4);
+    assert!(store(&engine, &region, 2, &[4, 5]).success);
+    let s = engine.stats();
+    assert_eq!(s.evictions, 2);
+    assert_eq!(s.blocks_stored, 4);
+    let events = engine.take_events();
+    let removed: Vec<_> = events.iter().filter(|e| e.removed).flat_map(|e| e.keys.clone()).collect();
+    assert_eq!(removed.len(), 2, "{events:?}");
+    let all: Vec<u64> = (0..6).collect();
+    let hits = engine.lookup(&all.iter().map(|&i| key(i)).collect::<Vec<_>>());
+    assert_eq!(hits.iter().filter(|l| **l == Lookup::Hit(Tier::Nvme)).count(), 4);
+    for (id, l) in all.iter().zip(&hits) {
+        let evicted = removed.contains(&key(*id));
+        assert_eq!(*l == Lookup::Miss, evicted, "id {id}");
+        if !evicted {
+            assert!(load(&engine, &region, 10 + id, &[*id]).success);
+            assert!(holds(&region, 0, *id));
+        }
+    }
+}
+
+#[test]
+fn a_block_being_loaded_is_not_evicted() {
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[FOUR_SLOTS]);
+    let region = region(8);
+    let engine = open_sim(&sim_config(1, 1), &region, &sim);
+    assert!(store(&engine, &region, 1, &[0, 1, 2, 3]).success);
+    sim.pause(true);
+    sim.record(true);
+    region.fill(0, BLOCK as usize, 0);
+    engine.submit_load(Job::new(2, vec![key(2)], vec![0])).expect("submit");
+    while sim.take_log().is_empty() {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // Four new keys need four slots; only three are evictable while key 2 is being read.
+    for (n, id) in (10..14u64).enumerate() {
+        put(&region, 4 + n as u32 % 4, id);
+    }
+    engine.submit_store(Job::new(3, (10..13).map(key).collect(), vec![4, 5, 6])).expect("submit");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    sim.pause(false);
+    let results = wait_results(&engine, 2);
+    assert!(results.iter().all(|r| r.success), "{results:?}");
+    assert!(holds(&region, 0, 2), "the pinned block was not overwritten");
+    assert_eq!(engine.lookup(&[key(2)]), vec![Lookup::Hit(Tier::Nvme)]);
+    let gone = engine.lookup(&[key(0), key(1), key(3)]);
+    assert!(gone.iter().all(|l| *l == Lookup::Miss), "{gone:?}");
+}

@@ -1,0 +1,1025 @@
+//! `kvtier bench`: a whole-engine load generator that checks every byte it reads back.
+//!
+//! Phases run one after another on one engine: `store` writes keys `0..N` at the queue depth;
+//! `load` reads random stored keys for a duration; `load_alone` is the same, shorter, taken
+//! right before `mixed`, where loads run at the queue depth while a stream of new keys
+//! (`N..`) is stored at the same depth, evicting old keys once the devices are full.
+//!
+//! Invariants: a region block belongs to at most one job in flight (blocks come from a free
+//! list and return to it only when the job's result arrives), so the bench never touches memory
+//! the kernel may be reading or writing; every block's content is a pure function of its key
+//! number, so a load is verified byte for byte; each phase ends only when all of its jobs have
+//! finished, so no result is attributed to the wrong phase; submission never spins — a full
+//! engine queue is answered by waiting for results with a short timeout.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvtier::config::Layout;
+use kvtier::{Config, Engine, Job, JobKind, JobResult, Key, KeyFailure, Lookup, Region};
+use kvtier_sys::affinity::thread_cpu_time;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::interrupt;
+use crate::output::{self, CliError, CliResult, Human, Table};
+
+/// Distinct pseudorandom block patterns; a key's content is one of them, stamped with the key.
+const PATTERNS: u64 = 16;
+/// Seed of the pattern generator and of the load key choice: runs are reproducible.
+const SEED: u64 = 0x6b76_7469_6572_0001;
+/// How long one wait for results may block before the loop checks its deadline again.
+const WAIT: Duration = Duration::from_millis(2);
+/// How often the progress bar is redrawn.
+const PROGRESS_EVERY: Duration = Duration::from_millis(200);
+/// Candidates a load tries before giving up on finding a key the index still holds.
+const LOOKUP_TRIES: usize = 8;
+/// Share of the devices' slots the store phase fills by default: nothing is evicted.
+const FILL_PERCENT: u64 = 75;
+const REGION_BLOCKS_MIN: u64 = 16;
+/// Latency samples kept per stream and phase (8 MiB); beyond it a uniform reservoir sample is
+/// kept, so long runs stay bounded in memory and percentiles stay unbiased.
+const LATENCY_SAMPLES_MAX: usize = 1 << 20;
+/// Individual failures logged per stream before the rest are only counted.
+const FAILURES_LOGGED_MAX: u64 = 5;
+/// Poisoning granularity before a load: the first bytes of each page are overwritten, so a page
+/// the load did not write fails verification.
+const POISON_STRIDE_BYTES: usize = 4096;
+/// The `--dir` default: /tmp is often tmpfs, which would measure memory, not a disk.
+const DEFAULT_DIR: &str = "/var/tmp";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    Store,
+    Load,
+    Mixed,
+    All,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LayoutArg {
+    Slab,
+    Files,
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Engine config; its devices are used as they are. Default: one 1 GiB slab file in a
+    /// fresh scratch directory inside --dir.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Where the scratch directory goes when no --config is given [default: /var/tmp].
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Set every device's layout.
+    #[arg(long, value_enum)]
+    layout: Option<LayoutArg>,
+    #[arg(
+        long,
+        value_enum,
+        default_value = "all",
+        help = "Which phases to run and report (all = store, load, load_alone + mixed)"
+    )]
+    workload: Workload,
+    #[arg(
+        long,
+        value_parser = parse_size_arg,
+        help = "Block size, e.g. 2MiB or 256KiB (overrides the config's block_size)"
+    )]
+    block_size: Option<u64>,
+    /// Distinct keys the store phase writes [default: 75 % of the devices' slots].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    blocks: Option<u64>,
+    /// Jobs of one block each kept in flight per stream.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=8192))]
+    queue_depth: u32,
+    #[arg(
+        long,
+        default_value_t = 10.0,
+        value_parser = parse_seconds,
+        help = "Seconds per timed phase (load, mixed; load_alone runs half of it)"
+    )]
+    duration: f64,
+    /// Also write the results as JSON to PATH, or to stdout with `-` (the table then goes to
+    /// stderr).
+    #[arg(long, value_name = "PATH|-")]
+    json: Option<String>,
+    /// Keep the scratch directory (with the slab and its config) instead of removing it.
+    #[arg(long)]
+    keep: bool,
+}
+
+fn parse_size_arg(text: &str) -> Result<u64, String> {
+    kvtier::config::parse_size(text)
+        .map_err(|e| format!("`{text}`: {e} (expected e.g. 4096, 256KiB, \"2 MiB\")"))
+}
+
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    let secs: f64 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number of seconds"))?;
+    if secs.is_finite() && secs > 0.0 && secs <= 86_400.0 {
+        Ok(secs)
+    } else {
+        Err(format!(
+            "`{text}`: expected more than 0 and at most 86400 seconds"
+        ))
+    }
+}
+
+pub fn run(args: &BenchArgs) -> CliResult<ExitCode> {
+    interrupt::install();
+    if let Some(target) = args.json.as_deref().filter(|t| *t != "-") {
+        // Fail now rather than after the run if the results cannot be written (without
+        // truncating an earlier result yet).
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(target)
+            .map_err(|e| CliError::usage(format!("--json {target}: {e}")))?;
+    }
+    let human = if args.json.as_deref() == Some("-") {
+        Human::Stderr
+    } else {
+        Human::Stdout
+    };
+    let scratch = scratch_dir(args)?;
+    let config = effective_config(args, scratch.as_ref().map(tempfile::TempDir::path))?;
+    if let Some(dir) = &scratch {
+        if args.keep {
+            let path = dir.path().join("kvtier-bench.toml");
+            std::fs::write(&path, config.to_toml_string())
+                .map_err(|e| CliError::runtime(format!("writing {}: {e}", path.display())))?;
+        }
+    }
+    let result = run_with(args, &config, human);
+    if let Some(dir) = scratch {
+        if args.keep {
+            let path = dir.keep();
+            eprintln!(
+                "kept {} (inspect it with: kvtier inspect --config {})",
+                path.display(),
+                path.join("kvtier-bench.toml").display()
+            );
+        }
+        // Otherwise dropping the TempDir removes it, after the engine has shut down.
+    }
+    result
+}
+
+/// The fresh scratch directory, unless the devices come from --config.
+fn scratch_dir(args: &BenchArgs) -> CliResult<Option<tempfile::TempDir>> {
+    if args.config.is_some() {
+        if args.keep {
+            tracing::warn!("--keep has nothing to keep: the devices come from --config");
+        }
+        if let Some(dir) = &args.dir {
+            tracing::warn!(dir = %dir.display(), "--dir is ignored: the devices come from --config");
+        }
+        return Ok(None);
+    }
+    let parent = args
+        .dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_DIR));
+    let dir = tempfile::Builder::new()
+        .prefix("kvtier-bench-")
+        .tempdir_in(&parent)
+        .map_err(|e| {
+            CliError::usage(format!(
+                "creating a scratch directory in {}: {e}",
+                parent.display()
+            ))
+        })?;
+    if kvtier_sys::probe::block_queue_for_path(dir.path()).is_none() {
+        tracing::warn!(
+            dir = %parent.display(),
+            "the scratch directory is not on a block device (tmpfs?): the numbers will not \
+             reflect a disk"
+        );
+    }
+    Ok(Some(dir))
+}
+
+fn effective_config(args: &BenchArgs, scratch: Option<&Path>) -> CliResult<Config> {
+    let mut config = match (&args.config, scratch) {
+        (Some(path), _) => Config::from_file(path)?,
+        (None, Some(dir)) => Config::bench_default(dir),
+        (None, None) => unreachable!("a scratch directory exists whenever --config is absent"),
+    };
+    if let Some(bytes) = args.block_size {
+        config.block_size = bytes;
+    }
+    if let Some(layout) = args.layout {
+        for device in &mut config.devices {
+            device.layout = match layout {
+                LayoutArg::Slab => Layout::Slab,
+                LayoutArg::Files => Layout::Files,
+            };
+        }
+    }
+    config.region_blocks = (2 * u64::from(args.queue_depth)).max(REGION_BLOCKS_MIN);
+    config.validate()?;
+    Ok(config)
+}
+
+fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCode> {
+    let region = kvtier::region::allocate(config)?;
+    let engine = Engine::open(config, Arc::clone(&region))?;
+    let info = engine.info().clone();
+    let slots_total: u64 = info.devices.iter().map(|d| d.geometry.slot_count).sum();
+    let blocks = args
+        .blocks
+        .unwrap_or(slots_total * FILL_PERCENT / 100)
+        .max(1);
+    if blocks > slots_total {
+        tracing::warn!(
+            blocks,
+            slots_total,
+            "more keys than slots: the store phase evicts, and loads will miss"
+        );
+    }
+    let block_bytes = usize::try_from(config.block_size)
+        .map_err(|_| CliError::usage("block_size does not fit this machine's address space"))?;
+    let region_blocks = config.region_blocks.min(info.region_blocks);
+    let mut bench = Bench::new(
+        &engine,
+        &region,
+        block_bytes,
+        args.queue_depth as usize,
+        region_blocks as u32,
+        usize::try_from(slots_total).unwrap_or(usize::MAX),
+    );
+    let results = run_phases(&mut bench, args, config, blocks)?;
+    engine.drain();
+    let final_stats = engine.stats();
+    engine.shutdown();
+    drop(bench);
+    drop(engine);
+
+    let cores = kvtier_sys::affinity::available_cores();
+    let mut text = output::engine_text(&info, &cores);
+    let _ = writeln!(
+        text,
+        "run: {blocks} keys stored of {slots_total} slots, queue depth {}, {} s per timed \
+         phase; engine totals: {} evictions, {} checksum failures, {} I/O errors\n",
+        args.queue_depth,
+        args.duration,
+        final_stats.evictions,
+        final_stats.checksum_failures,
+        final_stats.io_errors
+    );
+    text.push_str(&render(&results));
+    human.print(&text);
+
+    if let Some(target) = &args.json {
+        let value = json!({
+            "results": results,
+            "engine": output::engine_json(&info, &cores, Some(&final_stats)),
+            "config": config.to_toml_string(),
+            "run": {
+                "blocks": blocks,
+                "slots_total": slots_total,
+                "queue_depth": args.queue_depth,
+                "block_size": config.block_size,
+                "duration_seconds": args.duration,
+                "interrupted": interrupt::requested(),
+            },
+        });
+        output::write_json(target, &value)?;
+    }
+    let corrupt: u64 = results.iter().map(|r| r.corrupt_blocks).sum();
+    if corrupt > 0 {
+        eprintln!(
+            "CORRUPT DATA: {corrupt} loaded block(s) differed from what was stored under their \
+             key (details in the log above)"
+        );
+        return Ok(ExitCode::from(1));
+    }
+    if interrupt::requested() {
+        eprintln!("interrupted: the results above are partial");
+        return Ok(ExitCode::from(130));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs the store phase (always: the others need its keys), then the selected timed phases;
+/// returns the rows of the selected workloads.
+fn run_phases(
+    bench: &mut Bench<'_>,
+    args: &BenchArgs,
+    config: &Config,
+    blocks: u64,
+) -> CliResult<Vec<WorkloadRow>> {
+    let duration = Duration::from_secs_f64(args.duration);
+    let mut results = Vec::new();
+
+    let store = bench.run_phase(&Phase {
+        label: "store",
+        load: false,
+        store: Some(StoreUntil::Key(blocks)),
+        duration: None,
+    })?;
+    tracing::info!(
+        blocks,
+        seconds = format!("{:.2}", store.seconds),
+        "store phase done"
+    );
+    if matches!(args.workload, Workload::Store | Workload::All) {
+        results.push(store.row("store", Stream::Store, config, args.queue_depth, false));
+    }
+    if matches!(args.workload, Workload::Load | Workload::All) && !interrupt::requested() {
+        let load = bench.run_phase(&Phase {
+            label: "load",
+            load: true,
+            store: None,
+            duration: Some(duration),
+        })?;
+        results.push(load.row("load", Stream::Load, config, args.queue_depth, false));
+    }
+    if matches!(args.workload, Workload::Mixed | Workload::All) && !interrupt::requested() {
+        let alone = bench.run_phase(&Phase {
+            label: "load_alone",
+            load: true,
+            store: None,
+            duration: Some(duration / 2),
+        })?;
+        results.push(alone.row("load_alone", Stream::Load, config, args.queue_depth, false));
+        if interrupt::requested() {
+            return Ok(results);
+        }
+        let mixed = bench.run_phase(&Phase {
+            label: "mixed",
+            load: true,
+            store: Some(StoreUntil::Deadline),
+            duration: Some(duration),
+        })?;
+        results.push(mixed.row("mixed_load", Stream::Load, config, args.queue_depth, true));
+        results.push(mixed.row("mixed_store", Stream::Store, config, args.queue_depth, true));
+    }
+    Ok(results)
+}
+
+/// One row of the report and of the JSON `results` array.
+#[derive(Serialize)]
+struct WorkloadRow {
+    workload: &'static str,
+    bytes: u64,
+    seconds: f64,
+    gib_per_s: f64,
+    ops_per_s: f64,
+    p50_us: u64,
+    p99_us: u64,
+    p999_us: u64,
+    /// Engine worker CPU over the phase (for mixed rows: the whole mixed phase).
+    cpu_seconds: f64,
+    /// `null` when nothing was moved.
+    cpu_s_per_gib: Option<f64>,
+    verified_blocks: u64,
+    corrupt_blocks: u64,
+    missed_blocks: u64,
+    failed_blocks: u64,
+    block_size: u64,
+    queue_depth: u32,
+    /// The bench thread's own CPU (data generation, verification) over the phase.
+    bench_cpu_seconds: f64,
+    /// Load candidates skipped because the index no longer held them (evicted).
+    lookup_skips: u64,
+    /// "workload", or "phase" when cpu figures cover both streams of the mixed phase.
+    cpu_scope: &'static str,
+}
+
+fn render(rows: &[WorkloadRow]) -> String {
+    let mut table = Table::new(&[
+        "workload",
+        "GiB/s",
+        "blocks/s",
+        "p50 µs",
+        "p99 µs",
+        "p99.9 µs",
+        "cpu s",
+        "cpu s/GiB",
+        "bench cpu s",
+        "verified",
+        "corrupt",
+        "missed",
+        "failed",
+        "seconds",
+    ]);
+    for r in rows {
+        table.row(vec![
+            r.workload.to_owned(),
+            format!("{:.3}", r.gib_per_s),
+            format!("{:.1}", r.ops_per_s),
+            r.p50_us.to_string(),
+            r.p99_us.to_string(),
+            r.p999_us.to_string(),
+            format!("{:.2}", r.cpu_seconds),
+            r.cpu_s_per_gib
+                .map_or_else(|| "-".into(), |v| format!("{v:.3}")),
+            format!("{:.2}", r.bench_cpu_seconds),
+            r.verified_blocks.to_string(),
+            r.corrupt_blocks.to_string(),
+            r.missed_blocks.to_string(),
+            r.failed_blocks.to_string(),
+            format!("{:.2}", r.seconds),
+        ]);
+    }
+    let mut text = table.to_string();
+    text.push_str(
+        "cpu s: engine worker threads over the phase (mixed rows: the whole mixed phase, loads \
+         and stores together); bench cpu s: the bench thread (copying and verifying data)\n",
+    );
+    for r in rows.iter().filter(|r| r.lookup_skips > 0) {
+        let _ = writeln!(
+            text,
+            "{}: {} load candidates skipped because the index no longer held them (evicted)",
+            r.workload, r.lookup_skips
+        );
+    }
+    text
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stream {
+    Load = 0,
+    Store = 1,
+}
+
+impl Stream {
+    fn of(kind: JobKind) -> Stream {
+        match kind {
+            JobKind::Load => Stream::Load,
+            JobKind::Store => Stream::Store,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum StoreUntil {
+    /// Store keys up to this one (exclusive), then the phase ends when they have finished.
+    Key(u64),
+    /// Store new keys until the phase's deadline.
+    Deadline,
+}
+
+struct Phase {
+    label: &'static str,
+    load: bool,
+    store: Option<StoreUntil>,
+    /// `None`: run until the store stream reaches its last key.
+    duration: Option<Duration>,
+}
+
+/// What one stream did during one phase.
+#[derive(Default)]
+struct Tally {
+    in_flight: usize,
+    ok_blocks: u64,
+    bytes: u64,
+    verified: u64,
+    corrupt: u64,
+    missed: u64,
+    failed: u64,
+    lookup_skips: u64,
+    latencies_us: Vec<u64>,
+    /// Latencies offered to `latencies_us`, kept or not.
+    latencies_seen: u64,
+}
+
+impl Tally {
+    /// Reservoir sampling (Vitter's algorithm R) over every latency of the phase.
+    fn record_latency(&mut self, micros: u64, rng: &mut XorShift) {
+        self.latencies_seen += 1;
+        if self.latencies_us.len() < LATENCY_SAMPLES_MAX {
+            self.latencies_us.push(micros);
+        } else {
+            let slot = rng.next() % self.latencies_seen;
+            if let Some(kept) = self.latencies_us.get_mut(slot as usize) {
+                *kept = micros;
+            }
+        }
+    }
+}
+
+struct PhaseOutcome {
+    seconds: f64,
+    cpu_seconds: f64,
+    bench_cpu_seconds: f64,
+    tallies: [Tally; 2],
+}
+
+impl PhaseOutcome {
+    fn row(
+        &self,
+        workload: &'static str,
+        stream: Stream,
+        config: &Config,
+        queue_depth: u32,
+        shared_phase: bool,
+    ) -> WorkloadRow {
+        let t = &self.tallies[stream as usize];
+        let mut lat = t.latencies_us.clone();
+        lat.sort_unstable();
+        let phase_bytes: u64 = self.tallies.iter().map(|t| t.bytes).sum();
+        let cpu_bytes = if shared_phase { phase_bytes } else { t.bytes };
+        let per_s = |v: f64| {
+            if self.seconds > 0.0 {
+                v / self.seconds
+            } else {
+                0.0
+            }
+        };
+        WorkloadRow {
+            workload,
+            bytes: t.bytes,
+            seconds: self.seconds,
+            gib_per_s: per_s(output::gib(t.bytes)),
+            ops_per_s: per_s(t.ok_blocks as f64),
+            p50_us: percentile(&lat, 0.50),
+            p99_us: percentile(&lat, 0.99),
+            p999_us: percentile(&lat, 0.999),
+            cpu_seconds: self.cpu_seconds,
+            cpu_s_per_gib: (cpu_bytes > 0).then(|| self.cpu_seconds / output::gib(cpu_bytes)),
+            verified_blocks: t.verified,
+            corrupt_blocks: t.corrupt,
+            missed_blocks: t.missed,
+            failed_blocks: t.failed,
+            block_size: config.block_size,
+            queue_depth,
+            bench_cpu_seconds: self.bench_cpu_seconds,
+            lookup_skips: t.lookup_skips,
+            cpu_scope: if shared_phase { "phase" } else { "workload" },
+        }
+    }
+}
+
+/// Nearest-rank percentile of sorted values; 0 when empty.
+fn percentile(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// A job the bench has submitted and not yet seen finish; indexed by its region block.
+#[derive(Clone, Copy)]
+struct InFlight {
+    kind: JobKind,
+    key: u64,
+    seq: u64,
+}
+
+struct Bench<'e> {
+    engine: &'e Engine,
+    region: &'e Region,
+    data: Patterns,
+    block_bytes: usize,
+    queue_depth: usize,
+    free: Vec<u32>,
+    in_flight: Vec<Option<InFlight>>,
+    next_seq: u64,
+    results: Vec<JobResult>,
+    rng: XorShift,
+    /// Keys whose store succeeded, oldest first; loads pick among them.
+    pool: VecDeque<u64>,
+    /// Bound on `pool`: more keys than slots cannot all be stored.
+    pool_max: usize,
+    next_store_key: u64,
+    show_progress: bool,
+}
+
+impl<'e> Bench<'e> {
+    fn new(
+        engine: &'e Engine,
+        region: &'e Region,
+        block_bytes: usize,
+        queue_depth: usize,
+        region_blocks: u32,
+        slots_total: usize,
+    ) -> Bench<'e> {
+        assert!(
+            region_blocks as usize >= 2 * queue_depth,
+            "the region holds a block for every job of both streams"
+        );
+        Bench {
+            engine,
+            region,
+            data: Patterns::new(block_bytes),
+            block_bytes,
+            queue_depth,
+            free: (0..region_blocks).rev().collect(),
+            in_flight: vec![None; region_blocks as usize],
+            next_seq: 0,
+            results: Vec::with_capacity(2 * queue_depth),
+            rng: XorShift::new(SEED ^ 0x5eed),
+            pool: VecDeque::with_capacity(slots_total.min(1 << 20)),
+            pool_max: slots_total.max(1),
+            next_store_key: 0,
+            show_progress: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn run_phase(&mut self, phase: &Phase) -> CliResult<PhaseOutcome> {
+        let bar = self.progress_bar(phase);
+        let cpu_before = self.engine.stats().worker_cpu_seconds;
+        let bench_before = thread_cpu_time();
+        let start = Instant::now();
+        let mut tallies = [Tally::default(), Tally::default()];
+        let mut last_draw = start;
+        loop {
+            let open =
+                !interrupt::requested() && phase.duration.is_none_or(|d| start.elapsed() < d);
+            if open {
+                self.submit_more(phase, &mut tallies)?;
+            }
+            let in_flight: usize = tallies.iter().map(|t| t.in_flight).sum();
+            if in_flight == 0 && (!open || !self.has_work(phase)) {
+                break;
+            }
+            self.engine.wait_finished(&mut self.results, WAIT);
+            let mut results = std::mem::take(&mut self.results);
+            for r in results.drain(..) {
+                self.complete(&r, &mut tallies);
+            }
+            self.results = results;
+            if last_draw.elapsed() >= PROGRESS_EVERY {
+                last_draw = Instant::now();
+                Bench::draw(&bar, phase, start, &tallies);
+            }
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        bar.finish_and_clear();
+        Ok(PhaseOutcome {
+            seconds,
+            cpu_seconds: (self.engine.stats().worker_cpu_seconds - cpu_before).max(0.0),
+            bench_cpu_seconds: thread_cpu_time().saturating_sub(bench_before).as_secs_f64(),
+            tallies,
+        })
+    }
+
+    fn has_work(&self, phase: &Phase) -> bool {
+        let stores = match phase.store {
+            Some(StoreUntil::Key(end)) => self.next_store_key < end,
+            Some(StoreUntil::Deadline) => true,
+            None => false,
+        };
+        stores || (phase.load && !self.pool.is_empty())
+    }
+
+    /// Tops both streams up to the queue depth, loads first. Stops a stream at backpressure.
+    fn submit_more(&mut self, phase: &Phase, tallies: &mut [Tally; 2]) -> CliResult<()> {
+        if phase.load {
+            let tally = &mut tallies[Stream::Load as usize];
+            while tally.in_flight < self.queue_depth {
+                let Some(key) = self.pick_load_key(tally) else {
+                    break;
+                };
+                let block = self
+                    .free
+                    .pop()
+                    .expect("the region has a block per job in flight");
+                self.data.poison(self.region, self.offset(block));
+                if !self.submit(JobKind::Load, key, block)? {
+                    self.free.push(block);
+                    break;
+                }
+                tally.in_flight += 1;
+            }
+        }
+        if let Some(until) = phase.store {
+            let tally = &mut tallies[Stream::Store as usize];
+            while tally.in_flight < self.queue_depth {
+                if let StoreUntil::Key(end) = until {
+                    if self.next_store_key >= end {
+                        break;
+                    }
+                }
+                let key = self.next_store_key;
+                let block = self
+                    .free
+                    .pop()
+                    .expect("the region has a block per job in flight");
+                self.data.store_into(self.region, self.offset(block), key);
+                if !self.submit(JobKind::Store, key, block)? {
+                    self.free.push(block);
+                    break;
+                }
+                self.next_store_key += 1;
+                tally.in_flight += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// A random stored key the index still holds; candidates it no longer holds leave the pool.
+    fn pick_load_key(&mut self, tally: &mut Tally) -> Option<u64> {
+        for _ in 0..LOOKUP_TRIES {
+            if self.pool.is_empty() {
+                return None;
+            }
+            let i = (self.rng.next() % self.pool.len() as u64) as usize;
+            let key = self.pool[i];
+            if self.engine.lookup(&[key_of(key)])[0] != Lookup::Miss {
+                return Some(key);
+            }
+            self.pool.remove(i);
+            tally.lookup_skips += 1;
+        }
+        // Give up filtering: load the newest key and count what happens.
+        self.pool.back().copied()
+    }
+
+    /// `Ok(false)` on backpressure (nothing was queued).
+    fn submit(&mut self, kind: JobKind, key: u64, block: u32) -> CliResult<bool> {
+        let seq = self.next_seq;
+        assert!(
+            seq < 1 << 32,
+            "job sequence numbers fit the id's upper half"
+        );
+        let id = (seq << 32) | u64::from(block);
+        let job = Job::new(id, vec![key_of(key)], vec![block]);
+        let submitted = match kind {
+            JobKind::Load => self.engine.submit_load(job),
+            JobKind::Store => self.engine.submit_store(job),
+        };
+        match submitted {
+            Ok(()) => {
+                self.next_seq += 1;
+                let slot = &mut self.in_flight[block as usize];
+                assert!(slot.is_none(), "block {block} is already in flight");
+                *slot = Some(InFlight { kind, key, seq });
+                Ok(true)
+            }
+            Err(kvtier::Error::Backpressure(why)) => {
+                tracing::debug!(%why, "backpressure: waiting for results before resubmitting");
+                Ok(false)
+            }
+            Err(e) => Err(CliError::from(e).context("submitting a job")),
+        }
+    }
+
+    fn complete(&mut self, r: &JobResult, tallies: &mut [Tally; 2]) {
+        let block = (r.id & u64::from(u32::MAX)) as u32;
+        let job = self.in_flight[block as usize]
+            .take()
+            .expect("each result is for a job this bench submitted and has not seen finish");
+        assert_eq!(
+            job.seq,
+            r.id >> 32,
+            "result id matches the job in flight on its block"
+        );
+        let tally = &mut tallies[Stream::of(job.kind) as usize];
+        tally.in_flight -= 1;
+        let offset = self.offset(block);
+        if r.success {
+            tally.ok_blocks += 1;
+            tally.bytes += r.bytes;
+            tally.record_latency(r.elapsed.as_micros() as u64, &mut self.rng);
+            match job.kind {
+                JobKind::Load => match self.data.first_mismatch(self.region, offset, job.key) {
+                    None => tally.verified += 1,
+                    Some(at) => {
+                        tally.corrupt += 1;
+                        tracing::error!(
+                            key = job.key,
+                            block,
+                            first_bad_byte = at,
+                            "CORRUPT: loaded block differs from what was stored under this key"
+                        );
+                    }
+                },
+                JobKind::Store => {
+                    self.pool.push_back(job.key);
+                    if self.pool.len() > self.pool_max {
+                        self.pool.pop_front();
+                    }
+                }
+            }
+        } else {
+            let failure = r.failure.as_ref();
+            if job.kind == JobKind::Load && failure.is_some_and(|f| f.reason == KeyFailure::Miss) {
+                tally.missed += 1;
+            } else {
+                tally.failed += 1;
+                if tally.failed <= FAILURES_LOGGED_MAX {
+                    tracing::warn!(
+                        kind = ?job.kind,
+                        key = job.key,
+                        reason = failure.map_or_else(|| "unknown".into(), |f| f.reason.to_string()),
+                        detail = failure.map_or("", |f| f.detail.as_str()),
+                        "job failed"
+                    );
+                }
+            }
+        }
+        self.free.push(block);
+    }
+
+    fn offset(&self, block: u32) -> usize {
+        block as usize * self.block_bytes
+    }
+
+    fn progress_bar(&self, phase: &Phase) -> ProgressBar {
+        if !self.show_progress {
+            return ProgressBar::hidden();
+        }
+        let (len, template) = match (phase.duration, phase.store) {
+            (Some(d), _) => (
+                d.as_millis() as u64,
+                "{prefix:>10} [{bar:30}] {elapsed} {msg}",
+            ),
+            (None, Some(StoreUntil::Key(end))) => (
+                end.saturating_sub(self.next_store_key),
+                "{prefix:>10} [{bar:30}] {pos}/{len} {msg}",
+            ),
+            (None, _) => (0, "{prefix:>10} {msg}"),
+        };
+        let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+        if let Ok(style) = ProgressStyle::with_template(template) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_prefix(phase.label);
+        bar
+    }
+
+    fn draw(bar: &ProgressBar, phase: &Phase, start: Instant, tallies: &[Tally; 2]) {
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        let rate = |t: &Tally| output::gib(t.bytes) / secs;
+        let [load, store] = tallies;
+        if phase.duration.is_some() {
+            bar.set_position(start.elapsed().as_millis() as u64);
+        } else {
+            bar.set_position(store.ok_blocks + store.failed);
+        }
+        let mut msg = String::new();
+        if phase.load {
+            let _ = write!(msg, "load {:.2} GiB/s ", rate(load));
+        }
+        if phase.store.is_some() {
+            let _ = write!(msg, "store {:.2} GiB/s", rate(store));
+        }
+        bar.set_message(msg);
+    }
+}
+
+/// The 36-byte vLLM-shaped key (32-byte hash + group 0) of key number `k`.
+fn key_of(k: u64) -> Key {
+    let mut state = k ^ SEED;
+    let mut hash = [0u8; 32];
+    for chunk in hash.chunks_exact_mut(8) {
+        chunk.copy_from_slice(&splitmix64(&mut state).to_le_bytes());
+    }
+    Key::vllm(&hash, 0).expect("a 32-byte hash and a group index fit in a key")
+}
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// xorshift64*: small, fast, reproducible.
+struct XorShift(u64);
+
+impl XorShift {
+    fn new(seed: u64) -> XorShift {
+        XorShift(seed | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+/// Block contents: `content(k)` is pattern `k % PATTERNS` with `k` (u64 LE) stamped in its
+/// first and last 8 bytes. Patterns live in ordinary memory, generated once.
+struct Patterns {
+    block_bytes: usize,
+    patterns: Vec<Vec<u8>>,
+}
+
+impl Patterns {
+    fn new(block_bytes: usize) -> Patterns {
+        assert!(
+            block_bytes >= POISON_STRIDE_BYTES,
+            "blocks are at least one page"
+        );
+        let mut rng = XorShift::new(SEED);
+        let patterns = (0..PATTERNS)
+            .map(|_| {
+                let mut block = vec![0u8; block_bytes];
+                for chunk in block.chunks_mut(8) {
+                    let word = rng.next().to_le_bytes();
+                    chunk.copy_from_slice(&word[..chunk.len()]);
+                }
+                block
+            })
+            .collect();
+        Patterns {
+            block_bytes,
+            patterns,
+        }
+    }
+
+    fn pattern(&self, k: u64) -> &[u8] {
+        &self.patterns[(k % PATTERNS) as usize]
+    }
+
+    fn store_into(&self, region: &Region, offset: usize, k: u64) {
+        let stamp = k.to_le_bytes();
+        region.write(offset, self.pattern(k));
+        region.write(offset, &stamp);
+        region.write(offset + self.block_bytes - stamp.len(), &stamp);
+    }
+
+    /// Overwrites the start of every page of the block, so a load that leaves any page
+    /// unwritten (or writes nothing) cannot pass verification on stale content.
+    fn poison(&self, region: &Region, offset: usize) {
+        for page in (0..self.block_bytes).step_by(POISON_STRIDE_BYTES) {
+            region.fill(offset + page, 8, 0xFF);
+        }
+    }
+
+    /// `None` if the block holds exactly `content(k)`, else the first differing byte.
+    fn first_mismatch(&self, region: &Region, offset: usize, k: u64) -> Option<usize> {
+        let stamp = k.to_le_bytes();
+        let pattern = self.pattern(k);
+        let n = self.block_bytes;
+        region.with_bytes(offset, n, |got| {
+            let tail = n - stamp.len();
+            if got[..8] == stamp && got[tail..] == stamp && got[8..tail] == pattern[8..tail] {
+                return None;
+            }
+            (0..n).find(|&i| {
+                let want = if i < 8 {
+                    stamp[i]
+                } else if i >= tail {
+                    stamp[i - tail]
+                } else {
+                    pattern[i]
+                };
+                got[i] != want
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        let v: Vec<u64> = (1..=1000).collect();
+        assert_eq!(percentile(&v, 0.5), 500);
+        assert_eq!(percentile(&v, 0.99), 990);
+        assert_eq!(percentile(&v, 0.999), 999);
+        assert_eq!(percentile(&[], 0.5), 0);
+        assert_eq!(percentile(&[7], 0.999), 7);
+    }
+
+    #[test]
+    fn keys_are_distinct_and_vllm_shaped() {
+        let a = key_of(1);
+        assert_eq!(a.len(), 36);
+        assert_ne!(a, key_of(2));
+        assert_eq!(a, key_of(1));
+    }
+
+    #[test]
+    fn contents_verify_only_for_their_own_key() {
+        let block = 8192;
+        let region =
+            Region::allocate(2 * block, kvtier_sys::mem::HugePages::Off).expect("small region");
+        let data = Patterns::new(block);
+        data.store_into(&region, 0, 5);
+        assert_eq!(data.first_mismatch(&region, 0, 5), None);
+        assert_eq!(
+            data.first_mismatch(&region, 0, 21),
+            Some(0),
+            "same pattern, other stamp"
+        );
+        data.poison(&region, block);
+        assert!(data.first_mismatch(&region, block, 5).is_some());
+        let mut byte = [0u8; 1];
+        region.read(block - 100, &mut byte);
+        region.write(block - 100, &[!byte[0]]);
+        assert_eq!(data.first_mismatch(&region, 0, 5), Some(block - 100));
+    }
+}

@@ -1,0 +1,214 @@
+//! End-to-end tests of the `kvtier` binary: each runs the built command as a user would and
+//! checks its exit code and output. They catch a broken argument surface, a bench that stops
+//! verifying data or mislabels its workloads, JSON that no longer parses, and error paths that
+//! exit with the wrong code. Scratch data goes under /var/tmp (not /tmp, which may be tmpfs and
+//! refuse `O_DIRECT`); each test uses its own temporary directory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn kvtier(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("the kvtier binary runs")
+}
+
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("kvtier-cli-test-")
+        .tempdir_in("/var/tmp")
+        .expect("a temporary directory in /var/tmp")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json_stdout(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}):\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            stderr(out)
+        )
+    })
+}
+
+fn path_str(path: &Path) -> &str {
+    path.to_str().expect("temporary paths are UTF-8")
+}
+
+// The full bench on a small data set: every phase must run, be named as documented, and every
+// loaded block must verify; the scratch directory must be gone afterwards.
+#[test]
+fn bench_all_small_verifies_and_reports_five_workloads() {
+    let dir = scratch();
+    let out = kvtier(&[
+        "bench",
+        "--workload",
+        "all",
+        "--blocks",
+        "64",
+        "--block-size",
+        "256KiB",
+        "--queue-depth",
+        "8",
+        "--duration",
+        "1",
+        "--json",
+        "-",
+        "--dir",
+        path_str(dir.path()),
+    ]);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    let doc = json_stdout(&out);
+    let results = doc["results"].as_array().expect("results array");
+    let names: Vec<&str> = results
+        .iter()
+        .map(|r| r["workload"].as_str().expect("workload name"))
+        .collect();
+    for want in ["store", "load", "load_alone", "mixed_load", "mixed_store"] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    for r in results {
+        assert_eq!(r["corrupt_blocks"], 0, "{r}");
+        assert_eq!(r["block_size"], 256 * 1024, "{r}");
+        assert_eq!(r["queue_depth"], 8, "{r}");
+        for field in ["bytes", "seconds", "gib_per_s", "p99_us", "cpu_seconds"] {
+            assert!(r[field].is_number(), "{field} in {r}");
+        }
+    }
+    let load = results
+        .iter()
+        .find(|r| r["workload"] == "load")
+        .expect("load row");
+    assert!(
+        load["verified_blocks"].as_u64().expect("count") > 0,
+        "{load}"
+    );
+    let store = results
+        .iter()
+        .find(|r| r["workload"] == "store")
+        .expect("store row");
+    assert_eq!(store["bytes"], 64 * 256 * 1024, "{store}");
+    assert!(doc["config"]
+        .as_str()
+        .expect("config text")
+        .contains("256 KiB"));
+    assert!(doc["engine"]["devices"].is_array());
+    assert!(
+        stderr(&out).contains("workload"),
+        "with --json - the table goes to stderr"
+    );
+    let left: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .expect("read scratch parent")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert!(left.is_empty(), "scratch directory not removed: {left:?}");
+}
+
+// `--keep` leaves the slab and a config beside it; `inspect` on that config must find every
+// stored block and verify all of them without touching anything else.
+#[test]
+fn kept_bench_store_is_inspectable() {
+    let dir = scratch();
+    let out = kvtier(&[
+        "bench",
+        "--workload",
+        "store",
+        "--blocks",
+        "32",
+        "--block-size",
+        "64KiB",
+        "--queue-depth",
+        "4",
+        "--keep",
+        "--dir",
+        path_str(dir.path()),
+    ]);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    let kept = std::fs::read_dir(dir.path())
+        .expect("read scratch parent")
+        .map(|e| e.expect("entry").path())
+        .find(|p| p.join("kvtier-bench.toml").exists())
+        .expect("--keep leaves the scratch directory with its config");
+    let config = kept.join("kvtier-bench.toml");
+    let out = kvtier(&["inspect", "--config", path_str(&config), "--json"]);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    let doc = json_stdout(&out);
+    assert_eq!(doc["devices"][0]["blocks_stored"], 32, "{doc}");
+    assert_eq!(doc["verify"]["keys"], 32, "{doc}");
+    assert_eq!(doc["verify"]["ok"], 32, "{doc}");
+    assert_eq!(doc["verify"]["checksum_failures"], 0, "{doc}");
+}
+
+// The probe must always answer, in JSON, with an io_uring section.
+#[test]
+fn probe_json_has_io_uring_section() {
+    let out = kvtier(&["probe", "--json", "--dir", "/var/tmp"]);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    let doc = json_stdout(&out);
+    assert!(doc["io_uring"]["available"].is_boolean(), "{doc}");
+    assert!(doc["io_uring"]["opcodes"].is_object(), "{doc}");
+    assert!(doc["hugepages"]["thp_mode"].is_string(), "{doc}");
+    assert!(doc["advice"].is_array(), "{doc}");
+}
+
+// A bad config is a usage error (exit 2) whose message names the field; a good one prints the
+// effective config.
+#[test]
+fn config_check_names_the_bad_field() {
+    let dir = scratch();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "block_size = 6000\n[[devices]]\npath = \"/x\"\n").expect("write");
+    let out = kvtier(&["config-check", path_str(&bad)]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("error: "), "{}", stderr(&out));
+    assert!(stderr(&out).contains("block_size"), "{}", stderr(&out));
+
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kvtier.example.toml");
+    let out = kvtier(&["config-check", path_str(&example)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("[[devices]]"));
+}
+
+// The files layout is not built yet: the engine's refusal must come out as a clean error.
+#[test]
+fn bench_files_layout_fails_cleanly() {
+    let dir = scratch();
+    let out = kvtier(&[
+        "bench",
+        "--layout",
+        "files",
+        "--duration",
+        "1",
+        "--dir",
+        path_str(dir.path()),
+    ]);
+    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("error: ") && err.contains("files"), "{err}");
+}
