@@ -95,11 +95,20 @@ pub struct Engine {
 impl Engine {
     /// Opens the engine on the kernel's devices (io_uring, O_DIRECT per config).
     pub fn open(config: &Config, region: Arc<Region>) -> Result<Engine> {
-        Engine::open_with(config, region, Arc::new(crate::uring::KernelStorage::default()))
+        Engine::open_with(
+            config,
+            region,
+            Arc::new(crate::uring::KernelStorage::default()),
+        )
     }
 
     /// Opens the engine on any [`Storage`] (the simulated one in tests).
-    pub fn open_with(config: &Config, region: Arc<Region>, storage: Arc<dyn Storage>) -> Result<Engine> {
+    #[allow(clippy::needless_pass_by_value)] // ownership is the natural API; clones go to workers
+    pub fn open_with(
+        config: &Config,
+        region: Arc<Region>,
+        storage: Arc<dyn Storage>,
+    ) -> Result<Engine> {
         let started = std::time::Instant::now();
         config.validate()?;
         let block_bytes = config.block_size;
@@ -111,7 +120,9 @@ impl Engine {
         }
         let region_blocks = region.len() as u64 / block_bytes;
         if region_blocks > u64::from(u32::MAX) {
-            return Err(Error::Memory(format!("{region_blocks} blocks: at most 2^32-1")));
+            return Err(Error::Memory(format!(
+                "{region_blocks} blocks: at most 2^32-1"
+            )));
         }
         let mut devices = Vec::with_capacity(config.devices.len());
         let mut summaries = Vec::with_capacity(config.devices.len());
@@ -120,12 +131,14 @@ impl Engine {
                 return Err(crate::config::ConfigError::Invalid {
                     field: format!("devices[{i}].layout"),
                     value: "\"files\"".into(),
-                    expected: "\"slab\" (the files layout is not available in this build yet)".into(),
+                    expected: "\"slab\" (the files layout is not available in this build yet)"
+                        .into(),
                 }
                 .into());
             }
             let info = storage.open_device(i, dcfg, config.direct_io)?;
-            let (geometry, formatted) = prepare_slab(storage.as_ref(), i, &info, block_bytes, dcfg.overwrite)?;
+            let (geometry, formatted) =
+                prepare_slab(storage.as_ref(), i, &info, block_bytes, dcfg.overwrite)?;
             summaries.push(DeviceSummary {
                 path: info.path.clone(),
                 kind: info.kind,
@@ -134,12 +147,19 @@ impl Engine {
                 geometry,
                 formatted,
             });
-            devices.push(DeviceSpec { geometry, fresh: formatted });
+            devices.push(DeviceSpec {
+                geometry,
+                fresh: formatted,
+            });
         }
         let cores: Vec<Option<usize>> = match &config.cores {
             Cores::Auto => {
                 let avail = kvtier_sys::affinity::available_cores();
-                if avail.is_empty() { vec![None] } else { avail.into_iter().map(Some).collect() }
+                if avail.is_empty() {
+                    vec![None]
+                } else {
+                    avail.into_iter().map(Some).collect()
+                }
             }
             Cores::List(list) => list.iter().copied().map(Some).collect(),
         };
@@ -151,7 +171,11 @@ impl Engine {
             jobs_in_flight: std::sync::atomic::AtomicUsize::new(0),
             idle_lock: Mutex::new(()),
             idle: Condvar::new(),
-            events: EventSink::new(config.events.enabled, config.events.max, config.events.locality),
+            events: EventSink::new(
+                config.events.enabled,
+                config.events.max,
+                config.events.locality,
+            ),
         });
         let piece_blocks = ((1u64 << 30) / block_bytes).max(1);
         let settings = BackendSettings {
@@ -166,10 +190,16 @@ impl Engine {
         let mut threads = Vec::with_capacity(workers);
         let (ready_tx, ready_rx) = crossbeam_channel::unbounded();
         for (id, core) in cores.iter().copied().enumerate() {
-            let wake = Arc::new(EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?);
+            let wake = Arc::new(
+                EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?,
+            );
             let me = Arc::new(ShardShared::new(Arc::clone(&wake)));
             let (tx, rx) = crossbeam_channel::unbounded();
-            shards.push(ShardHandle { tx, rx: rx.clone(), shared: Arc::clone(&me) });
+            shards.push(ShardHandle {
+                tx,
+                rx: rx.clone(),
+                shared: Arc::clone(&me),
+            });
             let ctx = WorkerCtx {
                 id,
                 workers,
@@ -228,6 +258,14 @@ impl Engine {
             engine.shutdown();
             return Err(e);
         }
+        let unroutable = engine.stats().unroutable_entries;
+        if unroutable > 0 {
+            tracing::warn!(
+                blocks = unroutable,
+                "dropped stored blocks whose keys now route to another worker or device \
+                 (cores or devices changed since they were written)"
+            );
+        }
         let mut engine = engine;
         engine.info.open_seconds = started.elapsed().as_secs_f64();
         for (i, d) in engine.info.devices.iter().enumerate() {
@@ -260,7 +298,10 @@ impl Engine {
     }
 
     fn submit(&self, kind: JobKind, job: Job) -> Result<()> {
-        let _gate = self.gate.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _gate = self
+            .gate
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if self.shut.load(Ordering::Acquire) {
             return Err(Error::Shutdown);
         }
@@ -293,7 +334,10 @@ impl Engine {
             if before + n > self.queue_blocks_max {
                 for (t, part) in parts.iter().enumerate().take(s + 1) {
                     if !part.is_empty() {
-                        self.shards[t].shared.queued_blocks.fetch_sub(part.len(), Ordering::AcqRel);
+                        self.shards[t]
+                            .shared
+                            .queued_blocks
+                            .fetch_sub(part.len(), Ordering::AcqRel);
                     }
                 }
                 self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -315,7 +359,10 @@ impl Engine {
             }
             let h = &self.shards[s];
             // Cannot fail: the handle holds a receiver too.
-            let _ = h.tx.send(Msg::Work(Part { job: Arc::clone(&state), items }));
+            let _ = h.tx.send(Msg::Work(Part {
+                job: Arc::clone(&state),
+                items,
+            }));
             h.shared.nudge();
         }
         Ok(())
@@ -323,16 +370,32 @@ impl Engine {
 
     fn invalid(&self, job: &Job) -> Option<(usize, String)> {
         if job.keys.len() != job.blocks.len() {
-            return Some((0, format!("{} keys but {} blocks", job.keys.len(), job.blocks.len())));
+            return Some((
+                0,
+                format!("{} keys but {} blocks", job.keys.len(), job.blocks.len()),
+            ));
         }
-        job.blocks.iter().position(|&b| u64::from(b) >= self.region_blocks).map(|i| {
-            (0, format!("block id {} at position {i} is out of range: the region has {} blocks", job.blocks[i], self.region_blocks))
-        })
+        job.blocks
+            .iter()
+            .position(|&b| u64::from(b) >= self.region_blocks)
+            .map(|i| {
+                (
+                    0,
+                    format!(
+                        "block id {} at position {i} is out of range: the region has {} blocks",
+                        job.blocks[i], self.region_blocks
+                    ),
+                )
+            })
     }
 
     fn notify_if_idle(&self) {
         if self.shared.jobs_in_flight.load(Ordering::Acquire) == 0 {
-            let _g = self.shared.idle_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _g = self
+                .shared
+                .idle_lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             self.shared.idle.notify_all();
         }
     }
@@ -365,9 +428,27 @@ impl Engine {
                     .published
                     .read()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if set.contains(k) { Lookup::Hit(Tier::Nvme) } else { Lookup::Miss }
+                if set.contains(k) {
+                    Lookup::Hit(Tier::Nvme)
+                } else {
+                    Lookup::Miss
+                }
             })
             .collect()
+    }
+
+    /// Every key currently stored (completed stores, not yet evicted), in no particular order.
+    pub fn keys(&self) -> Vec<Key> {
+        let mut out = Vec::new();
+        for h in &self.shards {
+            let set = h
+                .shared
+                .published
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            out.extend(set.iter().copied());
+        }
+        out
     }
 
     /// Jobs submitted whose result has not been published yet.
@@ -378,7 +459,11 @@ impl Engine {
     /// Blocks until every submitted job has completed or failed. Afterwards no I/O touches the
     /// region until the next submit; results wait in `poll_finished`.
     pub fn drain(&self) {
-        let mut guard = self.shared.idle_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut guard = self
+            .shared
+            .idle_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         while self.shared.jobs_in_flight.load(Ordering::Acquire) > 0 {
             guard = self
                 .shared
@@ -394,7 +479,10 @@ impl Engine {
     /// [`Error::Shutdown`]. Results stay available to `poll_finished`.
     pub fn shutdown(&self) {
         {
-            let _gate = self.gate.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _gate = self
+                .gate
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             if self.shut.swap(true, Ordering::AcqRel) {
                 return;
             }
@@ -403,8 +491,12 @@ impl Engine {
             let _ = h.tx.send(Msg::Stop);
             h.shared.wake.notify();
         }
-        let threads: Vec<JoinHandle<()>> =
-            self.threads.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..).collect();
+        let threads: Vec<JoinHandle<()>> = self
+            .threads
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .drain(..)
+            .collect();
         for t in threads {
             if t.join().is_err() {
                 tracing::error!("a kvtier worker panicked");
@@ -417,7 +509,12 @@ impl Engine {
                 if let Msg::Work(part) = msg {
                     for &item in &part.items {
                         h.shared.queued_blocks.fetch_sub(1, Ordering::AcqRel);
-                        part.job.fail(&self.shared, item as usize, KeyFailure::Shutdown, String::new());
+                        part.job.fail(
+                            &self.shared,
+                            item as usize,
+                            KeyFailure::Shutdown,
+                            String::new(),
+                        );
                     }
                 }
             }
@@ -471,7 +568,9 @@ struct WorkerCtx {
 
 fn worker_main(ctx: WorkerCtx) {
     let id = ctx.id;
-    ctx.me.tid.store(nix::unistd::gettid().as_raw(), Ordering::Release);
+    ctx.me
+        .tid
+        .store(nix::unistd::gettid().as_raw(), Ordering::Release);
     let pinned = match ctx.core {
         Some(core) => match kvtier_sys::affinity::pin_current_thread(core) {
             Ok(()) => true,
@@ -486,11 +585,19 @@ fn worker_main(ctx: WorkerCtx) {
     let meta = match Region::allocate(meta_len, kvtier_sys::mem::HugePages::Off) {
         Ok(m) => Arc::new(m),
         Err(e) => {
-            let _ = ctx.ready.send((id, Err(format!("allocating {meta_len} bytes of slot table: {e}"))));
+            let _ = ctx.ready.send((
+                id,
+                Err(format!("allocating {meta_len} bytes of slot table: {e}")),
+            ));
             return;
         }
     };
-    let backend = match ctx.storage.backend(id, vec![Arc::clone(&ctx.region), Arc::clone(&meta)], Arc::clone(&ctx.me.wake), &ctx.settings) {
+    let backend = match ctx.storage.backend(
+        id,
+        vec![Arc::clone(&ctx.region), Arc::clone(&meta)],
+        Arc::clone(&ctx.me.wake),
+        &ctx.settings,
+    ) {
         Ok(b) => b,
         Err(e) => {
             let _ = ctx.ready.send((id, Err(e.to_string())));
@@ -517,7 +624,12 @@ fn worker_main(ctx: WorkerCtx) {
         Ok(r) => {
             let _ = ctx.ready.send((
                 id,
-                Ok(WorkerSummary { core: ctx.core, pinned, backend: r.backend, recovered_blocks: r.recovered_blocks }),
+                Ok(WorkerSummary {
+                    core: ctx.core,
+                    pinned,
+                    backend: r.backend,
+                    recovered_blocks: r.recovered_blocks,
+                }),
             ));
         }
         Err(e) => {
@@ -541,15 +653,22 @@ fn prepare_slab(
     if info.align_bytes > crate::slab::TABLE_PAGE_BYTES as u64 {
         return Err(Error::device(
             &info.path,
-            format!("direct I/O alignment {} bytes is above the 4096 this layout supports", info.align_bytes),
+            format!(
+                "direct I/O alignment {} bytes is above the 4096 this layout supports",
+                info.align_bytes
+            ),
         ));
     }
-    let geometry = Geometry::compute(info.size_bytes, block_bytes, info.align_bytes.max(4096)).ok_or_else(|| {
-        Error::device(
-            &info.path,
-            format!("{} bytes is too small for one {block_bytes}-byte slot and the slot table", info.size_bytes),
-        )
-    })?;
+    let geometry = Geometry::compute(info.size_bytes, block_bytes, info.align_bytes.max(4096))
+        .ok_or_else(|| {
+            Error::device(
+                &info.path,
+                format!(
+                    "{} bytes is too small for one {block_bytes}-byte slot and the slot table",
+                    info.size_bytes
+                ),
+            )
+        })?;
     let page = Region::allocate(HEADER_BYTES as usize, kvtier_sys::mem::HugePages::Off)
         .map_err(|e| Error::Memory(e.to_string()))?;
     storage.read_sync(index, 0, &page, 0, HEADER_BYTES as usize)?;
@@ -592,12 +711,17 @@ fn format(storage: &dyn Storage, index: usize, page: &Region, geometry: Geometry
         .map_or(0, |d| d.as_nanos() as u64)
         ^ u64::from(std::process::id()) << 32;
     let mut raw = vec![0u8; HEADER_BYTES as usize];
-    let mut header = Header { state: HeaderState::Formatting, geometry, format_id };
+    let mut header = Header {
+        state: HeaderState::Formatting,
+        geometry,
+        format_id,
+    };
     header.encode(&mut raw);
     page.write(0, &raw);
     storage.write_sync(index, 0, page, 0, HEADER_BYTES as usize)?;
     let zeros_len = 1usize << 20;
-    let zeros = Region::allocate(zeros_len, kvtier_sys::mem::HugePages::Off).map_err(|e| Error::Memory(e.to_string()))?;
+    let zeros = Region::allocate(zeros_len, kvtier_sys::mem::HugePages::Off)
+        .map_err(|e| Error::Memory(e.to_string()))?;
     let total = table_bytes(geometry.slot_count);
     let mut done = 0u64;
     while done < total {

@@ -38,7 +38,10 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn device(path: &std::path::Path, message: impl Into<String>) -> Error {
-        Error::Device { path: path.to_path_buf(), message: message.into() }
+        Error::Device {
+            path: path.to_path_buf(),
+            message: message.into(),
+        }
     }
 }
 

@@ -35,7 +35,13 @@ pub(crate) struct EventSink {
 
 impl EventSink {
     pub fn new(enabled: bool, max: usize, locality: Option<Locality>) -> EventSink {
-        EventSink { enabled, max, locality, buf: Mutex::new(VecDeque::new()), dropped: AtomicU64::new(0) }
+        EventSink {
+            enabled,
+            max,
+            locality,
+            buf: Mutex::new(VecDeque::new()),
+            dropped: AtomicU64::new(0),
+        }
     }
 
     pub fn enabled(&self) -> bool {
@@ -46,16 +52,27 @@ impl EventSink {
         if !self.enabled || keys.is_empty() {
             return;
         }
-        let mut buf = self.buf.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut buf = self
+            .buf
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         while buf.len() >= self.max {
             buf.pop_front();
             self.dropped.fetch_add(1, Relaxed);
         }
-        buf.push_back(Event { keys, medium: Medium::Storage, removed, locality: self.locality });
+        buf.push_back(Event {
+            keys,
+            medium: Medium::Storage,
+            removed,
+            locality: self.locality,
+        });
     }
 
     pub fn take(&self) -> Vec<Event> {
-        let mut buf = self.buf.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut buf = self
+            .buf
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         buf.drain(..).collect()
     }
 

@@ -90,13 +90,26 @@ pub struct BackendSettings {
 /// Opens devices and builds backends; shared by all workers.
 pub trait Storage: Send + Sync {
     /// Opens (creating and preparing if needed) device `index`.
-    fn open_device(&self, index: usize, cfg: &DeviceConfig, direct: DirectIo) -> Result<DeviceInfo>;
+    fn open_device(&self, index: usize, cfg: &DeviceConfig, direct: DirectIo)
+        -> Result<DeviceInfo>;
     /// Synchronous read, used only while opening (headers, formatting).
-    fn read_sync(&self, device: usize, offset: u64, buf: &Region, buf_offset: usize, len: usize)
-        -> Result<()>;
+    fn read_sync(
+        &self,
+        device: usize,
+        offset: u64,
+        buf: &Region,
+        buf_offset: usize,
+        len: usize,
+    ) -> Result<()>;
     /// Synchronous write, used only while opening (headers, formatting).
-    fn write_sync(&self, device: usize, offset: u64, buf: &Region, buf_offset: usize, len: usize)
-        -> Result<()>;
+    fn write_sync(
+        &self,
+        device: usize,
+        offset: u64,
+        buf: &Region,
+        buf_offset: usize,
+        len: usize,
+    ) -> Result<()>;
     /// Builds worker `worker`'s backend. Called on the worker's own thread.
     fn backend(
         &self,

@@ -66,7 +66,9 @@ impl std::fmt::Display for KeyFailure {
             KeyFailure::Miss => write!(f, "not stored"),
             KeyFailure::NotReady => write!(f, "store still in progress"),
             KeyFailure::Io(e) => write!(f, "I/O error: {}", e.desc()),
-            KeyFailure::ShortIo { done, wanted } => write!(f, "short I/O: {done} of {wanted} bytes"),
+            KeyFailure::ShortIo { done, wanted } => {
+                write!(f, "short I/O: {done} of {wanted} bytes")
+            }
             KeyFailure::Checksum => write!(f, "checksum mismatch (block dropped)"),
             KeyFailure::NoSpace => write!(f, "no free slot"),
             KeyFailure::Shutdown => write!(f, "engine shut down"),
@@ -126,7 +128,10 @@ impl Shared {
         // only because there is nobody left to tell.
         let _ = self.results_tx.send(result);
         if self.jobs_in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let _guard = self.idle_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _guard = self
+                .idle_lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             self.idle.notify_all();
         }
     }
@@ -167,9 +172,16 @@ impl JobState {
     /// Records that key `index` failed.
     pub fn fail(&self, shared: &Shared, index: usize, reason: KeyFailure, detail: String) {
         {
-            let mut first = self.first_failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut first = self
+                .first_failure
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             if first.as_ref().is_none_or(|f| index < f.key_index) {
-                *first = Some(JobFailure { key_index: index, reason, detail });
+                *first = Some(JobFailure {
+                    key_index: index,
+                    reason,
+                    detail,
+                });
             }
         }
         self.resolve(shared);
@@ -177,8 +189,14 @@ impl JobState {
 
     /// Fails the whole job before any of it was queued (a malformed job).
     pub fn fail_whole(&self, shared: &Shared, index: usize, reason: KeyFailure, detail: String) {
-        *self.first_failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-            Some(JobFailure { key_index: index, reason, detail });
+        *self
+            .first_failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(JobFailure {
+            key_index: index,
+            reason,
+            detail,
+        });
         self.publish(shared);
     }
 

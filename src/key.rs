@@ -32,7 +32,11 @@ impl Key {
         }
         let mut inline = [0u8; MAX_KEY_BYTES];
         inline[..bytes.len()].copy_from_slice(bytes);
-        Ok(Key { hash: xxhash_rust::xxh3::xxh3_64(bytes), len: bytes.len() as u8, bytes: inline })
+        Ok(Key {
+            hash: xxhash_rust::xxh3::xxh3_64(bytes),
+            len: bytes.len() as u8,
+            bytes: inline,
+        })
     }
 
     /// A vLLM offload key: the block hash followed by the group index as 4 big-endian bytes.
@@ -54,7 +58,9 @@ impl Key {
     pub fn from_hex(hex: &str) -> Result<Key, Error> {
         let hex = hex.trim();
         if hex.len() % 2 != 0 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(Error::InvalidKey(format!("`{hex}` is not an even-length hex string")));
+            return Err(Error::InvalidKey(format!(
+                "`{hex}` is not an even-length hex string"
+            )));
         }
         let mut buf = Vec::with_capacity(hex.len() / 2);
         for pair in hex.as_bytes().chunks(2) {
@@ -97,7 +103,12 @@ impl Key {
 
     /// The device this key lives on, out of `devices`; independent of the shard choice.
     pub fn device(&self, devices: usize) -> usize {
-        fast_range(self.hash.rotate_left(32).wrapping_mul(0x9E37_79B9_7F4A_7C15), devices)
+        fast_range(
+            self.hash
+                .rotate_left(32)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            devices,
+        )
     }
 }
 

@@ -15,7 +15,9 @@ pub struct Histogram {
 
 impl Default for Histogram {
     fn default() -> Self {
-        Histogram { buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect() }
+        Histogram {
+            buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+        }
     }
 }
 
@@ -36,7 +38,7 @@ fn bucket_high(b: usize) -> u64 {
     let exp = (b - LINEAR) / SUB_BUCKETS + 4;
     let sub = ((b - LINEAR) % SUB_BUCKETS) as u64;
     let low = (1u64 << exp) | (sub << (exp - 3));
-    low + (1u64 << (exp - 3)) - 1
+    low + ((1u64 << (exp - 3)) - 1)
 }
 
 impl Histogram {
@@ -45,7 +47,9 @@ impl Histogram {
     }
 
     pub fn snapshot(&self) -> HistogramSnapshot {
-        HistogramSnapshot { counts: self.buckets.iter().map(|b| b.load(Relaxed)).collect() }
+        HistogramSnapshot {
+            counts: self.buckets.iter().map(|b| b.load(Relaxed)).collect(),
+        }
     }
 }
 
@@ -113,6 +117,7 @@ pub struct ShardMetrics {
     pub slots_total: AtomicU64,
     pub recovered_blocks: AtomicU64,
     pub torn_entries: AtomicU64,
+    pub unroutable_entries: AtomicU64,
     pub load_latency: Histogram,
     pub store_latency: Histogram,
 }
@@ -145,6 +150,9 @@ pub struct Stats {
     pub slots_total: u64,
     pub recovered_blocks: u64,
     pub torn_entries: u64,
+    /// Recovered entries dropped because `cores` or the device list changed since they were
+    /// written (their keys now route to another worker or device).
+    pub unroutable_entries: u64,
     pub jobs_in_flight: u64,
     pub events_dropped: u64,
     /// CPU time used by the worker threads, in seconds.
@@ -180,6 +188,7 @@ impl Stats {
         self.slots_total += l(&m.slots_total);
         self.recovered_blocks += l(&m.recovered_blocks);
         self.torn_entries += l(&m.torn_entries);
+        self.unroutable_entries += l(&m.unroutable_entries);
         self.load_latency_us.merge(&m.load_latency.snapshot());
         self.store_latency_us.merge(&m.store_latency.snapshot());
     }

@@ -28,7 +28,11 @@ pub fn allocate_blocks(block_bytes: u64, blocks: u64, hugepages: HugePages) -> R
         HugePages::Off => kvtier_sys::mem::HugePages::Off,
     };
     let region = Region::allocate(len, huge).map_err(|e| Error::Memory(e.to_string()))?;
-    tracing::info!(bytes = len, backing = region.backing().as_str(), "primary region allocated");
+    tracing::info!(
+        bytes = len,
+        backing = region.backing().as_str(),
+        "primary region allocated"
+    );
     // The mapping may be rounded up (to 2 MiB for huge pages); the engine uses whole blocks of it.
     Ok(Arc::new(region))
 }

@@ -190,7 +190,10 @@ impl Ops {
                 started: now,
             })
             .collect();
-        Ops { ops, free: (0..capacity as u32).rev().collect() }
+        Ops {
+            ops,
+            free: (0..capacity as u32).rev().collect(),
+        }
     }
 
     fn alloc(&mut self, kind: OpKind) -> Option<u32> {
@@ -227,7 +230,10 @@ impl Ops {
         let chunk = ((user_data >> 24) & 0xff) as u16;
         let gen = (user_data >> 32) as u32;
         let op = &self.ops[idx as usize];
-        assert!(op.live && op.gen == gen, "completion for a stale op {idx} gen {gen}");
+        assert!(
+            op.live && op.gen == gen,
+            "completion for a stale op {idx} gen {gen}"
+        );
         (idx, chunk)
     }
 }
@@ -354,10 +360,16 @@ impl Shard {
         }
         // At most 255 chunks per block: the chunk number travels in 8 bits of user_data.
         let chunk_floor = p.block_bytes.div_ceil(255).div_ceil(4096) * 4096;
-        let chunk_bytes = p.sched.store_chunk_bytes.max(chunk_floor).min(p.block_bytes);
+        let chunk_bytes = p
+            .sched
+            .store_chunk_bytes
+            .max(chunk_floor)
+            .min(p.block_bytes);
         let ops_capacity = p.ring_entries * 2 + p.sched.load_inflight_max + 64;
         let total_slots = capacity as u64;
-        p.me.metrics.slots_total.store(total_slots, Ordering::Relaxed);
+        p.me.metrics
+            .slots_total
+            .store(total_slots, Ordering::Relaxed);
         let mut index = KeyMap::default();
         index.reserve(capacity);
         Shard {
@@ -407,14 +419,21 @@ impl Shard {
             let mut done = 0usize;
             while done < total {
                 let len = (total - done).min(RECOVER_READ_BYTES);
-                let idx = self.ops.alloc(OpKind::Recover).ok_or("op table exhausted")?;
+                let idx = self
+                    .ops
+                    .alloc(OpKind::Recover)
+                    .ok_or("op table exhausted")?;
                 self.ops.ops[idx as usize].dev = d as u16;
                 let req = IoRequest {
                     user_data: self.ops.user_data(idx, 0),
                     kind: IoKind::Read,
                     device: d as u16,
                     offset: base + done as u64,
-                    buf: BufRef { region: BUF_META, offset: meta_offset + done, len: len as u32 },
+                    buf: BufRef {
+                        region: BUF_META,
+                        offset: meta_offset + done,
+                        len: len as u32,
+                    },
                     class: IoClass::Meta,
                 };
                 while !self.backend.push(&req) {
@@ -438,7 +457,10 @@ impl Shard {
         let m = &self.me.metrics;
         m.recovered_blocks.store(recovered, Ordering::Relaxed);
         m.blocks_stored.store(recovered, Ordering::Relaxed);
-        Ok(Ready { backend: self.backend.describe(), recovered_blocks: recovered })
+        Ok(Ready {
+            backend: self.backend.describe(),
+            recovered_blocks: recovered,
+        })
     }
 
     fn reap_recover(&mut self) -> Result<usize, String> {
@@ -481,7 +503,12 @@ impl Shard {
                     let routed_here =
                         e.key.shard(self.workers) == self.id && e.key.device(devices) == d;
                     if !routed_here || u64::from(e.data_len) != self.block_bytes {
-                        // Written under another worker or device count: unreachable now.
+                        // Written under another worker or device count: this worker could
+                        // never be asked for it, so the slot is reclaimed.
+                        self.me
+                            .metrics
+                            .unroutable_entries
+                            .fetch_add(1, Ordering::Relaxed);
                         self.clear_entry(d, local as u32);
                         continue;
                     }
@@ -512,8 +539,15 @@ impl Shard {
             }
         }
         let dev = &mut self.devs[d];
-        dev.free = (0..n as u32).rev().filter(|&s| dev.slots[s as usize].state == SlotState::Free).collect();
-        let mut published = self.me.published.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        dev.free = (0..n as u32)
+            .rev()
+            .filter(|&s| dev.slots[s as usize].state == SlotState::Free)
+            .collect();
+        let mut published = self
+            .me
+            .published
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for (key, _, _) in &keep {
             if self.index.contains_key(key) {
                 published.insert(*key);
@@ -575,9 +609,12 @@ impl Shard {
 
     fn publish_gauges(&self) {
         let m = &self.me.metrics;
-        m.queued_loads.store(self.loads.blocks as u64, Ordering::Relaxed);
-        m.queued_stores.store(self.stores.blocks as u64, Ordering::Relaxed);
-        m.inflight_ops.store(self.backend.in_flight() as u64, Ordering::Relaxed);
+        m.queued_loads
+            .store(self.loads.blocks as u64, Ordering::Relaxed);
+        m.queued_stores
+            .store(self.stores.blocks as u64, Ordering::Relaxed);
+        m.inflight_ops
+            .store(self.backend.in_flight() as u64, Ordering::Relaxed);
     }
 
     fn intake(&mut self) -> bool {
@@ -604,7 +641,12 @@ impl Shard {
     fn cancel_part(&self, part: &Part, from: usize) {
         for &item in &part.items[from..] {
             self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
-            part.job.fail(&self.shared, item as usize, KeyFailure::Shutdown, String::new());
+            part.job.fail(
+                &self.shared,
+                item as usize,
+                KeyFailure::Shutdown,
+                String::new(),
+            );
         }
     }
 
@@ -620,7 +662,12 @@ impl Shard {
                 let from = if i == 0 { cursor } else { 0 };
                 for &item in &part.items[from..] {
                     self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
-                    part.job.fail(&self.shared, item as usize, KeyFailure::Shutdown, String::new());
+                    part.job.fail(
+                        &self.shared,
+                        item as usize,
+                        KeyFailure::Shutdown,
+                        String::new(),
+                    );
                 }
             }
         }
@@ -628,7 +675,8 @@ impl Shard {
         for i in 0..self.store_issuing.len() {
             let idx = self.store_issuing[i];
             let op = &mut self.ops.ops[idx as usize];
-            op.failure.get_or_insert((KeyFailure::Shutdown, String::new()));
+            op.failure
+                .get_or_insert((KeyFailure::Shutdown, String::new()));
             op.chunks_total = op.chunks_issued;
         }
         let issuing: Vec<u32> = self.store_issuing.drain(..).collect();
@@ -646,7 +694,9 @@ impl Shard {
     fn issue_loads(&mut self) -> bool {
         let mut any = false;
         while self.loads_in_flight < self.sched.load_inflight_max {
-            let Some((job, item)) = self.loads.peek() else { break };
+            let Some((job, item)) = self.loads.peek() else {
+                break;
+            };
             let job = Arc::clone(job);
             let key = job.job.keys[item];
             let block = job.job.blocks[item];
@@ -666,7 +716,9 @@ impl Shard {
                 any = true;
                 continue;
             }
-            let Some(idx) = self.ops.alloc(OpKind::Load) else { break };
+            let Some(idx) = self.ops.alloc(OpKind::Load) else {
+                break;
+            };
             let dev = &self.devs[d as usize];
             let req = IoRequest {
                 user_data: self.ops.user_data(idx, 0),
@@ -715,7 +767,12 @@ impl Shard {
     fn on_load_done(&mut self, idx: u32, result: i32) {
         self.loads_in_flight -= 1;
         let op = &self.ops.ops[idx as usize];
-        let (d, local, block, item) = (op.dev as usize, op.slot as usize, op.block, op.item as usize);
+        let (d, local, block, item) = (
+            op.dev as usize,
+            op.slot as usize,
+            op.block,
+            op.item as usize,
+        );
         let job = op.job.clone().expect("load op has a job");
         let latency = op.started.elapsed();
         let me = Arc::clone(&self.me);
@@ -728,21 +785,34 @@ impl Shard {
             Err((KeyFailure::Io(Errno::from_raw(-result)), String::new()))
         } else if (result as u32) < wanted {
             m.io_errors.fetch_add(1, Ordering::Relaxed);
-            Err((KeyFailure::ShortIo { done: result as u32, wanted }, String::new()))
+            Err((
+                KeyFailure::ShortIo {
+                    done: result as u32,
+                    wanted,
+                },
+                String::new(),
+            ))
         } else {
             m.bytes_read.fetch_add(u64::from(wanted), Ordering::Relaxed);
             let slot = self.devs[d].slots[local];
             if slot.verified {
                 Ok(())
             } else {
-                let crc = region_crc(&self.region, block as usize * wanted as usize, wanted as usize);
+                let crc = region_crc(
+                    &self.region,
+                    block as usize * wanted as usize,
+                    wanted as usize,
+                );
                 if crc == slot.crc {
                     self.devs[d].slots[local].verified = true;
                     Ok(())
                 } else {
                     m.checksum_failures.fetch_add(1, Ordering::Relaxed);
                     self.doom_slot(d, local as u32);
-                    Err((KeyFailure::Checksum, format!("stored crc {:08x}, read {crc:08x}", slot.crc)))
+                    Err((
+                        KeyFailure::Checksum,
+                        format!("stored crc {:08x}, read {crc:08x}", slot.crc),
+                    ))
                 }
             }
         };
@@ -775,7 +845,10 @@ impl Shard {
             self.unindex(key);
             self.shared_events().push(vec![key], true);
         }
-        self.me.metrics.blocks_stored.fetch_sub(1, Ordering::Relaxed);
+        self.me
+            .metrics
+            .blocks_stored
+            .fetch_sub(1, Ordering::Relaxed);
         self.clear_entry(d, local);
     }
 
@@ -798,7 +871,8 @@ impl Shard {
         let mut any = false;
         loop {
             let cap = self.store_cap();
-            if self.store_bytes_in_flight > 0 && self.store_bytes_in_flight + self.chunk_bytes > cap {
+            if self.store_bytes_in_flight > 0 && self.store_bytes_in_flight + self.chunk_bytes > cap
+            {
                 break;
             }
             let idx = match self.store_issuing.front() {
@@ -824,14 +898,19 @@ impl Shard {
     }
 
     fn start_store(&mut self) -> StoreStart {
-        let Some((job, item)) = self.stores.peek() else { return StoreStart::Blocked };
+        let Some((job, item)) = self.stores.peek() else {
+            return StoreStart::Blocked;
+        };
         let job = Arc::clone(job);
         let key = job.job.keys[item];
         let block = job.job.blocks[item];
         if self.index.contains_key(&key) {
             // Already stored (or being stored): a cheap no-op success.
             self.take_queued(JobKind::Store);
-            self.me.metrics.stores_skipped_present.fetch_add(1, Ordering::Relaxed);
+            self.me
+                .metrics
+                .stores_skipped_present
+                .fetch_add(1, Ordering::Relaxed);
             job.succeed(&self.shared, item, 0);
             return StoreStart::Resolved;
         }
@@ -841,8 +920,15 @@ impl Shard {
                 return StoreStart::Blocked; // a completion may free or unpin a slot
             }
             self.take_queued(JobKind::Store);
-            self.me.metrics.stores_failed.fetch_add(1, Ordering::Relaxed);
-            let detail = format!("device {d}: all {} slots of worker {} are busy", self.devs[d].slots.len(), self.id);
+            self.me
+                .metrics
+                .stores_failed
+                .fetch_add(1, Ordering::Relaxed);
+            let detail = format!(
+                "device {d}: all {} slots of worker {} are busy",
+                self.devs[d].slots.len(),
+                self.id
+            );
             job.fail(&self.shared, item, KeyFailure::NoSpace, detail);
             return StoreStart::Resolved;
         };
@@ -850,9 +936,20 @@ impl Shard {
             self.free_slot(d, local);
             return StoreStart::Blocked;
         };
-        let crc = region_crc(&self.region, block as usize * self.block_bytes as usize, self.block_bytes as usize);
+        let crc = region_crc(
+            &self.region,
+            block as usize * self.block_bytes as usize,
+            self.block_bytes as usize,
+        );
         let s = &mut self.devs[d].slots[local as usize];
-        *s = SlotMeta { state: SlotState::Writing, key: Some(key), pins: 0, referenced: true, verified: true, crc };
+        *s = SlotMeta {
+            state: SlotState::Writing,
+            key: Some(key),
+            pins: 0,
+            referenced: true,
+            verified: true,
+            crc,
+        };
         self.index.insert(key, (d as u16, local));
         let op = &mut self.ops.ops[idx as usize];
         op.job = Some(job);
@@ -909,7 +1006,13 @@ impl Shard {
             Some((KeyFailure::Io(Errno::from_raw(-result)), String::new()))
         } else if (result as u64) < len {
             m.io_errors.fetch_add(1, Ordering::Relaxed);
-            Some((KeyFailure::ShortIo { done: result as u32, wanted: len as u32 }, String::new()))
+            Some((
+                KeyFailure::ShortIo {
+                    done: result as u32,
+                    wanted: len as u32,
+                },
+                String::new(),
+            ))
         } else {
             m.bytes_written.fetch_add(len, Ordering::Relaxed);
             None
@@ -937,26 +1040,50 @@ impl Shard {
         let (d, local, item) = (op.dev as usize, op.slot, op.item as usize);
         let job = op.job.clone().expect("store op has a job");
         let failure = op.failure.clone();
-        self.me.metrics.store_latency.record(op.started.elapsed().as_micros() as u64);
+        self.me
+            .metrics
+            .store_latency
+            .record(op.started.elapsed().as_micros() as u64);
         self.ops.release(idx);
-        let key = self.devs[d].slots[local as usize].key.expect("writing slot has a key");
+        let key = self.devs[d].slots[local as usize]
+            .key
+            .expect("writing slot has a key");
         match failure {
             None => {
                 let s = &mut self.devs[d].slots[local as usize];
                 s.state = SlotState::Valid;
                 let crc = s.crc;
-                self.me.published.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key);
+                self.me
+                    .published
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .insert(key);
                 let seq = self.seq;
                 self.seq += 1;
-                self.write_entry(d, local, Some(Entry { seq, data_len: self.block_bytes as u32, data_crc: crc, key }));
+                self.write_entry(
+                    d,
+                    local,
+                    Some(Entry {
+                        seq,
+                        data_len: self.block_bytes as u32,
+                        data_crc: crc,
+                        key,
+                    }),
+                );
                 self.me.metrics.stores_ok.fetch_add(1, Ordering::Relaxed);
-                self.me.metrics.blocks_stored.fetch_add(1, Ordering::Relaxed);
+                self.me
+                    .metrics
+                    .blocks_stored
+                    .fetch_add(1, Ordering::Relaxed);
                 job.succeed(&self.shared, item, self.block_bytes);
             }
             Some((reason, detail)) => {
                 self.index.remove(&key);
                 self.free_slot(d, local);
-                self.me.metrics.stores_failed.fetch_add(1, Ordering::Relaxed);
+                self.me
+                    .metrics
+                    .stores_failed
+                    .fetch_add(1, Ordering::Relaxed);
                 if let KeyFailure::Io(e) = reason {
                     self.log_error(&format!("store to device {d} failed: {}", e.desc()));
                 }
@@ -997,18 +1124,27 @@ impl Shard {
     }
 
     fn evict(&mut self, d: usize, local: u32) {
-        let key = self.devs[d].slots[local as usize].key.expect("valid slot has a key");
+        let key = self.devs[d].slots[local as usize]
+            .key
+            .expect("valid slot has a key");
         self.unindex(key);
         self.clear_entry(d, local);
         self.free_slot(d, local);
         self.me.metrics.evictions.fetch_add(1, Ordering::Relaxed);
-        self.me.metrics.blocks_stored.fetch_sub(1, Ordering::Relaxed);
+        self.me
+            .metrics
+            .blocks_stored
+            .fetch_sub(1, Ordering::Relaxed);
         self.shared.events.push(vec![key], true);
     }
 
     fn unindex(&mut self, key: Key) {
         self.index.remove(&key);
-        self.me.published.write().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&key);
+        self.me
+            .published
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&key);
     }
 
     fn free_slot(&mut self, d: usize, local: u32) {
@@ -1030,7 +1166,10 @@ impl Shard {
             None => self.scratch_entry.fill(0),
         }
         let dev = &mut self.devs[d];
-        self.meta.write(dev.meta_offset + local as usize * ENTRY_BYTES, &self.scratch_entry);
+        self.meta.write(
+            dev.meta_offset + local as usize * ENTRY_BYTES,
+            &self.scratch_entry,
+        );
         let page = local as usize / ENTRIES_PER_PAGE;
         let p = &mut dev.pages[page];
         if !p.dirty {
@@ -1044,13 +1183,17 @@ impl Shard {
     fn issue_table_writes(&mut self) -> bool {
         let mut any = false;
         while let Some(&(d, page)) = self.dirty_pages.front() {
-            let Some(idx) = self.ops.alloc(OpKind::Table { page }) else { break };
+            let Some(idx) = self.ops.alloc(OpKind::Table { page }) else {
+                break;
+            };
             let dev = &self.devs[d as usize];
             let req = IoRequest {
                 user_data: self.ops.user_data(idx, 0),
                 kind: IoKind::Write,
                 device: d,
-                offset: dev.geometry.table_page_offset(dev.first_page() + u64::from(page)),
+                offset: dev
+                    .geometry
+                    .table_page_offset(dev.first_page() + u64::from(page)),
                 buf: BufRef {
                     region: BUF_META,
                     offset: dev.meta_offset + page as usize * TABLE_PAGE_BYTES,
@@ -1078,10 +1221,14 @@ impl Shard {
         self.ops.release(idx);
         self.table_in_flight -= 1;
         self.me.metrics.table_writes.fetch_add(1, Ordering::Relaxed);
-        if result != TABLE_PAGE_BYTES as i32 {
+        if usize::try_from(result).ok() != Some(TABLE_PAGE_BYTES) {
             // The entries of this page may not survive a restart; the data is still served now.
             self.me.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
-            let why = if result < 0 { Errno::from_raw(-result).desc().to_string() } else { format!("short write {result}") };
+            let why = if result < 0 {
+                Errno::from_raw(-result).desc().to_string()
+            } else {
+                format!("short write {result}")
+            };
             self.log_error(&format!("slot table write on device {d} failed: {why}"));
         }
         let p = &mut self.devs[d as usize].pages[page as usize];

@@ -18,8 +18,8 @@ use std::time::Duration;
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, IoRequest,
-    Region, Storage,
+    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind,
+    IoRequest, Region, Storage,
 };
 use crate::Errno;
 
@@ -79,9 +79,14 @@ impl Rng {
 /// The seed for a simulation test: `KVTIER_SIM_SEED` if set, else time-based. Printed, so a
 /// failing test's output says how to replay it.
 pub fn seed_from_env() -> u64 {
-    let seed = std::env::var("KVTIER_SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
-    });
+    let seed = std::env::var("KVTIER_SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
     println!("sim seed = {seed} (replay with KVTIER_SIM_SEED={seed})");
     seed
 }
@@ -111,21 +116,32 @@ struct State {
 impl SimStorage {
     /// Disks of the given sizes, zero-filled, with no faults.
     pub fn new(seed: u64, sizes_bytes: &[u64]) -> Arc<SimStorage> {
-        Arc::new(SimStorage { state: Arc::new(State {
-            seed,
-            align_bytes: 4096,
-            disks: sizes_bytes.iter().map(|&n| Disk { bytes: Mutex::new(vec![0; n as usize]) }).collect(),
-            faults: Mutex::new(Faults::default()),
-            writes_until_crash: AtomicU64::new(u64::MAX),
-            crashed: AtomicBool::new(false),
-            paused: AtomicBool::new(false),
-            log: Mutex::new(Vec::new()),
-            log_enabled: AtomicBool::new(false),
-        }) })
+        Arc::new(SimStorage {
+            state: Arc::new(State {
+                seed,
+                align_bytes: 4096,
+                disks: sizes_bytes
+                    .iter()
+                    .map(|&n| Disk {
+                        bytes: Mutex::new(vec![0; n as usize]),
+                    })
+                    .collect(),
+                faults: Mutex::new(Faults::default()),
+                writes_until_crash: AtomicU64::new(u64::MAX),
+                crashed: AtomicBool::new(false),
+                paused: AtomicBool::new(false),
+                log: Mutex::new(Vec::new()),
+                log_enabled: AtomicBool::new(false),
+            }),
+        })
     }
 
     pub fn set_faults(&self, faults: Faults) {
-        *self.state.faults.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = faults;
+        *self
+            .state
+            .faults
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = faults;
     }
 
     /// After `n` more writes complete normally, every write tears and fails.
@@ -140,7 +156,9 @@ impl SimStorage {
     /// Clears the crash and the faults: the disks keep whatever landed.
     pub fn restart(&self) {
         self.state.crashed.store(false, Ordering::SeqCst);
-        self.state.writes_until_crash.store(u64::MAX, Ordering::SeqCst);
+        self.state
+            .writes_until_crash
+            .store(u64::MAX, Ordering::SeqCst);
         self.set_faults(Faults::default());
     }
 
@@ -155,12 +173,22 @@ impl SimStorage {
     }
 
     pub fn take_log(&self) -> Vec<LogEntry> {
-        std::mem::take(&mut *self.state.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+        std::mem::take(
+            &mut *self
+                .state
+                .log
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     /// Puts entries back at the front of the log (to peek without consuming).
     pub fn restore_log(&self, entries: &[LogEntry]) {
-        let mut log = self.state.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut log = self
+            .state
+            .log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let rest = std::mem::take(&mut *log);
         log.extend_from_slice(entries);
         log.extend(rest);
@@ -168,30 +196,58 @@ impl SimStorage {
 
     /// Flips every byte in `[offset, offset + len)` of disk `dev` (silent corruption).
     pub fn corrupt(&self, dev: usize, offset: u64, len: usize) {
-        let mut d = self.state.disks[dev].bytes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut d = self.state.disks[dev]
+            .bytes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for b in &mut d[offset as usize..offset as usize + len] {
             *b ^= 0xff;
         }
     }
 
     pub fn read_raw(&self, dev: usize, offset: u64, len: usize) -> Vec<u8> {
-        let d = self.state.disks[dev].bytes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let d = self.state.disks[dev]
+            .bytes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         d[offset as usize..offset as usize + len].to_vec()
     }
 
     pub fn write_raw(&self, dev: usize, offset: u64, data: &[u8]) {
-        let mut d = self.state.disks[dev].bytes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut d = self.state.disks[dev]
+            .bytes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         d[offset as usize..offset as usize + data.len()].copy_from_slice(data);
     }
 
-    fn copy(&self, dev: usize, kind: IoKind, offset: u64, region: &Region, buf: BufRef, len: usize) {
+    fn copy(
+        &self,
+        dev: usize,
+        kind: IoKind,
+        offset: u64,
+        region: &Region,
+        buf: BufRef,
+        len: usize,
+    ) {
         self.state.copy(dev, kind, offset, region, buf, len);
     }
 }
 
 impl State {
-    fn copy(&self, dev: usize, kind: IoKind, offset: u64, region: &Region, buf: BufRef, len: usize) {
-        let mut d = self.disks[dev].bytes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    fn copy(
+        &self,
+        dev: usize,
+        kind: IoKind,
+        offset: u64,
+        region: &Region,
+        buf: BufRef,
+        len: usize,
+    ) {
+        let mut d = self.disks[dev]
+            .bytes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let range = offset as usize..offset as usize + len;
         match kind {
             IoKind::Read => region.write(buf.offset, &d[range]),
@@ -201,11 +257,23 @@ impl State {
 }
 
 impl Storage for SimStorage {
-    fn open_device(&self, index: usize, cfg: &DeviceConfig, direct: DirectIo) -> Result<DeviceInfo> {
+    fn open_device(
+        &self,
+        index: usize,
+        cfg: &DeviceConfig,
+        direct: DirectIo,
+    ) -> Result<DeviceInfo> {
         let disk = self.state.disks.get(index).ok_or_else(|| {
-            Error::device(&cfg.path, format!("the simulation has {} disks", self.state.disks.len()))
+            Error::device(
+                &cfg.path,
+                format!("the simulation has {} disks", self.state.disks.len()),
+            )
         })?;
-        let size = disk.bytes.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len() as u64;
+        let size = disk
+            .bytes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len() as u64;
         Ok(DeviceInfo {
             path: cfg.path.clone(),
             size_bytes: size,
@@ -216,14 +284,36 @@ impl Storage for SimStorage {
         })
     }
 
-    fn read_sync(&self, device: usize, offset: u64, buf: &Region, buf_offset: usize, len: usize) -> Result<()> {
-        let b = BufRef { region: 0, offset: buf_offset, len: len as u32 };
+    fn read_sync(
+        &self,
+        device: usize,
+        offset: u64,
+        buf: &Region,
+        buf_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let b = BufRef {
+            region: 0,
+            offset: buf_offset,
+            len: len as u32,
+        };
         self.copy(device, IoKind::Read, offset, buf, b, len);
         Ok(())
     }
 
-    fn write_sync(&self, device: usize, offset: u64, buf: &Region, buf_offset: usize, len: usize) -> Result<()> {
-        let b = BufRef { region: 0, offset: buf_offset, len: len as u32 };
+    fn write_sync(
+        &self,
+        device: usize,
+        offset: u64,
+        buf: &Region,
+        buf_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let b = BufRef {
+            region: 0,
+            offset: buf_offset,
+            len: len as u32,
+        };
         self.copy(device, IoKind::Write, offset, buf, b, len);
         Ok(())
     }
@@ -268,7 +358,11 @@ struct SimBackend {
 
 impl SimBackend {
     fn faults(&self) -> Faults {
-        *self.state.faults.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        *self
+            .state
+            .faults
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Performs the request's data movement and decides its result.
@@ -288,7 +382,9 @@ impl SimBackend {
                     self.state.crashed.store(true, Ordering::SeqCst);
                     return self.tear(req, &region);
                 }
-                self.state.writes_until_crash.store(left - 1, Ordering::SeqCst);
+                self.state
+                    .writes_until_crash
+                    .store(left - 1, Ordering::SeqCst);
             }
         }
         if faulty {
@@ -303,19 +399,28 @@ impl SimBackend {
             }
             if len > 512 && self.rng.hit(f.short_ppm) {
                 let short = (self.rng.below(len as u64 / 512) * 512) as usize;
-                self.state.copy(dev, req.kind, req.offset, &region, req.buf, short);
-                return short as i32;
+                self.state
+                    .copy(dev, req.kind, req.offset, &region, req.buf, short);
+                return i32::try_from(short).expect("I/O sizes fit i32");
             }
         }
-        self.state.copy(dev, req.kind, req.offset, &region, req.buf, len);
-        len as i32
+        self.state
+            .copy(dev, req.kind, req.offset, &region, req.buf, len);
+        i32::try_from(len).expect("I/O sizes fit i32")
     }
 
     /// Lands a random prefix of a write (in 512-byte sectors) and fails it.
     fn tear(&mut self, req: &IoRequest, region: &Region) -> i32 {
         let sectors = u64::from(req.buf.len) / 512;
         let landed = (self.rng.below(sectors + 1) * 512) as usize;
-        self.state.copy(req.device as usize, IoKind::Write, req.offset, region, req.buf, landed);
+        self.state.copy(
+            req.device as usize,
+            IoKind::Write,
+            req.offset,
+            region,
+            req.buf,
+            landed,
+        );
         -(Errno::EIO as i32)
     }
 }
@@ -326,16 +431,23 @@ impl IoBackend for SimBackend {
             return false;
         }
         let r = &self.buffers[req.buf.region as usize];
-        assert!(req.buf.offset + req.buf.len as usize <= r.len(), "request outside its buffer");
+        assert!(
+            req.buf.offset + req.buf.len as usize <= r.len(),
+            "request outside its buffer"
+        );
         if self.state.log_enabled.load(Ordering::SeqCst) {
-            self.state.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(LogEntry {
-                worker: self.worker,
-                kind: req.kind,
-                class: req.class,
-                device: req.device,
-                offset: req.offset,
-                len: req.buf.len,
-            });
+            self.state
+                .log
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(LogEntry {
+                    worker: self.worker,
+                    kind: req.kind,
+                    class: req.class,
+                    device: req.device,
+                    offset: req.offset,
+                    len: req.buf.len,
+                });
         }
         self.queued.push(*req);
         true
@@ -345,19 +457,36 @@ impl IoBackend for SimBackend {
         self.round += 1;
         let max_delay = u64::from(self.faults().max_delay_rounds);
         for req in self.queued.drain(..) {
-            let delay = if max_delay == 0 { 0 } else { self.rng.below(max_delay + 1) };
-            self.pending.push(Pending { req, due: self.round + delay });
+            let delay = if max_delay == 0 {
+                0
+            } else {
+                self.rng.below(max_delay + 1)
+            };
+            self.pending.push(Pending {
+                req,
+                due: self.round + delay,
+            });
         }
         if !wait {
             return Ok(());
         }
         if self.state.paused.load(Ordering::SeqCst) || self.pending.is_empty() {
             // Nothing can complete: sleep until woken (bounded, so pause can be lifted).
-            self.wake.wait_timeout(Duration::from_millis(if self.pending.is_empty() { 100 } else { 1 }));
+            self.wake
+                .wait_timeout(Duration::from_millis(if self.pending.is_empty() {
+                    100
+                } else {
+                    1
+                }));
             return Ok(());
         }
         // Waiting: jump time to the earliest due completion.
-        let earliest = self.pending.iter().map(|p| p.due).min().unwrap_or(self.round);
+        let earliest = self
+            .pending
+            .iter()
+            .map(|p| p.due)
+            .min()
+            .unwrap_or(self.round);
         self.round = self.round.max(earliest);
         Ok(())
     }
@@ -380,7 +509,10 @@ impl IoBackend for SimBackend {
         }
         for req in ready {
             let result = self.execute(&req);
-            out.push(Completion { user_data: req.user_data, result });
+            out.push(Completion {
+                user_data: req.user_data,
+                result,
+            });
         }
     }
 

@@ -42,7 +42,8 @@ impl Geometry {
         let slot_bytes = block_bytes.div_ceil(align_bytes) * align_bytes;
         let table_offset = HEADER_BYTES;
         // Start from the upper bound ignoring alignment padding, then step down until it fits.
-        let mut slots = device_bytes.saturating_sub(table_offset) / (slot_bytes + ENTRY_BYTES as u64);
+        let mut slots =
+            device_bytes.saturating_sub(table_offset) / (slot_bytes + ENTRY_BYTES as u64);
         while slots > 0 {
             let g = Geometry::with_slots(block_bytes, slot_bytes, slots);
             if g.end() <= device_bytes {
@@ -57,7 +58,13 @@ impl Geometry {
     fn with_slots(block_bytes: u64, slot_bytes: u64, slot_count: u64) -> Geometry {
         let table_end = HEADER_BYTES + table_bytes(slot_count);
         let data_offset = table_end.div_ceil(DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES;
-        Geometry { block_bytes, slot_bytes, slot_count, table_offset: HEADER_BYTES, data_offset }
+        Geometry {
+            block_bytes,
+            slot_bytes,
+            slot_count,
+            table_offset: HEADER_BYTES,
+            data_offset,
+        }
     }
 
     pub fn end(&self) -> u64 {
@@ -155,7 +162,11 @@ impl Header {
                 "kvtier slab format version {version}, this build reads {HEADER_VERSION}"
             ));
         }
-        let state = if get_u32(page, 12) == 1 { HeaderState::Ready } else { HeaderState::Formatting };
+        let state = if get_u32(page, 12) == 1 {
+            HeaderState::Ready
+        } else {
+            HeaderState::Formatting
+        };
         let geometry = Geometry {
             block_bytes: get_u64(page, 16),
             slot_bytes: get_u64(page, 24),
@@ -163,7 +174,11 @@ impl Header {
             table_offset: get_u64(page, 40),
             data_offset: get_u64(page, 48),
         };
-        HeaderRead::Valid(Header { state, geometry, format_id: get_u64(page, 56) })
+        HeaderRead::Valid(Header {
+            state,
+            geometry,
+            format_id: get_u64(page, 56),
+        })
     }
 }
 
@@ -214,7 +229,9 @@ impl Entry {
         if key_len == 0 || key_len > MAX_KEY_BYTES {
             return EntryRead::Torn;
         }
-        let Ok(key) = Key::new(&raw[32..32 + key_len]) else { return EntryRead::Torn };
+        let Ok(key) = Key::new(&raw[32..32 + key_len]) else {
+            return EntryRead::Torn;
+        };
         EntryRead::Valid(Entry {
             seq: get_u64(raw, 8),
             data_len: get_u32(raw, 16),
@@ -280,7 +297,11 @@ mod tests {
     #[test]
     fn header_round_trip_and_foreign_detection() {
         let g = Geometry::compute(1 << 30, 2 << 20, 4096).expect("fits");
-        let h = Header { state: HeaderState::Ready, geometry: g, format_id: 42 };
+        let h = Header {
+            state: HeaderState::Ready,
+            geometry: g,
+            format_id: 42,
+        };
         let mut page = vec![0u8; 4096];
         assert_eq!(Header::decode(&page), HeaderRead::Empty);
         h.encode(&mut page);
@@ -294,7 +315,12 @@ mod tests {
     #[test]
     fn entry_round_trip_and_torn_detection() {
         let key = Key::vllm(&[9u8; 32], 3).expect("key");
-        let e = Entry { seq: 7, data_len: 4096, data_crc: 0xdead_beef, key };
+        let e = Entry {
+            seq: 7,
+            data_len: 4096,
+            data_crc: 0xdead_beef,
+            key,
+        };
         let mut raw = [0u8; ENTRY_BYTES];
         assert_eq!(Entry::decode(&raw), EntryRead::Empty);
         e.encode(&mut raw);

@@ -17,8 +17,8 @@ use kvtier_sys::ring::{ioprio, IoprioClass, Ring, RingConfig};
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, IoRequest, Region,
-    Storage,
+    BackendSettings, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, IoRequest,
+    Region, Storage,
 };
 use crate::Errno;
 
@@ -48,7 +48,11 @@ fn errno_msg(what: &str, e: Errno) -> String {
 
 fn open_file(path: &Path, create: bool, direct: DirectIo) -> Result<DeviceFile> {
     let want_direct = direct != DirectIo::Off;
-    let opts = OpenOptions { create, direct: want_direct, read_only: false };
+    let opts = OpenOptions {
+        create,
+        direct: want_direct,
+        read_only: false,
+    };
     match DeviceFile::open(path, opts) {
         Ok(f) => Ok(f),
         Err(Errno::EINVAL) if want_direct && direct == DirectIo::Auto => {
@@ -84,7 +88,12 @@ fn prewrite(file: &DeviceFile, from: u64, to: u64) -> Result<()> {
 }
 
 impl Storage for KernelStorage {
-    fn open_device(&self, index: usize, cfg: &DeviceConfig, direct: DirectIo) -> Result<DeviceInfo> {
+    fn open_device(
+        &self,
+        index: usize,
+        cfg: &DeviceConfig,
+        direct: DirectIo,
+    ) -> Result<DeviceInfo> {
         let path = cfg.path.as_path();
         let meta = std::fs::metadata(path);
         let mut fresh = false;
@@ -98,7 +107,10 @@ impl Storage for KernelStorage {
                         tracing::info!(path = %path.display(), from = size, to = cap, "growing device file and pre-writing the new part");
                         if let Err(e) = f.fallocate(cap) {
                             if e != Errno::EOPNOTSUPP {
-                                return Err(Error::device(path, errno_msg(&format!("fallocate {cap} bytes"), e)));
+                                return Err(Error::device(
+                                    path,
+                                    errno_msg(&format!("fallocate {cap} bytes"), e),
+                                ));
                             }
                         }
                         prewrite(&f, size, cap)?;
@@ -118,19 +130,24 @@ impl Storage for KernelStorage {
                     ));
                 };
                 if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(parent)
-                        .map_err(|e| Error::device(path, format!("creating {}: {e}", parent.display())))?;
+                    std::fs::create_dir_all(parent).map_err(|e| {
+                        Error::device(path, format!("creating {}: {e}", parent.display()))
+                    })?;
                 }
                 let f = open_file(path, true, direct)?;
                 tracing::info!(path = %path.display(), bytes = cap, "creating device file: fallocate, then one pre-write pass");
                 match f.fallocate(cap) {
                     Ok(()) => {}
                     Err(Errno::EOPNOTSUPP) => {
-                        f.set_len(cap).map_err(|e| Error::device(path, errno_msg("set_len", e)))?;
+                        f.set_len(cap)
+                            .map_err(|e| Error::device(path, errno_msg("set_len", e)))?;
                     }
                     Err(e) => {
                         let _ = std::fs::remove_file(path);
-                        return Err(Error::device(path, errno_msg(&format!("fallocate {cap} bytes"), e)));
+                        return Err(Error::device(
+                            path,
+                            errno_msg(&format!("fallocate {cap} bytes"), e),
+                        ));
                     }
                 }
                 if let Err(e) = prewrite(&f, 0, cap) {
@@ -142,7 +159,9 @@ impl Storage for KernelStorage {
             }
             Err(e) => return Err(Error::device(path, format!("stat: {e}"))),
         };
-        let mut size = file.size_bytes().map_err(|e| Error::device(path, errno_msg("size", e)))?;
+        let mut size = file
+            .size_bytes()
+            .map_err(|e| Error::device(path, errno_msg("size", e)))?;
         if file.kind() == FileKind::BlockDevice {
             if let Some(cap) = cfg.capacity_bytes {
                 size = size.min(cap);
@@ -161,7 +180,10 @@ impl Storage for KernelStorage {
             FileKind::BlockDevice => "block device",
             FileKind::Regular => "file",
         };
-        let mut files = self.files.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut files = self
+            .files
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if files.len() <= index {
             files.resize(index + 1, None);
         }
@@ -176,16 +198,38 @@ impl Storage for KernelStorage {
         })
     }
 
-    fn read_sync(&self, device: usize, offset: u64, buf: &Region, buf_offset: usize, len: usize) -> Result<()> {
+    fn read_sync(
+        &self,
+        device: usize,
+        offset: u64,
+        buf: &Region,
+        buf_offset: usize,
+        len: usize,
+    ) -> Result<()> {
         let f = self.file(device)?;
-        f.read_exact_at(offset, buf, buf_offset, len)
-            .map_err(|e| Error::device(f.path(), errno_msg(&format!("read {len} bytes at {offset}"), e)))
+        f.read_exact_at(offset, buf, buf_offset, len).map_err(|e| {
+            Error::device(
+                f.path(),
+                errno_msg(&format!("read {len} bytes at {offset}"), e),
+            )
+        })
     }
 
-    fn write_sync(&self, device: usize, offset: u64, buf: &Region, buf_offset: usize, len: usize) -> Result<()> {
+    fn write_sync(
+        &self,
+        device: usize,
+        offset: u64,
+        buf: &Region,
+        buf_offset: usize,
+        len: usize,
+    ) -> Result<()> {
         let f = self.file(device)?;
-        f.write_all_at(offset, buf, buf_offset, len)
-            .map_err(|e| Error::device(f.path(), errno_msg(&format!("write {len} bytes at {offset}"), e)))
+        f.write_all_at(offset, buf, buf_offset, len).map_err(|e| {
+            Error::device(
+                f.path(),
+                errno_msg(&format!("write {len} bytes at {offset}"), e),
+            )
+        })
     }
 
     fn backend(
@@ -196,7 +240,10 @@ impl Storage for KernelStorage {
         settings: &BackendSettings,
     ) -> Result<Box<dyn IoBackend>> {
         let files: Vec<Arc<DeviceFile>> = {
-            let guard = self.files.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let guard = self
+                .files
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             guard.iter().flatten().cloned().collect()
         };
         let mut ring = Ring::new(&RingConfig {
@@ -206,14 +253,22 @@ impl Storage for KernelStorage {
             iopoll: settings.iopoll,
         })
         .map_err(|e| Error::Ring(errno_msg("setting up the ring", e)))?;
-        ring.register_buffers(buffers, settings.piece_bytes).map_err(|e| Error::Memory(e.to_string()))?;
-        ring.register_files(files).map_err(|e| Error::Ring(errno_msg("registering device files", e)))?;
+        ring.register_buffers(buffers, settings.piece_bytes)
+            .map_err(|e| Error::Memory(e.to_string()))?;
+        ring.register_files(files)
+            .map_err(|e| Error::Ring(errno_msg("registering device files", e)))?;
         let (load_prio, store_prio) = if settings.ioprio {
             (ioprio(IoprioClass::Be, 0), ioprio(IoprioClass::Be, 7))
         } else {
             (0, 0)
         };
-        Ok(Box::new(UringBackend { ring, wake, armed: false, load_prio, store_prio }))
+        Ok(Box::new(UringBackend {
+            ring,
+            wake,
+            armed: false,
+            load_prio,
+            store_prio,
+        }))
     }
 }
 
@@ -237,15 +292,25 @@ impl IoBackend for UringBackend {
         };
         let file = u32::from(req.device);
         match req.kind {
-            IoKind::Read => self.ring.push_read(req.user_data, file, req.offset, req.buf, prio).is_ok(),
-            IoKind::Write => self.ring.push_write(req.user_data, file, req.offset, req.buf, prio).is_ok(),
+            IoKind::Read => self
+                .ring
+                .push_read(req.user_data, file, req.offset, req.buf, prio)
+                .is_ok(),
+            IoKind::Write => self
+                .ring
+                .push_write(req.user_data, file, req.offset, req.buf, prio)
+                .is_ok(),
         }
     }
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
         if wait && !self.armed {
             // Sleep in the kernel until an I/O completes or a submitter writes the eventfd.
-            if self.ring.push_eventfd_read(WAKE_USER_DATA, &self.wake).is_ok() {
+            if self
+                .ring
+                .push_eventfd_read(WAKE_USER_DATA, &self.wake)
+                .is_ok()
+            {
                 self.armed = true;
             }
         }
@@ -289,6 +354,24 @@ impl IoBackend for UringBackend {
             flags.push("IOPOLL");
         }
         format!("io_uring [{}]", flags.join("|"))
+    }
+}
+
+impl Drop for UringBackend {
+    /// Completes the wake-up read before the ring goes away, so the ring is never dropped with
+    /// an operation in flight (the worker only exits once its data I/O has all completed).
+    fn drop(&mut self) {
+        let mut sink = Vec::new();
+        for _ in 0..1000 {
+            if !self.armed {
+                break;
+            }
+            self.wake.notify();
+            if self.ring.submit(1).is_err() {
+                break;
+            }
+            self.complete(&mut sink);
+        }
     }
 }
 

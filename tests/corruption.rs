@@ -26,16 +26,30 @@ fn corrupted_slot_is_detected_and_not_served() {
     // The only stored block is in slot 0 (free slots are handed out lowest first).
     sim.corrupt(0, geometry.slot_offset(0) + 100, 8);
     let engine = open_sim(&cfg, &region, &sim);
-    assert_eq!(engine.lookup(&[key(1)]), vec![Lookup::Hit(Tier::Nvme)], "recovered");
+    assert_eq!(
+        engine.lookup(&[key(1)]),
+        vec![Lookup::Hit(Tier::Nvme)],
+        "recovered"
+    );
     let r = load(&engine, &region, 2, &[1]);
     assert!(!r.success);
-    assert_eq!(r.failure.as_ref().map(|f| f.reason), Some(KeyFailure::Checksum));
-    assert_eq!(engine.lookup(&[key(1)]), vec![Lookup::Miss], "dropped after the failure");
+    assert_eq!(
+        r.failure.as_ref().map(|f| f.reason),
+        Some(KeyFailure::Checksum)
+    );
+    assert_eq!(
+        engine.lookup(&[key(1)]),
+        vec![Lookup::Miss],
+        "dropped after the failure"
+    );
     let s = engine.stats();
     assert_eq!(s.checksum_failures, 1);
     assert_eq!(s.blocks_stored, 0);
     let events = engine.take_events();
-    assert!(events.iter().any(|e| e.removed && e.keys == vec![key(1)]), "{events:?}");
+    assert!(
+        events.iter().any(|e| e.removed && e.keys == vec![key(1)]),
+        "{events:?}"
+    );
     // The slot is usable again, and the key can be stored afresh.
     assert!(store(&engine, &region, 3, &[1]).success);
     assert!(load(&engine, &region, 4, &[1]).success);
@@ -81,7 +95,10 @@ fn torn_writes_from_a_crash_are_never_served() {
             }
             let r = load(&engine, &region, 100 + id, &[id]);
             if r.success {
-                assert!(holds(&region, 0, id), "seed {seed}: wrong bytes served for id {id}");
+                assert!(
+                    holds(&region, 0, id),
+                    "seed {seed}: wrong bytes served for id {id}"
+                );
             } else {
                 let reason = r.failure.expect("failure").reason;
                 assert_eq!(reason, KeyFailure::Checksum, "seed {seed}: id {id}");
@@ -96,7 +113,9 @@ fn foreign_data_on_a_device_is_not_overwritten_without_consent() {
     sim.write_raw(0, 0, b"precious user data that is not a kvtier store");
     let region = region(4);
     let cfg = sim_config(1, 1);
-    let err = Engine::open_with(&cfg, region.clone(), sim.clone()).err().expect("refused");
+    let err = Engine::open_with(&cfg, region.clone(), sim.clone())
+        .err()
+        .expect("refused");
     assert!(err.to_string().contains("overwrite = true"), "{err}");
     assert_eq!(&sim.read_raw(0, 0, 8), b"precious");
     let _ = Faults::default();

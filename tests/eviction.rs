@@ -24,11 +24,20 @@ fn full_device_evicts_and_emits_removal_events() {
     assert_eq!(s.evictions, 2);
     assert_eq!(s.blocks_stored, 4);
     let events = engine.take_events();
-    let removed: Vec<_> = events.iter().filter(|e| e.removed).flat_map(|e| e.keys.clone()).collect();
+    let removed: Vec<_> = events
+        .iter()
+        .filter(|e| e.removed)
+        .flat_map(|e| e.keys.clone())
+        .collect();
     assert_eq!(removed.len(), 2, "{events:?}");
     let all: Vec<u64> = (0..6).collect();
     let hits = engine.lookup(&all.iter().map(|&i| key(i)).collect::<Vec<_>>());
-    assert_eq!(hits.iter().filter(|l| **l == Lookup::Hit(Tier::Nvme)).count(), 4);
+    assert_eq!(
+        hits.iter()
+            .filter(|l| **l == Lookup::Hit(Tier::Nvme))
+            .count(),
+        4
+    );
     for (id, l) in all.iter().zip(&hits) {
         let evicted = removed.contains(&key(*id));
         assert_eq!(*l == Lookup::Miss, evicted, "id {id}");
@@ -48,7 +57,9 @@ fn a_block_being_loaded_is_not_evicted() {
     sim.pause(true);
     sim.record(true);
     region.fill(0, BLOCK as usize, 0);
-    engine.submit_load(Job::new(2, vec![key(2)], vec![0])).expect("submit");
+    engine
+        .submit_load(Job::new(2, vec![key(2)], vec![0]))
+        .expect("submit");
     while sim.take_log().is_empty() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
@@ -56,7 +67,9 @@ fn a_block_being_loaded_is_not_evicted() {
     for (n, id) in (10..14u64).enumerate() {
         put(&region, 4 + n as u32 % 4, id);
     }
-    engine.submit_store(Job::new(3, (10..13).map(key).collect(), vec![4, 5, 6])).expect("submit");
+    engine
+        .submit_store(Job::new(3, (10..13).map(key).collect(), vec![4, 5, 6]))
+        .expect("submit");
     std::thread::sleep(std::time::Duration::from_millis(20));
     sim.pause(false);
     let results = wait_results(&engine, 2);

@@ -46,7 +46,11 @@ fn soak_with_faults_never_serves_wrong_bytes() {
             let n = 1 + rng.below(4) as usize;
             let ids: Vec<u64> = (0..n).map(|_| rng.below(IDS)).collect();
             let blocks: Vec<u32> = (0..n).map(|_| free.pop().expect("free block")).collect();
-            let kind = if rng.below(2) == 0 { JobKind::Store } else { JobKind::Load };
+            let kind = if rng.below(2) == 0 {
+                JobKind::Store
+            } else {
+                JobKind::Load
+            };
             let job = Job::new(next, ids.iter().map(|&i| key(i)).collect(), blocks.clone());
             match kind {
                 JobKind::Store => {
@@ -63,11 +67,17 @@ fn soak_with_faults_never_serves_wrong_bytes() {
         results.clear();
         engine.wait_finished(&mut results, std::time::Duration::from_millis(100));
         for r in &results {
-            let (kind, ids, blocks) = pending.remove(&r.id).unwrap_or_else(|| panic!("seed {seed}: job {} reported twice or unknown", r.id));
+            let (kind, ids, blocks) = pending
+                .remove(&r.id)
+                .unwrap_or_else(|| panic!("seed {seed}: job {} reported twice or unknown", r.id));
             assert_eq!(kind, r.kind);
             if kind == JobKind::Load {
                 for i in 0..r.succeeded_prefix {
-                    assert!(holds(&region, blocks[i], ids[i]), "seed {seed}: job {} key {i} wrong bytes", r.id);
+                    assert!(
+                        holds(&region, blocks[i], ids[i]),
+                        "seed {seed}: job {} key {i} wrong bytes",
+                        r.id
+                    );
                 }
                 if r.success {
                     loads_ok += 1;
@@ -75,7 +85,11 @@ fn soak_with_faults_never_serves_wrong_bytes() {
                     partial_checked += 1;
                 }
                 if let Some(f) = &r.failure {
-                    assert_ne!(f.reason, KeyFailure::Checksum, "seed {seed}: blocks written in this run are trusted");
+                    assert_ne!(
+                        f.reason,
+                        KeyFailure::Checksum,
+                        "seed {seed}: blocks written in this run are trusted"
+                    );
                 }
             }
             free.extend(blocks);
@@ -84,7 +98,10 @@ fn soak_with_faults_never_serves_wrong_bytes() {
     let s = engine.stats();
     assert!(s.io_errors > 0, "seed {seed}: faults were injected");
     assert!(loads_ok > 0, "seed {seed}: some loads succeeded");
-    println!("loads ok {loads_ok}, partial prefixes checked {partial_checked}, evictions {}", s.evictions);
+    println!(
+        "loads ok {loads_ok}, partial prefixes checked {partial_checked}, evictions {}",
+        s.evictions
+    );
     engine.shutdown();
     drop(engine);
 
@@ -97,10 +114,17 @@ fn soak_with_faults_never_serves_wrong_bytes() {
         }
         let r = load(&engine, &region, 10_000 + id, &[id]);
         if r.success {
-            assert!(holds(&region, 0, id), "seed {seed}: wrong bytes for id {id} after restart");
+            assert!(
+                holds(&region, 0, id),
+                "seed {seed}: wrong bytes for id {id} after restart"
+            );
             served += 1;
         } else {
-            assert_eq!(r.failure.expect("failure").reason, KeyFailure::Checksum, "seed {seed}: id {id}");
+            assert_eq!(
+                r.failure.expect("failure").reason,
+                KeyFailure::Checksum,
+                "seed {seed}: id {id}"
+            );
         }
     }
     assert!(served > 0, "seed {seed}: something survived the restart");

@@ -21,11 +21,28 @@ impl Drop for Mount {
     }
 }
 
+struct Detach(String);
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
 fn mount_ramfs(dir: &Path) -> Option<Mount> {
     let point = dir.join("ramfs");
     std::fs::create_dir_all(&point).ok()?;
-    let ok = Command::new("mount").args(["-t", "ramfs", "ramfs"]).arg(&point).status().ok()?.success();
-    if ok { Some(Mount(point)) } else { None }
+    let ok = Command::new("mount")
+        .args(["-t", "ramfs", "ramfs"])
+        .arg(&point)
+        .status()
+        .ok()?
+        .success();
+    if ok {
+        Some(Mount(point))
+    } else {
+        None
+    }
 }
 
 fn open_or_skip(cfg: &kvtier::Config, region: &std::sync::Arc<kvtier::Region>) -> Option<Engine> {
@@ -48,7 +65,9 @@ fn ramfs_falls_back_to_buffered_io_when_auto() {
     let mut cfg = file_config(&mount.0.join("dev.slab"), 32 << 20, 1);
     cfg.direct_io = DirectIo::Auto;
     let region = region(8);
-    let Some(engine) = open_or_skip(&cfg, &region) else { return };
+    let Some(engine) = open_or_skip(&cfg, &region) else {
+        return;
+    };
     assert!(!engine.info().devices[0].direct, "ramfs cannot do O_DIRECT");
     let ids: Vec<u64> = (0..8).collect();
     assert!(store(&engine, &region, 1, &ids).success);
@@ -62,7 +81,10 @@ fn ramfs_falls_back_to_buffered_io_when_auto() {
     cfg.direct_io = DirectIo::Required;
     let err = Engine::open(&cfg, region.clone()).err().expect("refused");
     let msg = err.to_string();
-    assert!(msg.contains("O_DIRECT") && msg.contains("direct_io = \"auto\""), "{msg}");
+    assert!(
+        msg.contains("O_DIRECT") && msg.contains("direct_io = \"auto\""),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -74,26 +96,33 @@ fn raw_block_device_through_a_loop_device() {
     drop(f);
     // Write it once so reads are real, like a used disk.
     std::fs::write(&backing, vec![0u8; 64 << 20]).expect("pre-write");
-    let out = Command::new("losetup").args(["--find", "--show", "--direct-io=on"]).arg(&backing).output();
+    let out = Command::new("losetup")
+        .args(["--find", "--show", "--direct-io=on"])
+        .arg(&backing)
+        .output();
     let dev = match out {
         Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
-        Ok(o) => return println!("skipping: losetup failed: {}", String::from_utf8_lossy(&o.stderr).trim()),
+        Ok(o) => {
+            return println!(
+                "skipping: losetup failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )
+        }
         Err(e) => return println!("skipping: losetup unavailable: {e}"),
     };
-    struct Detach(String);
-    impl Drop for Detach {
-        fn drop(&mut self) {
-            let _ = Command::new("losetup").args(["-d", &self.0]).status();
-        }
-    }
     let _detach = Detach(dev.clone());
     let mut cfg = file_config(Path::new(&dev), 64 << 20, 2);
     cfg.devices[0].capacity_bytes = None;
     let region = region(16);
-    let Some(engine) = open_or_skip(&cfg, &region) else { return };
+    let Some(engine) = open_or_skip(&cfg, &region) else {
+        return;
+    };
     let info = &engine.info().devices[0];
     assert_eq!(info.kind, "block device");
-    assert!(info.formatted, "an all-zero device is formatted without asking");
+    assert!(
+        info.formatted,
+        "an all-zero device is formatted without asking"
+    );
     let ids: Vec<u64> = (0..16).collect();
     assert!(store(&engine, &region, 1, &ids).success);
     drop(engine);
@@ -113,38 +142,73 @@ fn unusable_devices_give_clear_errors() {
     // A file that does not exist and no capacity to create it with.
     let mut cfg = file_config(&dir.path().join("missing.slab"), 32 << 20, 1);
     cfg.devices[0].capacity_bytes = None;
-    let msg = Engine::open(&cfg, region.clone()).err().expect("refused").to_string();
-    assert!(msg.contains("devices[0].capacity_bytes") && msg.contains("missing.slab"), "{msg}");
+    let msg = Engine::open(&cfg, region.clone())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        msg.contains("devices[0].capacity_bytes") && msg.contains("missing.slab"),
+        "{msg}"
+    );
     // A directory is not a device.
     let mut cfg = file_config(dir.path(), 32 << 20, 1);
     cfg.devices[0].capacity_bytes = None;
-    let msg = Engine::open(&cfg, region.clone()).err().expect("refused").to_string();
-    assert!(msg.contains("not a regular file or a block device"), "{msg}");
+    let msg = Engine::open(&cfg, region.clone())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        msg.contains("not a regular file or a block device"),
+        "{msg}"
+    );
     // An existing file with someone else's data is not formatted without overwrite = true.
     let foreign = dir.path().join("foreign.bin");
     std::fs::write(&foreign, vec![0x5a; 32 << 20]).expect("write");
     let mut cfg = file_config(&foreign, 32 << 20, 1);
     cfg.devices[0].capacity_bytes = None;
-    let msg = Engine::open(&cfg, region.clone()).err().expect("refused").to_string();
+    let msg = Engine::open(&cfg, region.clone())
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(msg.contains("overwrite = true"), "{msg}");
-    assert_eq!(std::fs::read(&foreign).expect("read")[..4], [0x5a; 4], "left untouched");
+    assert_eq!(
+        std::fs::read(&foreign).expect("read")[..4],
+        [0x5a; 4],
+        "left untouched"
+    );
     // Too small for a single slot.
     let mut cfg = file_config(&dir.path().join("tiny.slab"), 16 << 20, 1);
     cfg.block_size = 32 << 20;
-    let region = kvtier::region::allocate_blocks(32 << 20, 1, kvtier::config::HugePages::Off).expect("region");
-    let msg = Engine::open(&cfg, region).err().expect("refused").to_string();
+    let region = kvtier::region::allocate_blocks(32 << 20, 1, kvtier::config::HugePages::Off)
+        .expect("region");
+    let msg = Engine::open(&cfg, region)
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(msg.contains("too small"), "{msg}");
 }
 
 #[test]
 fn bad_config_text_names_field_value_and_choices() {
     let text = "block_size = \"3 KiB\"\n[[devices]]\npath = \"/x\"\n";
-    let msg = kvtier::Config::from_toml_str(text).err().expect("invalid").to_string();
-    assert!(msg.contains("block_size") && msg.contains("3 KiB") && msg.contains("4096"), "{msg}");
+    let msg = kvtier::Config::from_toml_str(text)
+        .expect_err("invalid")
+        .to_string();
+    assert!(
+        msg.contains("block_size") && msg.contains("3 KiB") && msg.contains("4096"),
+        "{msg}"
+    );
     let text = "direct_io = \"sometimes\"\n[[devices]]\npath = \"/x\"\n";
-    let msg = kvtier::Config::from_toml_str(text).err().expect("invalid").to_string();
-    assert!(msg.contains("direct_io") && msg.contains("sometimes") && msg.contains("auto"), "{msg}");
+    let msg = kvtier::Config::from_toml_str(text)
+        .expect_err("invalid")
+        .to_string();
+    assert!(
+        msg.contains("direct_io") && msg.contains("sometimes") && msg.contains("auto"),
+        "{msg}"
+    );
     let text = "blok_size = 4096\n[[devices]]\npath = \"/x\"\n";
-    let msg = kvtier::Config::from_toml_str(text).err().expect("invalid").to_string();
+    let msg = kvtier::Config::from_toml_str(text)
+        .expect_err("invalid")
+        .to_string();
     assert!(msg.contains("blok_size"), "{msg}");
 }

@@ -31,7 +31,9 @@ fn full_queue_gives_backpressure_errors() {
     sim.record(true);
     sim.pause(true);
     let _unpause = Unpause(&sim);
-    engine.submit_load(Job::new(2, vec![key(1); 4], vec![0, 1, 2, 3])).expect("fits exactly");
+    engine
+        .submit_load(Job::new(2, vec![key(1); 4], vec![0, 1, 2, 3]))
+        .expect("fits exactly");
     while sim.take_log().is_empty() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
@@ -40,13 +42,19 @@ fn full_queue_gives_backpressure_errors() {
         Err(Error::Backpressure(msg)) => assert!(msg.contains("queue_blocks_max = 4"), "{msg}"),
         other => panic!("expected backpressure, got {other:?}"),
     }
-    engine.submit_load(Job::new(4, vec![key(1)], vec![4])).expect("one more block fits");
+    engine
+        .submit_load(Job::new(4, vec![key(1)], vec![4]))
+        .expect("one more block fits");
     sim.pause(false);
     let mut results = wait_results(&engine, 2);
     results.sort_by_key(|r| r.id);
     assert_eq!(results.iter().map(|r| r.id).collect::<Vec<_>>(), vec![2, 4]);
     assert!(results.iter().all(|r| r.success), "{results:?}");
-    assert_eq!(engine.poll_finished(&mut Vec::new()), 0, "the refused job left no result");
+    assert_eq!(
+        engine.poll_finished(&mut Vec::new()),
+        0,
+        "the refused job left no result"
+    );
 }
 
 #[test]
@@ -60,8 +68,12 @@ fn too_many_jobs_give_backpressure_errors() {
     let _unpause = Unpause(&sim);
     put(&region, 0, 1);
     put(&region, 1, 2);
-    engine.submit_store(Job::new(1, vec![key(1)], vec![0])).expect("first");
-    engine.submit_store(Job::new(2, vec![key(2)], vec![1])).expect("second");
+    engine
+        .submit_store(Job::new(1, vec![key(1)], vec![0]))
+        .expect("first");
+    engine
+        .submit_store(Job::new(2, vec![key(2)], vec![1]))
+        .expect("second");
     match engine.submit_store(Job::new(3, vec![key(3)], vec![2])) {
         Err(Error::Backpressure(msg)) => assert!(msg.contains("jobs_in_flight_max = 2"), "{msg}"),
         other => panic!("expected backpressure, got {other:?}"),
@@ -71,7 +83,9 @@ fn too_many_jobs_give_backpressure_errors() {
     assert!(results.iter().all(|r| r.success), "{results:?}");
     engine.drain();
     assert_eq!(engine.jobs_in_flight(), 0);
-    engine.submit_store(Job::new(3, vec![key(3)], vec![2])).expect("room again");
+    engine
+        .submit_store(Job::new(3, vec![key(3)], vec![2]))
+        .expect("room again");
 }
 
 #[test]
@@ -81,18 +95,30 @@ fn drain_waits_for_everything_submitted() {
     cfg.scheduler.store_chunk_bytes = 16 << 10;
     let region = region(32);
     let engine = open_sim(&cfg, &region, &sim);
-    sim.set_faults(kvtier::sim::Faults { max_delay_rounds: 5, reorder: true, ..Default::default() });
+    sim.set_faults(kvtier::sim::Faults {
+        max_delay_rounds: 5,
+        reorder: true,
+        ..Default::default()
+    });
     for j in 0..16u64 {
         put(&region, j as u32 * 2, j * 2);
         put(&region, j as u32 * 2 + 1, j * 2 + 1);
         engine
-            .submit_store(Job::new(j, vec![key(j * 2), key(j * 2 + 1)], vec![j as u32 * 2, j as u32 * 2 + 1]))
+            .submit_store(Job::new(
+                j,
+                vec![key(j * 2), key(j * 2 + 1)],
+                vec![j as u32 * 2, j as u32 * 2 + 1],
+            ))
             .expect("submit");
     }
     engine.drain();
     assert_eq!(engine.jobs_in_flight(), 0);
     let mut out = Vec::new();
-    assert_eq!(engine.poll_finished(&mut out), 16, "every result is ready after drain");
+    assert_eq!(
+        engine.poll_finished(&mut out),
+        16,
+        "every result is ready after drain"
+    );
     assert!(out.iter().all(|r| r.success));
 }
 
@@ -108,7 +134,9 @@ fn shutdown_with_io_in_flight_reports_every_job_once() {
     };
     for j in 0..64u64 {
         put(&region, j as u32, j);
-        engine.submit_store(Job::new(j, vec![key(j)], vec![j as u32])).expect("submit");
+        engine
+            .submit_store(Job::new(j, vec![key(j)], vec![j as u32]))
+            .expect("submit");
     }
     engine.shutdown();
     engine.shutdown(); // idempotent
@@ -120,10 +148,19 @@ fn shutdown_with_io_in_flight_reports_every_job_once() {
     ids.dedup();
     assert_eq!(ids.len(), 64, "each exactly once");
     for r in &out {
-        assert!(r.success || r.failure.as_ref().map(|f| f.reason) == Some(KeyFailure::Shutdown), "{r:?}");
+        assert!(
+            r.success || r.failure.as_ref().map(|f| f.reason) == Some(KeyFailure::Shutdown),
+            "{r:?}"
+        );
     }
-    assert!(matches!(engine.submit_store(Job::new(99, vec![key(1)], vec![0])), Err(Error::Shutdown)));
-    assert!(matches!(engine.submit_load(Job::new(99, vec![key(1)], vec![0])), Err(Error::Shutdown)));
+    assert!(matches!(
+        engine.submit_store(Job::new(99, vec![key(1)], vec![0])),
+        Err(Error::Shutdown)
+    ));
+    assert!(matches!(
+        engine.submit_load(Job::new(99, vec![key(1)], vec![0])),
+        Err(Error::Shutdown)
+    ));
     drop(engine);
     // What was reported stored is really there after a reopen.
     let engine = Engine::open(&cfg, region.clone()).expect("reopen");

@@ -21,7 +21,10 @@ fn missing_last_key_reports_prefix_of_two() {
     assert_eq!(r.successful_keys(), Some(2));
     let f = r.failure.expect("failure");
     assert_eq!((f.key_index, f.reason), (2, KeyFailure::Miss));
-    assert!(holds(&region, 0, 1) && holds(&region, 1, 2), "loaded prefix is intact");
+    assert!(
+        holds(&region, 0, 1) && holds(&region, 1, 2),
+        "loaded prefix is intact"
+    );
 }
 
 #[test]
@@ -33,7 +36,11 @@ fn missing_first_key_reports_no_successful_keys() {
     let r = load(&engine, &region, 2, &[1, 2, 3]);
     assert!(!r.success);
     assert_eq!(r.succeeded_prefix, 0);
-    assert_eq!(r.successful_keys(), None, "vLLM reports None for an empty prefix");
+    assert_eq!(
+        r.successful_keys(),
+        None,
+        "vLLM reports None for an empty prefix"
+    );
     assert_eq!(r.failure.expect("failure").key_index, 0);
 }
 
@@ -58,12 +65,22 @@ fn device_error_fails_the_key_and_keeps_the_block() {
     let region = region(8);
     let engine = open_sim(&sim_config(1, 1), &region, &sim);
     assert!(store(&engine, &region, 1, &[7]).success);
-    sim.set_faults(kvtier::sim::Faults { eio_ppm: 1_000_000, data_only: true, ..Default::default() });
+    sim.set_faults(kvtier::sim::Faults {
+        eio_ppm: 1_000_000,
+        data_only: true,
+        ..Default::default()
+    });
     let r = load(&engine, &region, 2, &[7]);
     assert!(!r.success);
-    assert_eq!(r.failure.expect("failure").reason, KeyFailure::Io(kvtier::Errno::EIO));
+    assert_eq!(
+        r.failure.expect("failure").reason,
+        KeyFailure::Io(kvtier::Errno::EIO)
+    );
     sim.set_faults(kvtier::sim::Faults::default());
-    assert_eq!(engine.lookup(&[key(7)]), vec![kvtier::Lookup::Hit(kvtier::Tier::Nvme)]);
+    assert_eq!(
+        engine.lookup(&[key(7)]),
+        vec![kvtier::Lookup::Hit(kvtier::Tier::Nvme)]
+    );
     assert!(load(&engine, &region, 3, &[7]).success);
     assert!(holds(&region, 0, 7));
 }

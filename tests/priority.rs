@@ -31,10 +31,14 @@ fn loads_overtake_queued_stores() {
         put(&region, b as u32 + 8, id);
     }
     let blocks: Vec<u32> = (8..40).collect();
-    engine.submit_store(Job::new(2, ids.iter().map(|&i| key(i)).collect(), blocks)).expect("submit");
+    engine
+        .submit_store(Job::new(2, ids.iter().map(|&i| key(i)).collect(), blocks))
+        .expect("submit");
     // Let the worker fill its store budget: 4 chunk writes are then in flight and stuck.
     wait_for(|| sim_log_writes(&sim) >= 4);
-    engine.submit_load(Job::new(3, vec![key(1000), key(1001)], vec![0, 1])).expect("submit");
+    engine
+        .submit_load(Job::new(3, vec![key(1000), key(1001)], vec![0, 1]))
+        .expect("submit");
     wait_for(|| sim_log_reads(&sim) >= 2);
     sim.pause(false);
     let results = wait_results(&engine, 2);
@@ -43,12 +47,22 @@ fn loads_overtake_queued_stores() {
 
     let log = sim.take_log();
     let data: Vec<_> = log.iter().filter(|e| e.class != IoClass::Meta).collect();
-    let first_load = data.iter().position(|e| e.kind == IoKind::Read).expect("a load was issued");
+    let first_load = data
+        .iter()
+        .position(|e| e.kind == IoKind::Read)
+        .expect("a load was issued");
     // Only the 4 chunks issued before the load arrived precede it: nothing queued behind
     // the store budget got ahead of the load.
     assert_eq!(first_load, 4, "log: {data:?}");
-    assert_eq!(data[first_load + 1].kind, IoKind::Read, "both loads go before more stores");
-    assert_eq!(data.iter().filter(|e| e.kind == IoKind::Write).count(), 32 * 4);
+    assert_eq!(
+        data[first_load + 1].kind,
+        IoKind::Read,
+        "both loads go before more stores"
+    );
+    assert_eq!(
+        data.iter().filter(|e| e.kind == IoKind::Write).count(),
+        32 * 4
+    );
 }
 
 #[test]
@@ -67,7 +81,11 @@ fn stores_keep_a_minimum_share_under_constant_loads() {
         put(&region, b as u32 + 8, id);
     }
     engine
-        .submit_store(Job::new(2, ids.iter().map(|&i| key(i)).collect(), (8..24).collect()))
+        .submit_store(Job::new(
+            2,
+            ids.iter().map(|&i| key(i)).collect(),
+            (8..24).collect(),
+        ))
         .expect("submit");
     let mut done = Vec::new();
     let mut next_load = 100;
@@ -76,7 +94,13 @@ fn stores_keep_a_minimum_share_under_constant_loads() {
     while !done.iter().any(|r: &kvtier::JobResult| r.id == 2) {
         assert!(std::time::Instant::now() < deadline, "stores starved");
         while loads_outstanding < 4 {
-            engine.submit_load(Job::new(next_load, vec![key(500)], vec![(next_load % 8) as u32])).expect("submit");
+            engine
+                .submit_load(Job::new(
+                    next_load,
+                    vec![key(500)],
+                    vec![(next_load % 8) as u32],
+                ))
+                .expect("submit");
             next_load += 1;
             loads_outstanding += 1;
         }
@@ -89,11 +113,17 @@ fn stores_keep_a_minimum_share_under_constant_loads() {
 }
 
 fn sim_log_writes(sim: &SimStorage) -> usize {
-    peek_log(sim).iter().filter(|e| e.kind == IoKind::Write && e.class == IoClass::Store).count()
+    peek_log(sim)
+        .iter()
+        .filter(|e| e.kind == IoKind::Write && e.class == IoClass::Store)
+        .count()
 }
 
 fn sim_log_reads(sim: &SimStorage) -> usize {
-    peek_log(sim).iter().filter(|e| e.kind == IoKind::Read).count()
+    peek_log(sim)
+        .iter()
+        .filter(|e| e.kind == IoKind::Read)
+        .count()
 }
 
 fn peek_log(sim: &SimStorage) -> Vec<kvtier::sim::LogEntry> {
@@ -105,7 +135,10 @@ fn peek_log(sim: &SimStorage) -> Vec<kvtier::sim::LogEntry> {
 fn wait_for(mut cond: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !cond() {
-        assert!(std::time::Instant::now() < deadline, "condition not reached");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "condition not reached"
+        );
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
 }

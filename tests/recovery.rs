@@ -22,10 +22,19 @@ fn keys_survive_a_restart_on_sim() {
     }
     let engine = open_sim(&cfg, &region, &sim);
     let info = engine.info();
-    assert!(info.devices.iter().all(|d| !d.formatted), "reopened, not reformatted");
-    assert_eq!(info.workers.iter().map(|w| w.recovered_blocks).sum::<u64>(), 16);
+    assert!(
+        info.devices.iter().all(|d| !d.formatted),
+        "reopened, not reformatted"
+    );
+    assert_eq!(
+        info.workers.iter().map(|w| w.recovered_blocks).sum::<u64>(),
+        16
+    );
     let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
-    assert!(engine.lookup(&keys).iter().all(|l| *l == Lookup::Hit(Tier::Nvme)));
+    assert!(engine
+        .lookup(&keys)
+        .iter()
+        .all(|l| *l == Lookup::Hit(Tier::Nvme)));
     let r = load(&engine, &region, 2, &ids);
     assert!(r.success, "{r:?}");
     for (b, &id) in ids.iter().enumerate() {
@@ -85,10 +94,16 @@ fn block_size_mismatch_is_refused_unless_overwrite() {
     drop(open_sim(&sim_config(1, 1), &region, &sim));
     let mut cfg = sim_config(1, 1);
     cfg.block_size = 128 << 10;
-    let region2 = kvtier::region::allocate_blocks(128 << 10, 2, kvtier::config::HugePages::Off).expect("region");
-    let err = Engine::open_with(&cfg, std::sync::Arc::clone(&region2), sim.clone()).err().expect("refused");
+    let region2 = kvtier::region::allocate_blocks(128 << 10, 2, kvtier::config::HugePages::Off)
+        .expect("region");
+    let err = Engine::open_with(&cfg, std::sync::Arc::clone(&region2), sim.clone())
+        .err()
+        .expect("refused");
     let msg = err.to_string();
-    assert!(msg.contains("block_size 65536") && msg.contains("overwrite = true"), "{msg}");
+    assert!(
+        msg.contains("block_size 65536") && msg.contains("overwrite = true"),
+        "{msg}"
+    );
     cfg.devices[0].overwrite = true;
     let engine = Engine::open_with(&cfg, region2, sim.clone()).expect("reformatted");
     assert!(engine.info().devices[0].formatted);

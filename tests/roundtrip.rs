@@ -20,7 +20,10 @@ fn one_block_round_trip_on_sim() {
     assert!(r.success, "{r:?}");
     assert_eq!(r.kind, JobKind::Store);
     assert_eq!(r.bytes, BLOCK);
-    assert_eq!(engine.lookup(&[key(1), key(2)]), vec![Lookup::Hit(Tier::Nvme), Lookup::Miss]);
+    assert_eq!(
+        engine.lookup(&[key(1), key(2)]),
+        vec![Lookup::Hit(Tier::Nvme), Lookup::Miss]
+    );
     let r = load(&engine, &region, 2, &[1]);
     assert!(r.success, "{r:?}");
     assert_eq!(r.bytes, BLOCK);
@@ -47,25 +50,43 @@ fn many_blocks_many_jobs_several_workers_and_devices() {
         for (&b, &id) in blocks.iter().zip(&ids) {
             put(&region, b, id);
         }
-        engine.submit_store(Job::new(j, ids.iter().map(|&i| key(i)).collect(), blocks)).expect("submit");
+        engine
+            .submit_store(Job::new(j, ids.iter().map(|&i| key(i)).collect(), blocks))
+            .expect("submit");
     }
     let results = wait_results(&engine, 8);
     let mut ids: Vec<u64> = results.iter().map(|r| r.id).collect();
     ids.sort_unstable();
-    assert_eq!(ids, (0..8).collect::<Vec<_>>(), "each job reported exactly once");
-    assert!(results.iter().all(|r| r.success && r.bytes == 8 * BLOCK), "{results:?}");
+    assert_eq!(
+        ids,
+        (0..8).collect::<Vec<_>>(),
+        "each job reported exactly once"
+    );
+    assert!(
+        results.iter().all(|r| r.success && r.bytes == 8 * BLOCK),
+        "{results:?}"
+    );
     // Load them back into shuffled blocks.
     region.fill(0, region.len(), 0);
     for j in 0..8u64 {
         let ids: Vec<u64> = (j * 8..j * 8 + 8).rev().collect();
         let blocks: Vec<u32> = (j as u32 * 8..j as u32 * 8 + 8).collect();
-        engine.submit_load(Job::new(100 + j, ids.iter().map(|&i| key(i)).collect(), blocks)).expect("submit");
+        engine
+            .submit_load(Job::new(
+                100 + j,
+                ids.iter().map(|&i| key(i)).collect(),
+                blocks,
+            ))
+            .expect("submit");
     }
     let results = wait_results(&engine, 8);
     assert!(results.iter().all(|r| r.success), "{results:?}");
     for j in 0..8u64 {
         for (n, id) in (j * 8..j * 8 + 8).rev().enumerate() {
-            assert!(holds(&region, j as u32 * 8 + n as u32, id), "block for id {id}");
+            assert!(
+                holds(&region, j as u32 * 8 + n as u32, id),
+                "block for id {id}"
+            );
         }
     }
     let s = engine.stats();
@@ -73,7 +94,10 @@ fn many_blocks_many_jobs_several_workers_and_devices() {
     assert_eq!(s.loads_ok, 64);
     assert_eq!(s.bytes_written, 64 * BLOCK);
     assert_eq!(s.write_ops, 64 * 4, "stores are split into 16 KiB chunks");
-    assert!(engine.poll_finished(&mut Vec::new()) == 0, "no duplicate results");
+    assert!(
+        engine.poll_finished(&mut Vec::new()) == 0,
+        "no duplicate results"
+    );
 }
 
 #[test]
@@ -82,9 +106,15 @@ fn empty_job_and_malformed_jobs_are_reported() {
     let cfg = sim_config(1, 1);
     let region = region(4);
     let engine = open_sim(&cfg, &region, &sim);
-    engine.submit_store(Job::new(1, vec![], vec![])).expect("submit");
-    engine.submit_load(Job::new(2, vec![key(1)], vec![4])).expect("submit"); // block 4 of 4
-    engine.submit_store(Job::new(3, vec![key(1), key(2)], vec![0])).expect("submit");
+    engine
+        .submit_store(Job::new(1, vec![], vec![]))
+        .expect("submit");
+    engine
+        .submit_load(Job::new(2, vec![key(1)], vec![4]))
+        .expect("submit"); // block 4 of 4
+    engine
+        .submit_store(Job::new(3, vec![key(1), key(2)], vec![0]))
+        .expect("submit");
     let mut results = wait_results(&engine, 3);
     results.sort_by_key(|r| r.id);
     assert!(results[0].success && results[0].keys_total == 0);
@@ -93,7 +123,12 @@ fn empty_job_and_malformed_jobs_are_reported() {
     assert_eq!(f.reason, kvtier::KeyFailure::InvalidJob);
     assert!(f.detail.contains("block id 4"), "{}", f.detail);
     assert!(!results[2].success);
-    assert!(results[2].failure.as_ref().expect("failure").detail.contains("2 keys but 1 blocks"));
+    assert!(results[2]
+        .failure
+        .as_ref()
+        .expect("failure")
+        .detail
+        .contains("2 keys but 1 blocks"));
 }
 
 #[test]
@@ -111,7 +146,11 @@ fn real_file_round_trip_through_io_uring() {
     };
     let info = engine.info();
     assert!(info.devices[0].formatted);
-    assert!(info.workers[0].backend.starts_with("io_uring"), "{:?}", info.workers);
+    assert!(
+        info.workers[0].backend.starts_with("io_uring"),
+        "{:?}",
+        info.workers
+    );
     let ids: Vec<u64> = (0..32).collect();
     let r = store(&engine, &region, 1, &ids);
     assert!(r.success, "{r:?}");

@@ -1,6 +1,6 @@
 //! Shared helpers for the integration tests: engines on the simulated device or on real files,
 //! deterministic block contents, and waiting for job results with a bound.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::field_reassign_with_default)]
 
 use std::path::Path;
 use std::sync::Arc;
@@ -17,7 +17,9 @@ pub fn sim_config(devices: usize, workers: usize) -> Config {
     let mut c = Config::default();
     c.block_size = BLOCK;
     c.cores = Cores::List((0..workers).collect());
-    c.devices = (0..devices).map(|i| DeviceConfig::new(format!("sim{i}"))).collect();
+    c.devices = (0..devices)
+        .map(|i| DeviceConfig::new(format!("sim{i}")))
+        .collect();
     c.events.enabled = true;
     c
 }
@@ -39,8 +41,12 @@ pub fn region(blocks: u64) -> Arc<Region> {
 }
 
 pub fn open_sim(config: &Config, region: &Arc<Region>, sim: &Arc<SimStorage>) -> Engine {
-    Engine::open_with(config, Arc::clone(region), Arc::clone(sim) as Arc<dyn kvtier::io::Storage>)
-        .expect("engine opens on the simulated device")
+    Engine::open_with(
+        config,
+        Arc::clone(region),
+        Arc::clone(sim) as Arc<dyn kvtier::io::Storage>,
+    )
+    .expect("engine opens on the simulated device")
 }
 
 pub fn key(id: u64) -> Key {
@@ -59,7 +65,10 @@ pub fn content(id: u64, len: usize) -> Vec<u8> {
 }
 
 pub fn put(region: &Region, block: u32, id: u64) {
-    region.write(block as usize * BLOCK as usize, &content(id, BLOCK as usize));
+    region.write(
+        block as usize * BLOCK as usize,
+        &content(id, BLOCK as usize),
+    );
 }
 
 pub fn holds(region: &Region, block: u32, id: u64) -> bool {
@@ -73,7 +82,11 @@ pub fn wait_results(engine: &Engine, n: usize) -> Vec<JobResult> {
     let mut out = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     while out.len() < n {
-        assert!(Instant::now() < deadline, "timed out: {} of {n} results: {out:?}", out.len());
+        assert!(
+            Instant::now() < deadline,
+            "timed out: {} of {n} results: {out:?}",
+            out.len()
+        );
         engine.wait_finished(&mut out, Duration::from_millis(50));
     }
     out
@@ -85,7 +98,9 @@ pub fn store(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> JobResu
     for (b, &id) in blocks.iter().zip(ids) {
         put(region, *b, id);
     }
-    engine.submit_store(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks)).expect("submit");
+    engine
+        .submit_store(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks))
+        .expect("submit");
     let mut r = wait_results(engine, 1);
     r.pop().expect("one result")
 }
@@ -97,7 +112,9 @@ pub fn load(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> JobResul
     for &b in &blocks {
         region.fill(b as usize * BLOCK as usize, BLOCK as usize, 0xee);
     }
-    engine.submit_load(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks)).expect("submit");
+    engine
+        .submit_load(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks))
+        .expect("submit");
     let mut r = wait_results(engine, 1);
     r.pop().expect("one result")
 }
@@ -105,5 +122,8 @@ pub fn load(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> JobResul
 /// A scratch directory on a disk filesystem (not tmpfs), for real-kernel tests.
 pub fn scratch_dir() -> tempfile::TempDir {
     let base = std::env::var("KVTIER_TEST_DIR").unwrap_or_else(|_| "/var/tmp".into());
-    tempfile::Builder::new().prefix("kvtier-test").tempdir_in(base).expect("scratch dir")
+    tempfile::Builder::new()
+        .prefix("kvtier-test")
+        .tempdir_in(base)
+        .expect("scratch dir")
 }
