@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The full test suite: formatting, lints, then every test of the workspace (unit, integration,
+# real-kernel, CLI end to end, and the criterion benches in quick test mode).
+# Real-kernel tests that need root (ramfs mount, loop devices) skip with a message elsewhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo build --release --workspace --locked
+cargo test --workspace --all-targets --locked 2>&1 | tee /tmp/kvtier-test.log
+# Doc tests too (--all-targets skips them).
+cargo test --workspace --doc --locked
+# One summary line over all test binaries.
+awk '/^test result:/ { p += $4; f += $6; s += $8 } END { printf "%d passed, %d failed, %d skipped\n", p, f, s }' /tmp/kvtier-test.log
