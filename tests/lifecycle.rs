@@ -170,3 +170,27 @@ fn shutdown_with_io_in_flight_reports_every_job_once() {
         assert!(holds(&region, 0, r.id));
     }
 }
+
+#[test]
+fn an_idle_engine_sleeps_in_the_kernel() {
+    // An idle worker must block in io_uring_enter, not spin (foyer#1311): over an idle spell it
+    // does not go round its loop at all, and its CPU time stays near zero.
+    let dir = scratch_dir();
+    let cfg = file_config(&dir.path().join("dev.slab"), 32 << 20, 2);
+    let region = region(4);
+    let engine = match Engine::open(&cfg, region.clone()) {
+        Ok(e) => e,
+        Err(Error::Ring(m)) => return println!("skipping: io_uring unavailable: {m}"),
+        Err(e) => panic!("{e}"),
+    };
+    assert!(store(&engine, &region, 1, &[1]).success);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let before = engine.stats();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let after = engine.stats();
+    assert_eq!(after.submits, before.submits, "workers went round their loop while idle");
+    assert!(after.worker_cpu_seconds - before.worker_cpu_seconds < 0.05, "idle CPU");
+    // And a submit still wakes it.
+    assert!(load(&engine, &region, 2, &[1]).success);
+    assert!(holds(&region, 0, 1));
+}

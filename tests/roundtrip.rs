@@ -160,3 +160,25 @@ fn real_file_round_trip_through_io_uring() {
         assert!(holds(&region, b as u32, id), "block {b}");
     }
 }
+
+#[test]
+fn a_caller_owned_region_works_like_an_allocated_one() {
+    // A GPU runtime or another process may own the region: the engine only needs a page-aligned
+    // pointer and a length. Here the "foreign" memory is another Region's mapping, which
+    // outlives the engine.
+    let owner = region(8);
+    // SAFETY: `owner` maps these bytes for the whole test and outlives `foreign` and the engine.
+    let foreign = unsafe {
+        kvtier::Region::from_raw_parts(owner.addr() as *mut u8, owner.len())
+    }
+    .expect("page aligned");
+    assert_eq!(foreign.backing(), kvtier::Backing::Foreign);
+    let foreign = std::sync::Arc::new(foreign);
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[32 << 20]);
+    let engine = open_sim(&sim_config(1, 1), &foreign, &sim);
+    assert!(store(&engine, &foreign, 1, &[5, 6]).success);
+    owner.fill(0, owner.len(), 0);
+    assert!(load(&engine, &foreign, 2, &[5, 6]).success);
+    assert!(holds(&owner, 0, 5) && holds(&owner, 1, 6), "bytes landed in the caller's memory");
+    drop(engine);
+}

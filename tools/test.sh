@@ -8,8 +8,9 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo build --release --workspace --locked
-cargo test --workspace --all-targets --locked 2>&1 | tee /tmp/kvtier-test.log
+: > /tmp/kvtier-test.log
+cargo test --workspace --all-targets --locked 2>&1 | tee -a /tmp/kvtier-test.log
 # Doc tests too (--all-targets skips them).
-cargo test --workspace --doc --locked
+cargo test --workspace --doc --locked 2>&1 | tee -a /tmp/kvtier-test.log
 # One summary line over all test binaries.
 awk '/^test result:/ { p += $4; f += $6; s += $8 } END { printf "%d passed, %d failed, %d skipped\n", p, f, s }' /tmp/kvtier-test.log

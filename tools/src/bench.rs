@@ -11,6 +11,12 @@
 //! number, so a load is verified byte for byte; each phase ends only when all of its jobs have
 //! finished, so no result is attributed to the wrong phase; submission never spins — a full
 //! engine queue is answered by waiting for results with a short timeout.
+//!
+//! `kvtier fio-compare` drives the same phases through [`run_engine`], with [`Check::Stamps`]:
+//! the bench then writes and checks only an 8-byte key stamp at both ends of each block (so a
+//! load that read nothing or the wrong slot still fails), instead of copying and comparing
+//! whole blocks, because fio does no such per-block work and the bench thread shares the
+//! cores with the engine's workers.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -54,6 +60,16 @@ const FAILURES_LOGGED_MAX: u64 = 5;
 const POISON_STRIDE_BYTES: usize = 4096;
 /// The `--dir` default: /tmp is often tmpfs, which would measure memory, not a disk.
 const DEFAULT_DIR: &str = "/var/tmp";
+
+/// How much of each block the bench writes before a store and checks after a load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Check {
+    /// Every byte: the block's whole pattern is copied in and compared (`kvtier bench`).
+    Full,
+    /// Only the key stamps in the first and last 8 bytes; the rest of each region block holds a
+    /// pattern written once (`kvtier fio-compare`).
+    Stamps,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Workload {
@@ -116,12 +132,12 @@ pub struct BenchArgs {
     keep: bool,
 }
 
-fn parse_size_arg(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size_arg(text: &str) -> Result<u64, String> {
     kvtier::config::parse_size(text)
         .map_err(|e| format!("`{text}`: {e} (expected e.g. 4096, 256KiB, \"2 MiB\")"))
 }
 
-fn parse_seconds(text: &str) -> Result<f64, String> {
+pub(crate) fn parse_seconds(text: &str) -> Result<f64, String> {
     let secs: f64 = text
         .parse()
         .map_err(|_| format!("`{text}` is not a number of seconds"))?;
@@ -256,6 +272,7 @@ fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCo
         args.queue_depth as usize,
         region_blocks as u32,
         usize::try_from(slots_total).unwrap_or(usize::MAX),
+        Check::Full,
     );
     let results = run_phases(&mut bench, args, config, blocks)?;
     engine.drain();
@@ -367,33 +384,129 @@ fn run_phases(
     Ok(results)
 }
 
+/// What one engine run of `kvtier fio-compare` measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EngineWorkload {
+    /// Fill 75 % of the slots (not measured), then random loads of stored keys: row `load`.
+    Load,
+    /// New keys stored for the duration, evicting once the device is full: row `store`.
+    Store,
+    /// Fill, then loads at the queue depth while new keys are stored at the same depth: rows
+    /// `mixed_load` and `mixed_store`.
+    Mixed,
+}
+
+/// The outcome of [`run_engine`].
+pub(crate) struct EngineRun {
+    pub(crate) info: kvtier::EngineInfo,
+    /// The measured rows (see [`EngineWorkload`]).
+    pub(crate) rows: Vec<WorkloadRow>,
+    pub(crate) stats: kvtier::Stats,
+}
+
+/// Opens an engine on `config` (its `region_blocks` is set to fit the queue depth), runs one
+/// workload for `duration` with stamp checks, shuts the engine down and returns the rows.
+pub(crate) fn run_engine(
+    config: &Config,
+    workload: EngineWorkload,
+    queue_depth: u32,
+    duration: Duration,
+) -> CliResult<EngineRun> {
+    let mut config = config.clone();
+    config.region_blocks = (2 * u64::from(queue_depth)).max(REGION_BLOCKS_MIN);
+    config.validate()?;
+    let region = kvtier::region::allocate(&config)?;
+    let engine = Engine::open(&config, Arc::clone(&region))?;
+    let info = engine.info().clone();
+    let slots_total: u64 = info.devices.iter().map(|d| d.geometry.slot_count).sum();
+    let block_bytes = usize::try_from(config.block_size)
+        .map_err(|_| CliError::usage("block_size does not fit this machine's address space"))?;
+    let region_blocks = config.region_blocks.min(info.region_blocks);
+    let mut bench = Bench::new(
+        &engine,
+        &region,
+        block_bytes,
+        queue_depth as usize,
+        region_blocks as u32,
+        usize::try_from(slots_total).unwrap_or(usize::MAX),
+        Check::Stamps,
+    );
+    let timed = |label, load, store| Phase {
+        label,
+        load,
+        store,
+        duration: Some(duration),
+    };
+    let mut rows = Vec::new();
+    if workload == EngineWorkload::Store {
+        let store = bench.run_phase(&timed("store", false, Some(StoreUntil::Deadline)))?;
+        rows.push(store.row("store", Stream::Store, &config, queue_depth, false));
+    } else {
+        let blocks = (slots_total * FILL_PERCENT / 100).max(1);
+        bench.run_phase(&Phase {
+            label: "fill",
+            load: false,
+            store: Some(StoreUntil::Key(blocks)),
+            duration: None,
+        })?;
+        if !interrupt::requested() {
+            if workload == EngineWorkload::Load {
+                let load = bench.run_phase(&timed("load", true, None))?;
+                rows.push(load.row("load", Stream::Load, &config, queue_depth, false));
+            } else {
+                let mixed = bench.run_phase(&timed("mixed", true, Some(StoreUntil::Deadline)))?;
+                rows.push(mixed.row("mixed_load", Stream::Load, &config, queue_depth, true));
+                rows.push(mixed.row("mixed_store", Stream::Store, &config, queue_depth, true));
+            }
+        }
+    }
+    engine.drain();
+    let stats = engine.stats();
+    engine.shutdown();
+    drop(bench);
+    Ok(EngineRun { info, rows, stats })
+}
+
+/// Opens an engine on `config` with a small region, only to learn what it sets up (device
+/// geometry, worker cores, region backing), and shuts it down.
+pub(crate) fn engine_info(config: &Config) -> CliResult<kvtier::EngineInfo> {
+    let mut config = config.clone();
+    config.region_blocks = REGION_BLOCKS_MIN;
+    config.validate()?;
+    let region = kvtier::region::allocate(&config)?;
+    let engine = Engine::open(&config, Arc::clone(&region))?;
+    let info = engine.info().clone();
+    engine.shutdown();
+    Ok(info)
+}
+
 /// One row of the report and of the JSON `results` array.
 #[derive(Serialize)]
-struct WorkloadRow {
-    workload: &'static str,
-    bytes: u64,
-    seconds: f64,
-    gib_per_s: f64,
-    ops_per_s: f64,
-    p50_us: u64,
-    p99_us: u64,
-    p999_us: u64,
+pub(crate) struct WorkloadRow {
+    pub(crate) workload: &'static str,
+    pub(crate) bytes: u64,
+    pub(crate) seconds: f64,
+    pub(crate) gib_per_s: f64,
+    pub(crate) ops_per_s: f64,
+    pub(crate) p50_us: u64,
+    pub(crate) p99_us: u64,
+    pub(crate) p999_us: u64,
     /// Engine worker CPU over the phase (for mixed rows: the whole mixed phase).
-    cpu_seconds: f64,
+    pub(crate) cpu_seconds: f64,
     /// `null` when nothing was moved.
-    cpu_s_per_gib: Option<f64>,
-    verified_blocks: u64,
-    corrupt_blocks: u64,
-    missed_blocks: u64,
-    failed_blocks: u64,
-    block_size: u64,
-    queue_depth: u32,
+    pub(crate) cpu_s_per_gib: Option<f64>,
+    pub(crate) verified_blocks: u64,
+    pub(crate) corrupt_blocks: u64,
+    pub(crate) missed_blocks: u64,
+    pub(crate) failed_blocks: u64,
+    pub(crate) block_size: u64,
+    pub(crate) queue_depth: u32,
     /// The bench thread's own CPU (data generation, verification) over the phase.
-    bench_cpu_seconds: f64,
+    pub(crate) bench_cpu_seconds: f64,
     /// Load candidates skipped because the index no longer held them (evicted).
-    lookup_skips: u64,
+    pub(crate) lookup_skips: u64,
     /// "workload", or "phase" when cpu figures cover both streams of the mixed phase.
-    cpu_scope: &'static str,
+    pub(crate) cpu_scope: &'static str,
 }
 
 fn render(rows: &[WorkloadRow]) -> String {
@@ -605,15 +718,26 @@ impl<'e> Bench<'e> {
         queue_depth: usize,
         region_blocks: u32,
         slots_total: usize,
+        check: Check,
     ) -> Bench<'e> {
         assert!(
             region_blocks as usize >= 2 * queue_depth,
             "the region holds a block for every job of both streams"
         );
+        let data = Patterns::new(block_bytes, check);
+        if check == Check::Stamps {
+            // Stamps-only stores write just the stamps: give every block real content once.
+            for block in 0..region_blocks {
+                region.write(
+                    block as usize * block_bytes,
+                    data.pattern(u64::from(block)),
+                );
+            }
+        }
         Bench {
             engine,
             region,
-            data: Patterns::new(block_bytes),
+            data,
             block_bytes,
             queue_depth,
             free: (0..region_blocks).rev().collect(),
@@ -908,14 +1032,16 @@ impl XorShift {
 }
 
 /// Block contents: `content(k)` is pattern `k % PATTERNS` with `k` (u64 LE) stamped in its
-/// first and last 8 bytes. Patterns live in ordinary memory, generated once.
+/// first and last 8 bytes. Patterns live in ordinary memory, generated once. With
+/// [`Check::Stamps`] only the stamps are written and checked.
 struct Patterns {
     block_bytes: usize,
     patterns: Vec<Vec<u8>>,
+    check: Check,
 }
 
 impl Patterns {
-    fn new(block_bytes: usize) -> Patterns {
+    fn new(block_bytes: usize, check: Check) -> Patterns {
         assert!(
             block_bytes >= POISON_STRIDE_BYTES,
             "blocks are at least one page"
@@ -934,6 +1060,7 @@ impl Patterns {
         Patterns {
             block_bytes,
             patterns,
+            check,
         }
     }
 
@@ -943,7 +1070,9 @@ impl Patterns {
 
     fn store_into(&self, region: &Region, offset: usize, k: u64) {
         let stamp = k.to_le_bytes();
-        region.write(offset, self.pattern(k));
+        if self.check == Check::Full {
+            region.write(offset, self.pattern(k));
+        }
         region.write(offset, &stamp);
         region.write(offset + self.block_bytes - stamp.len(), &stamp);
     }
@@ -951,6 +1080,11 @@ impl Patterns {
     /// Overwrites the start of every page of the block, so a load that leaves any page
     /// unwritten (or writes nothing) cannot pass verification on stale content.
     fn poison(&self, region: &Region, offset: usize) {
+        if self.check == Check::Stamps {
+            region.fill(offset, 8, 0xFF);
+            region.fill(offset + self.block_bytes - 8, 8, 0xFF);
+            return;
+        }
         for page in (0..self.block_bytes).step_by(POISON_STRIDE_BYTES) {
             region.fill(offset + page, 8, 0xFF);
         }
@@ -963,8 +1097,14 @@ impl Patterns {
         let n = self.block_bytes;
         region.with_bytes(offset, n, |got| {
             let tail = n - stamp.len();
-            if got[..8] == stamp && got[tail..] == stamp && got[8..tail] == pattern[8..tail] {
+            let stamps_ok = got[..8] == stamp && got[tail..] == stamp;
+            if stamps_ok && (self.check == Check::Stamps || got[8..tail] == pattern[8..tail]) {
                 return None;
+            }
+            if self.check == Check::Stamps {
+                return (0..8)
+                    .find(|&i| got[i] != stamp[i])
+                    .or_else(|| (tail..n).find(|&i| got[i] != stamp[i - tail]));
             }
             (0..n).find(|&i| {
                 let want = if i < 8 {
@@ -1007,7 +1147,7 @@ mod tests {
         let block = 8192;
         let region =
             Region::allocate(2 * block, kvtier_sys::mem::HugePages::Off).expect("small region");
-        let data = Patterns::new(block);
+        let data = Patterns::new(block, Check::Full);
         data.store_into(&region, 0, 5);
         assert_eq!(data.first_mismatch(&region, 0, 5), None);
         assert_eq!(
@@ -1021,5 +1161,23 @@ mod tests {
         region.read(block - 100, &mut byte);
         region.write(block - 100, &[!byte[0]]);
         assert_eq!(data.first_mismatch(&region, 0, 5), Some(block - 100));
+    }
+
+    #[test]
+    fn stamps_check_only_the_ends() {
+        let block = 8192;
+        let region =
+            Region::allocate(block, kvtier_sys::mem::HugePages::Off).expect("small region");
+        let data = Patterns::new(block, Check::Stamps);
+        data.store_into(&region, 0, 9);
+        assert_eq!(data.first_mismatch(&region, 0, 9), None);
+        region.write(100, &[1, 2, 3]);
+        assert_eq!(data.first_mismatch(&region, 0, 9), None, "the middle is not checked");
+        assert_eq!(data.first_mismatch(&region, 0, 10), Some(0));
+        data.poison(&region, 0);
+        assert_eq!(data.first_mismatch(&region, 0, 9), Some(0));
+        data.store_into(&region, 0, 9);
+        region.fill(block - 1, 1, 0);
+        assert_eq!(data.first_mismatch(&region, 0, 9), Some(block - 1));
     }
 }
