@@ -182,3 +182,32 @@ fn a_caller_owned_region_works_like_an_allocated_one() {
     assert!(holds(&owner, 0, 5) && holds(&owner, 1, 6), "bytes landed in the caller's memory");
     drop(engine);
 }
+
+#[test]
+fn hugepages_required_gives_hugetlb_or_says_how_to_reserve() {
+    // With reserved hugetlb pages the region is backed by them and the engine round-trips
+    // through it; without, the error names the command that reserves them.
+    let block = 2u64 << 20;
+    match kvtier::region::allocate_blocks(block, 4, kvtier::config::HugePages::Required) {
+        Ok(region) => {
+            assert_eq!(region.backing(), kvtier::Backing::HugeTlb2M);
+            let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[64 << 20]);
+            let mut cfg = sim_config(1, 1);
+            cfg.block_size = block;
+            let engine = open_sim(&cfg, &region, &sim);
+            let data: Vec<u8> = (0..block as usize).map(|i| (i % 251) as u8).collect();
+            region.write(0, &data);
+            engine.submit_store(Job::new(1, vec![key(1)], vec![0])).expect("submit");
+            assert!(wait_results(&engine, 1)[0].success);
+            engine.submit_load(Job::new(2, vec![key(1)], vec![3])).expect("submit");
+            assert!(wait_results(&engine, 1)[0].success);
+            let mut back = vec![0u8; block as usize];
+            region.read(3 * block as usize, &mut back);
+            assert!(back == data, "bytes differ after a round trip through hugetlb memory");
+        }
+        Err(e) => {
+            println!("no hugetlb pages reserved here: {e}");
+            assert!(e.to_string().contains("/proc/sys/vm/nr_hugepages"), "{e}");
+        }
+    }
+}
