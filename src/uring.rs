@@ -17,8 +17,8 @@ use kvtier_sys::ring::{ioprio, IoprioClass, Ring, RingConfig};
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, IoRequest,
-    Region, Storage,
+    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind,
+    IoRequest, Region, Storage,
 };
 use crate::Errno;
 
@@ -246,17 +246,26 @@ impl Storage for KernelStorage {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             guard.iter().flatten().cloned().collect()
         };
-        let mut ring = Ring::new(&RingConfig {
+        let ring_config = RingConfig {
             entries: settings.ring_entries,
             sqpoll: settings.sqpoll,
             sqpoll_idle_ms: settings.sqpoll_idle_ms,
             iopoll: settings.iopoll,
-        })
-        .map_err(|e| Error::Ring(errno_msg("setting up the ring", e)))?;
-        ring.register_buffers(buffers, settings.piece_bytes)
-            .map_err(|e| Error::Memory(e.to_string()))?;
-        ring.register_files(files)
-            .map_err(|e| Error::Ring(errno_msg("registering device files", e)))?;
+        };
+        let mut ring = build_ring(&ring_config, &buffers, &files, settings.piece_bytes)?;
+        if ring.features().iopoll && !iopoll_reads_work(&mut ring, files.len()) {
+            // Some devices accept an IOPOLL ring but fail every polled read (EOPNOTSUPP, no
+            // poll queues): fall back rather than fail every load.
+            tracing::warn!(
+                "iopoll = true but this device cannot poll completions: using interrupts"
+            );
+            drop(ring);
+            let fallback = RingConfig {
+                iopoll: false,
+                ..ring_config
+            };
+            ring = build_ring(&fallback, &buffers, &files, settings.piece_bytes)?;
+        }
         let (load_prio, store_prio) = if settings.ioprio {
             (ioprio(IoprioClass::Be, 0), ioprio(IoprioClass::Be, 7))
         } else {
@@ -270,6 +279,48 @@ impl Storage for KernelStorage {
             store_prio,
         }))
     }
+}
+
+fn build_ring(
+    config: &RingConfig,
+    buffers: &[Arc<Region>],
+    files: &[Arc<DeviceFile>],
+    piece_bytes: usize,
+) -> Result<Ring> {
+    let mut ring =
+        Ring::new(config).map_err(|e| Error::Ring(errno_msg("setting up the ring", e)))?;
+    ring.register_buffers(buffers.to_vec(), piece_bytes)
+        .map_err(|e| Error::Memory(e.to_string()))?;
+    ring.register_files(files.to_vec())
+        .map_err(|e| Error::Ring(errno_msg("registering device files", e)))?;
+    Ok(ring)
+}
+
+/// Reads the first 4 KiB of device 0 into the metadata buffer (buffer 1) and reports whether
+/// the polled read succeeded.
+fn iopoll_reads_work(ring: &mut Ring, devices: usize) -> bool {
+    if devices == 0 {
+        return true;
+    }
+    let buf = BufRef {
+        region: 1,
+        offset: 0,
+        len: 4096,
+    };
+    if ring.push_read(0, 0, 0, buf, 0).is_err() || ring.submit(1).is_err() {
+        return false;
+    }
+    let mut out = Vec::new();
+    for _ in 0..10_000 {
+        ring.complete(&mut out);
+        if let Some(c) = out.first() {
+            return c.result >= 0;
+        }
+        if ring.submit(1).is_err() {
+            return false;
+        }
+    }
+    false
 }
 
 /// `user_data` of the wake-up read; never handed to the worker.

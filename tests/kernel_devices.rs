@@ -212,3 +212,27 @@ fn bad_config_text_names_field_value_and_choices() {
         .to_string();
     assert!(msg.contains("blok_size"), "{msg}");
 }
+
+#[test]
+fn sqpoll_and_iopoll_work_or_fall_back() {
+    // Opt-in ring modes: where the kernel or the device cannot do them the engine falls back
+    // (with a log line) instead of failing I/O. Either way, data round-trips.
+    for (sqpoll, iopoll) in [(true, false), (false, true)] {
+        let dir = scratch_dir();
+        let mut cfg = file_config(&dir.path().join("dev.slab"), 32 << 20, 1);
+        cfg.sqpoll = sqpoll;
+        cfg.iopoll = iopoll;
+        let region = region(4);
+        let Some(engine) = open_or_skip(&cfg, &region) else {
+            return;
+        };
+        println!(
+            "sqpoll={sqpoll} iopoll={iopoll}: {}",
+            engine.info().workers[0].backend
+        );
+        assert!(store(&engine, &region, 1, &[1, 2]).success);
+        let r = load(&engine, &region, 2, &[1, 2]);
+        assert!(r.success, "sqpoll={sqpoll} iopoll={iopoll}: {r:?}");
+        assert!(holds(&region, 0, 1) && holds(&region, 1, 2));
+    }
+}

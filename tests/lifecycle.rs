@@ -188,8 +188,14 @@ fn an_idle_engine_sleeps_in_the_kernel() {
     let before = engine.stats();
     std::thread::sleep(std::time::Duration::from_millis(500));
     let after = engine.stats();
-    assert_eq!(after.submits, before.submits, "workers went round their loop while idle");
-    assert!(after.worker_cpu_seconds - before.worker_cpu_seconds < 0.05, "idle CPU");
+    assert_eq!(
+        after.submits, before.submits,
+        "workers went round their loop while idle"
+    );
+    assert!(
+        after.worker_cpu_seconds - before.worker_cpu_seconds < 0.05,
+        "idle CPU"
+    );
     // And a submit still wakes it.
     assert!(load(&engine, &region, 2, &[1]).success);
     assert!(holds(&region, 0, 1));

@@ -168,10 +168,8 @@ fn a_caller_owned_region_works_like_an_allocated_one() {
     // outlives the engine.
     let owner = region(8);
     // SAFETY: `owner` maps these bytes for the whole test and outlives `foreign` and the engine.
-    let foreign = unsafe {
-        kvtier::Region::from_raw_parts(owner.addr() as *mut u8, owner.len())
-    }
-    .expect("page aligned");
+    let foreign = unsafe { kvtier::Region::from_raw_parts(owner.addr() as *mut u8, owner.len()) }
+        .expect("page aligned");
     assert_eq!(foreign.backing(), kvtier::Backing::Foreign);
     let foreign = std::sync::Arc::new(foreign);
     let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[32 << 20]);
@@ -179,7 +177,10 @@ fn a_caller_owned_region_works_like_an_allocated_one() {
     assert!(store(&engine, &foreign, 1, &[5, 6]).success);
     owner.fill(0, owner.len(), 0);
     assert!(load(&engine, &foreign, 2, &[5, 6]).success);
-    assert!(holds(&owner, 0, 5) && holds(&owner, 1, 6), "bytes landed in the caller's memory");
+    assert!(
+        holds(&owner, 0, 5) && holds(&owner, 1, 6),
+        "bytes landed in the caller's memory"
+    );
     drop(engine);
 }
 
@@ -197,13 +198,20 @@ fn hugepages_required_gives_hugetlb_or_says_how_to_reserve() {
             let engine = open_sim(&cfg, &region, &sim);
             let data: Vec<u8> = (0..block as usize).map(|i| (i % 251) as u8).collect();
             region.write(0, &data);
-            engine.submit_store(Job::new(1, vec![key(1)], vec![0])).expect("submit");
+            engine
+                .submit_store(Job::new(1, vec![key(1)], vec![0]))
+                .expect("submit");
             assert!(wait_results(&engine, 1)[0].success);
-            engine.submit_load(Job::new(2, vec![key(1)], vec![3])).expect("submit");
+            engine
+                .submit_load(Job::new(2, vec![key(1)], vec![3]))
+                .expect("submit");
             assert!(wait_results(&engine, 1)[0].success);
             let mut back = vec![0u8; block as usize];
             region.read(3 * block as usize, &mut back);
-            assert!(back == data, "bytes differ after a round trip through hugetlb memory");
+            assert!(
+                back == data,
+                "bytes differ after a round trip through hugetlb memory"
+            );
         }
         Err(e) => {
             println!("no hugetlb pages reserved here: {e}");

@@ -728,10 +728,7 @@ impl<'e> Bench<'e> {
         if check == Check::Stamps {
             // Stamps-only stores write just the stamps: give every block real content once.
             for block in 0..region_blocks {
-                region.write(
-                    block as usize * block_bytes,
-                    data.pattern(u64::from(block)),
-                );
+                region.write(block as usize * block_bytes, data.pattern(u64::from(block)));
             }
         }
         Bench {
@@ -1172,7 +1169,11 @@ mod tests {
         data.store_into(&region, 0, 9);
         assert_eq!(data.first_mismatch(&region, 0, 9), None);
         region.write(100, &[1, 2, 3]);
-        assert_eq!(data.first_mismatch(&region, 0, 9), None, "the middle is not checked");
+        assert_eq!(
+            data.first_mismatch(&region, 0, 9),
+            None,
+            "the middle is not checked"
+        );
         assert_eq!(data.first_mismatch(&region, 0, 10), Some(0));
         data.poison(&region, 0);
         assert_eq!(data.first_mismatch(&region, 0, 9), Some(0));
