@@ -23,6 +23,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod events;
+pub mod files;
 pub mod io;
 pub mod job;
 pub mod key;
