@@ -131,6 +131,16 @@ impl Named for Layout {
     }
 }
 
+impl Named for SyncMode {
+    const ALL: &'static [Self] = &[Self::None, Self::Data];
+    fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Data => "data",
+        }
+    }
+}
+
 impl Named for Locality {
     const ALL: &'static [Self] = &[Self::Local, Self::Remote];
     fn name(self) -> &'static str {
@@ -150,7 +160,7 @@ macro_rules! display_by_name {
         }
     )*};
 }
-display_by_name!(HugePages, DirectIo, Layout, Locality);
+display_by_name!(SyncMode, HugePages, DirectIo, Layout, Locality);
 
 /// The CPUs worker threads are pinned to: one worker per listed CPU.
 ///
@@ -205,6 +215,34 @@ pub struct Config {
     pub scheduler: SchedulerConfig,
     pub events: EventsConfig,
     pub devices: Vec<DeviceConfig>,
+    /// `[files]`: required when a device uses `layout = "files"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub files: Option<FilesConfig>,
+}
+
+/// Whether the files layout makes each published block durable before it is visible.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SyncMode {
+    /// Like vLLM: write, close, rename; no flush (a crash may leave a short or stale file,
+    /// which the checksum or the length check catches at load).
+    #[default]
+    None,
+    /// fdatasync the temp file before the rename, and fsync the directory after it.
+    Data,
+}
+
+/// `[files]`: the vLLM-compatible files layout.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(try_from = "RawFiles")]
+pub struct FilesConfig {
+    /// What vLLM's FileMapper derives the namespace directory from (`[files.namespace]`).
+    pub namespace: crate::files::mapper::Namespace,
+    pub sync: SyncMode,
+    /// Temp files older than this are a crashed writer's and are removed at open.
+    pub temp_grace_secs: u64,
+    /// Keep a crc32c of each block in the `user.kvtier.crc32c` xattr and verify it on load.
+    pub checksums: bool,
 }
 
 /// `[scheduler]`: how each worker shares its ring between loads and stores.
@@ -305,6 +343,7 @@ impl Default for Config {
             scheduler: SchedulerConfig::default(),
             events: EventsConfig::default(),
             devices: Vec::new(),
+            files: None,
         }
     }
 }
@@ -458,6 +497,26 @@ impl Config {
                     format!("devices[{index}].path"),
                     show_path(&device.path),
                     format!("a path no other device uses (devices[{earlier}] has it)"),
+                ));
+            }
+            if device.layout == Layout::Files && self.files.is_none() {
+                return Err(invalid(
+                    "files",
+                    "(missing)",
+                    format!(
+                        "a [files] section with [files.namespace], because devices[{index}] \
+                         uses layout = \"files\""
+                    ),
+                ));
+            }
+            if index > 0 && device.layout != self.devices[0].layout {
+                return Err(invalid(
+                    format!("devices[{index}].layout"),
+                    format!("\"{}\"", device.layout.name()),
+                    format!(
+                        "\"{}\", like devices[0]: one engine runs one layout",
+                        self.devices[0].layout.name()
+                    ),
                 ));
             }
             if let Some(capacity) = device.capacity_bytes {
@@ -699,6 +758,47 @@ struct RawConfig {
     scheduler: Option<RawScheduler>,
     events: Option<RawEvents>,
     devices: Option<Vec<RawDevice>>,
+    files: Option<RawFiles>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [files] table")]
+struct RawFiles {
+    namespace: Option<Value>,
+    sync: Option<Value>,
+    temp_grace_secs: Option<Value>,
+    checksums: Option<Value>,
+}
+
+impl TryFrom<RawFiles> for FilesConfig {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawFiles) -> Result<Self, ConfigError> {
+        let namespace = match raw.namespace {
+            Some(value) => value.try_into().map_err(|e: toml::de::Error| {
+                ConfigError::Parse(format!("in [files.namespace]: {}", e.message()))
+            })?,
+            None => {
+                return Err(invalid(
+                    "files.namespace",
+                    "(missing)",
+                    "a [files.namespace] table with model_name, dtype, tokens_per_hash, \
+                     blocks_per_file and [[files.namespace.kv_cache_groups]]",
+                ))
+            }
+        };
+        Ok(FilesConfig {
+            namespace,
+            sync: choice_or("files.sync", raw.sync, SyncMode::None)?,
+            temp_grace_secs: int_or(
+                "files.temp_grace_secs",
+                raw.temp_grace_secs,
+                600,
+                "an integer number of seconds",
+            )?,
+            checksums: bool_or("files.checksums", raw.checksums, true)?,
+        })
+    }
 }
 
 #[derive(Deserialize)]
@@ -783,6 +883,7 @@ impl TryFrom<RawConfig> for Config {
                 .enumerate()
                 .map(|(index, device)| device_from_raw(&format!("devices[{index}]"), device))
                 .collect::<Result<_, _>>()?,
+            files: raw.files.map(FilesConfig::try_from).transpose()?,
         })
     }
 }
@@ -1143,8 +1244,11 @@ mod tests {
             &message,
             &["`devices[0].layout`", "\"log\"", "\"slab\"", "\"files\""],
         );
-        let config = Config::from_toml_str("[[devices]]\npath = \"/a\"\nlayout = \"files\"\n")
-            .expect("files layout is accepted");
+        let config = Config::from_toml_str(
+            "[[devices]]\npath = \"/a\"\nlayout = \"files\"\n[files.namespace]\nmodel_name = \"m\"\n\
+             dtype = \"float16\"\ntokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n",
+        )
+        .expect("files layout is accepted");
         assert_eq!(config.devices[0].layout, Layout::Files);
     }
 
@@ -1337,9 +1441,15 @@ mod tests {
         config.events.locality = Some(Locality::Local);
         config.devices.push(DeviceConfig {
             path: "/dev/nvme1n1".into(),
-            layout: Layout::Files,
+            layout: Layout::Slab,
             capacity_bytes: Some(20_000_000),
             overwrite: true,
+        });
+        config.files = Some(FilesConfig {
+            namespace: crate::files::mapper::Namespace::new("org/m", "bfloat16", 16, 2),
+            sync: SyncMode::Data,
+            temp_grace_secs: 60,
+            checksums: false,
         });
         config.validate().expect("valid");
         let text = config.to_toml_string();

@@ -17,6 +17,8 @@ use crossbeam_channel::{Receiver, Sender};
 use crate::config::{Config, Cores, Layout};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
+use crate::files::device::{FilesDevice, ScanReport, ScannedFile};
+use crate::files::worker::{FilesParams, FilesWorker};
 use crate::io::{BackendSettings, DeviceInfo, EventFd, Region, Storage};
 use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
 use crate::key::Key;
@@ -49,6 +51,8 @@ pub struct DeviceSummary {
     pub geometry: Geometry,
     /// True if it was formatted at this open (nothing to recover).
     pub formatted: bool,
+    /// For a `files` device: what the scan at open found.
+    pub files: Option<ScanReport>,
 }
 
 /// One worker as started.
@@ -80,6 +84,8 @@ struct ShardHandle {
 
 pub struct Engine {
     region_blocks: u64,
+    block_bytes: u64,
+    files_devices: Arc<Vec<Arc<FilesDevice>>>,
     queue_blocks_max: usize,
     jobs_in_flight_max: usize,
     shared: Arc<Shared>,
@@ -126,15 +132,47 @@ impl Engine {
         }
         let mut devices = Vec::with_capacity(config.devices.len());
         let mut summaries = Vec::with_capacity(config.devices.len());
+        let files_layout = config
+            .devices
+            .first()
+            .is_some_and(|d| d.layout == Layout::Files);
+        let mut files_devices = Vec::new();
+        let mut scanned = Vec::new();
+        if files_layout && !storage.supports_files() {
+            return Err(Error::Worker(
+                "this storage backend cannot run the files layout (the simulated device is slab-only)".into(),
+            ));
+        }
         for (i, dcfg) in config.devices.iter().enumerate() {
-            if dcfg.layout == Layout::Files {
-                return Err(crate::config::ConfigError::Invalid {
-                    field: format!("devices[{i}].layout"),
-                    value: "\"files\"".into(),
-                    expected: "\"slab\" (the files layout is not available in this build yet)"
-                        .into(),
-                }
-                .into());
+            if files_layout {
+                let files_cfg = config.files.as_ref().ok_or_else(|| {
+                    Error::from(crate::config::ConfigError::Invalid {
+                        field: "files".into(),
+                        value: "(missing)".into(),
+                        expected: "a [files] section for layout = \"files\"".into(),
+                    })
+                })?;
+                let (dev, found, report) =
+                    FilesDevice::open(i, dcfg, files_cfg, block_bytes, config.direct_io)?;
+                let slots = dcfg.capacity_bytes.map_or(0, |c| c / block_bytes);
+                summaries.push(DeviceSummary {
+                    path: dev.data_dir.clone(),
+                    kind: "directory",
+                    direct: dev.direct,
+                    size_bytes: dcfg.capacity_bytes.unwrap_or(0),
+                    geometry: Geometry {
+                        block_bytes,
+                        slot_bytes: block_bytes,
+                        slot_count: slots,
+                        table_offset: 0,
+                        data_offset: 0,
+                    },
+                    formatted: false,
+                    files: Some(report),
+                });
+                scanned.extend(found);
+                files_devices.push(Arc::new(dev));
+                continue;
             }
             let info = storage.open_device(i, dcfg, config.direct_io)?;
             let (geometry, formatted) =
@@ -146,6 +184,7 @@ impl Engine {
                 size_bytes: info.size_bytes,
                 geometry,
                 formatted,
+                files: None,
             });
             devices.push(DeviceSpec {
                 geometry,
@@ -165,6 +204,11 @@ impl Engine {
         };
         let workers = cores.len();
         let devices = Arc::new(devices);
+        let files_devices = Arc::new(files_devices);
+        let mut scanned_per_worker: Vec<Vec<ScannedFile>> = vec![Vec::new(); workers];
+        for f in scanned {
+            scanned_per_worker[f.key.shard(workers)].push(f);
+        }
         let (results_tx, results) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
             results_tx,
@@ -185,6 +229,7 @@ impl Engine {
             iopoll: config.iopoll,
             ioprio: config.scheduler.ioprio,
             piece_bytes: (piece_blocks * block_bytes) as usize,
+            files_layout,
         };
         let mut shards = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
@@ -207,6 +252,8 @@ impl Engine {
                 storage: Arc::clone(&storage),
                 region: Arc::clone(&region),
                 devices: Arc::clone(&devices),
+                files_devices: Arc::clone(&files_devices),
+                scanned: std::mem::take(&mut scanned_per_worker[id]),
                 shared: Arc::clone(&shared),
                 me,
                 rx,
@@ -237,6 +284,8 @@ impl Engine {
         }
         let engine = Engine {
             region_blocks,
+            block_bytes,
+            files_devices: Arc::clone(&files_devices),
             queue_blocks_max: config.queue_blocks_max,
             jobs_in_flight_max: config.jobs_in_flight_max,
             shared,
@@ -428,13 +477,27 @@ impl Engine {
                     .published
                     .read()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if set.contains(k) {
+                if set.contains(k) || self.published_elsewhere(k) {
                     Lookup::Hit(Tier::Nvme)
                 } else {
                     Lookup::Miss
                 }
             })
             .collect()
+    }
+
+    /// For the files layout: whether another process (kvtier or vLLM) published `key` since
+    /// this engine scanned the directory. One `stat` per missing key.
+    fn published_elsewhere(&self, key: &Key) -> bool {
+        let Some(dev) = self
+            .files_devices
+            .get(key.device(self.files_devices.len().max(1)))
+        else {
+            return false;
+        };
+        dev.path_of(key)
+            .and_then(|p| std::fs::metadata(p).ok())
+            .is_some_and(|m| m.is_file() && m.len() == self.block_bytes)
     }
 
     /// Every key currently stored (completed stores, not yet evicted), in no particular order.
@@ -558,6 +621,8 @@ struct WorkerCtx {
     storage: Arc<dyn Storage>,
     region: Arc<Region>,
     devices: Arc<Vec<DeviceSpec>>,
+    files_devices: Arc<Vec<Arc<FilesDevice>>>,
+    scanned: Vec<ScannedFile>,
     shared: Arc<Shared>,
     me: Arc<ShardShared>,
     rx: Receiver<Msg>,
@@ -604,6 +669,33 @@ fn worker_main(ctx: WorkerCtx) {
             return;
         }
     };
+    if !ctx.files_devices.is_empty() {
+        let worker = FilesWorker::new(
+            FilesParams {
+                id,
+                backend,
+                region: ctx.region,
+                rx: ctx.rx,
+                shared: ctx.shared,
+                me: ctx.me,
+                sched: ctx.config.scheduler.clone(),
+                block_bytes: ctx.config.block_size,
+                ring_entries: ctx.config.ring_entries as usize,
+                devices: ctx.files_devices.iter().cloned().collect(),
+            },
+            ctx.scanned,
+        );
+        let summary = WorkerSummary {
+            core: ctx.core,
+            pinned,
+            backend: worker.describe(),
+            recovered_blocks: worker.indexed(),
+        };
+        let _ = ctx.ready.send((id, Ok(summary)));
+        drop(ctx.ready);
+        worker.run();
+        return;
+    }
     let mut shard = Shard::new(
         ShardParams {
             id,

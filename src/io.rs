@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 pub use kvtier_sys::eventfd::EventFd;
 pub use kvtier_sys::mem::Region;
-pub use kvtier_sys::ring::{BufRef, Completion};
+pub use kvtier_sys::ring::{BufRef, Completion, FileOp};
 
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::Result;
@@ -48,6 +48,12 @@ pub struct IoRequest {
 pub trait IoBackend {
     /// Queues one request; `false` if the submission queue is full (nothing queued).
     fn push(&mut self, req: &IoRequest) -> bool;
+    /// Queues a file-system operation (the `files` layout). Backends that cannot do them are
+    /// never given a `files` device (see [`Storage::supports_files`]).
+    fn push_file(&mut self, user_data: u64, op: &FileOp<'_>, class: IoClass) -> bool {
+        let _ = (user_data, op, class);
+        unreachable!("this backend has no file operations; the engine checks supports_files")
+    }
     /// Hands queued requests to the device. With `wait`, blocks until at least one completion
     /// is available or the worker's wake-up event fires.
     fn submit(&mut self, wait: bool) -> std::io::Result<()>;
@@ -85,6 +91,8 @@ pub struct BackendSettings {
     pub ioprio: bool,
     /// Largest registered piece of a buffer; a multiple of the block size, at most 1 GiB.
     pub piece_bytes: usize,
+    /// The devices use the `files` layout (file operations on the ring).
+    pub files_layout: bool,
 }
 
 /// Opens devices and builds backends; shared by all workers.
@@ -92,6 +100,10 @@ pub trait Storage: Send + Sync {
     /// Opens (creating and preparing if needed) device `index`.
     fn open_device(&self, index: usize, cfg: &DeviceConfig, direct: DirectIo)
         -> Result<DeviceInfo>;
+    /// Whether backends of this storage can run the `files` layout's file operations.
+    fn supports_files(&self) -> bool {
+        false
+    }
     /// Synchronous read, used only while opening (headers, formatting).
     fn read_sync(
         &self,

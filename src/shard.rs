@@ -240,25 +240,25 @@ impl Ops {
 
 /// A queue of parts with a cursor into the front one.
 #[derive(Default)]
-struct WorkQueue {
-    parts: VecDeque<Part>,
-    cursor: usize,
+pub(crate) struct WorkQueue {
+    pub parts: VecDeque<Part>,
+    pub cursor: usize,
     /// Blocks not yet taken (mirrors the metrics gauge).
-    blocks: usize,
+    pub blocks: usize,
 }
 
 impl WorkQueue {
-    fn push(&mut self, part: Part) {
+    pub fn push(&mut self, part: Part) {
         self.blocks += part.items.len();
         self.parts.push_back(part);
     }
 
-    fn peek(&self) -> Option<(&Arc<JobState>, usize)> {
+    pub fn peek(&self) -> Option<(&Arc<JobState>, usize)> {
         let part = self.parts.front()?;
         Some((&part.job, part.items[self.cursor] as usize))
     }
 
-    fn advance(&mut self) {
+    pub fn advance(&mut self) {
         self.cursor += 1;
         self.blocks -= 1;
         if let Some(part) = self.parts.front() {
@@ -269,8 +269,26 @@ impl WorkQueue {
         }
     }
 
-    fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.parts.is_empty()
+    }
+
+    /// Fails every block not yet taken with `KeyFailure::Shutdown`; returns how many.
+    pub fn cancel(&mut self, shared: &Shared) -> usize {
+        let cursor = self.cursor;
+        let parts: Vec<Part> = self.parts.drain(..).collect();
+        self.cursor = 0;
+        self.blocks = 0;
+        let mut n = 0;
+        for (i, part) in parts.iter().enumerate() {
+            let from = if i == 0 { cursor } else { 0 };
+            for &item in &part.items[from..] {
+                part.job
+                    .fail(shared, item as usize, KeyFailure::Shutdown, String::new());
+                n += 1;
+            }
+        }
+        n
     }
 }
 
@@ -638,7 +656,7 @@ impl Shard {
         any
     }
 
-    fn cancel_part(&self, part: &Part, from: usize) {
+    pub(crate) fn cancel_part(&self, part: &Part, from: usize) {
         for &item in &part.items[from..] {
             self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
             part.job.fail(
@@ -653,24 +671,8 @@ impl Shard {
     /// Fails everything queued and not yet started; in-flight I/O runs to completion.
     fn stop(&mut self) {
         self.stopping = true;
-        for q in [&mut self.loads, &mut self.stores] {
-            let cursor = q.cursor;
-            let parts: Vec<Part> = q.parts.drain(..).collect();
-            q.cursor = 0;
-            q.blocks = 0;
-            for (i, part) in parts.iter().enumerate() {
-                let from = if i == 0 { cursor } else { 0 };
-                for &item in &part.items[from..] {
-                    self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
-                    part.job.fail(
-                        &self.shared,
-                        item as usize,
-                        KeyFailure::Shutdown,
-                        String::new(),
-                    );
-                }
-            }
-        }
+        let cancelled = self.loads.cancel(&self.shared) + self.stores.cancel(&self.shared);
+        self.me.queued_blocks.fetch_sub(cancelled, Ordering::AcqRel);
         // Store ops with unissued chunks stop issuing; they fail once issued chunks complete.
         for i in 0..self.store_issuing.len() {
             let idx = self.store_issuing[i];
@@ -1283,6 +1285,6 @@ pub(crate) fn thread_cpu_ns(tid: i32) -> u64 {
 }
 
 /// crc32c of a range of the primary region.
-fn region_crc(region: &Region, offset: usize, len: usize) -> u32 {
+pub(crate) fn region_crc(region: &Region, offset: usize, len: usize) -> u32 {
     region.with_bytes(offset, len, crc32c::crc32c)
 }

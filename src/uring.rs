@@ -17,7 +17,7 @@ use kvtier_sys::ring::{ioprio, IoprioClass, Ring, RingConfig};
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind,
+    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, FileOp, IoBackend, IoClass, IoKind,
     IoRequest, Region, Storage,
 };
 use crate::Errno;
@@ -88,6 +88,10 @@ fn prewrite(file: &DeviceFile, from: u64, to: u64) -> Result<()> {
 }
 
 impl Storage for KernelStorage {
+    fn supports_files(&self) -> bool {
+        true
+    }
+
     fn open_device(
         &self,
         index: usize,
@@ -253,6 +257,13 @@ impl Storage for KernelStorage {
             iopoll: settings.iopoll,
         };
         let mut ring = build_ring(&ring_config, &buffers, &files, settings.piece_bytes)?;
+        if settings.files_layout && !ring.supports_file_ops() {
+            return Err(Error::Ring(
+                "the files layout needs io_uring openat, close, renameat, unlinkat and fsync \
+                 (Linux 5.15 or later)"
+                    .into(),
+            ));
+        }
         if ring.features().iopoll && !iopoll_reads_work(&mut ring, files.len()) {
             // Some devices accept an IOPOLL ring but fail every polled read (EOPNOTSUPP, no
             // poll queues): fall back rather than fail every load.
@@ -291,8 +302,10 @@ fn build_ring(
         Ring::new(config).map_err(|e| Error::Ring(errno_msg("setting up the ring", e)))?;
     ring.register_buffers(buffers.to_vec(), piece_bytes)
         .map_err(|e| Error::Memory(e.to_string()))?;
-    ring.register_files(files.to_vec())
-        .map_err(|e| Error::Ring(errno_msg("registering device files", e)))?;
+    if !files.is_empty() {
+        ring.register_files(files.to_vec())
+            .map_err(|e| Error::Ring(errno_msg("registering device files", e)))?;
+    }
     Ok(ring)
 }
 
@@ -352,6 +365,14 @@ impl IoBackend for UringBackend {
                 .push_write(req.user_data, file, req.offset, req.buf, prio)
                 .is_ok(),
         }
+    }
+
+    fn push_file(&mut self, user_data: u64, op: &FileOp<'_>, class: IoClass) -> bool {
+        let prio = match class {
+            IoClass::Load => self.load_prio,
+            IoClass::Store | IoClass::Meta => self.store_prio,
+        };
+        self.ring.push_file_op(user_data, op, prio).is_ok()
     }
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {

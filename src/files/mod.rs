@@ -2,4 +2,6 @@
 //! file-system tier can share. [`mapper`] names the files (namespace directory, block paths,
 //! `config.json`) exactly as vLLM does; it performs no I/O.
 
+pub mod device;
 pub mod mapper;
+pub(crate) mod worker;

@@ -5,7 +5,12 @@
 //! [`Region`] range (never a Rust slice), so `O_DIRECT`'s alignment rules can be met by the caller
 //! and the memory is the same that `io_uring` uses. Invariant: the descriptor stays open for the
 //! `DeviceFile`'s whole life; a `Ring` that registered it holds an `Arc` to it.
+//!
+//! Also the extended attributes of an open file ([`fsetxattr`], [`fgetxattr`]), where the
+//! one-file-per-block layout keeps a block's metadata. They are synchronous: inode metadata,
+//! microseconds, no data I/O.
 
+use std::ffi::CStr;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
@@ -264,6 +269,45 @@ fn file_offset(offset: u64, done: usize) -> Result<libc::off_t, Errno> {
         .ok_or(Errno::EINVAL)
 }
 
+/// `fsetxattr(2)`: sets the extended attribute `name` (e.g. `c"user.kvtier.meta"`) of the open
+/// file `fd` to `value`, creating or replacing it.
+///
+/// A raw fd because the engine's files are opened by `io_uring` and `src/` cannot wrap them
+/// without `unsafe`; a wrong fd is an error or the wrong file, never memory corruption.
+/// ENOTSUP (a filesystem without `user.*` attributes), E2BIG/ENOSPC (value too large for the
+/// filesystem) and EBADF come back unchanged for the caller to decide.
+pub fn fsetxattr(fd: RawFd, name: &CStr, value: &[u8]) -> Result<(), Errno> {
+    let (value_ptr, value_len) = (value.as_ptr().cast(), value.len());
+    // SAFETY: `name` is NUL-terminated and `value_ptr..value_ptr+value_len` is the borrowed
+    // `value`; the kernel only reads both, during the call.
+    let rc = unsafe { libc::fsetxattr(fd, name.as_ptr(), value_ptr, value_len, 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(Errno::last())
+    }
+}
+
+/// `fgetxattr(2)`: reads the extended attribute `name` of the open file `fd` into `buf`.
+///
+/// `Ok(Some(n))`: the value is `buf[..n]`; with an empty `buf`, `n` is the value's size.
+/// `Ok(None)`: the file has no such attribute (ENODATA). ERANGE if `buf` is too small;
+/// ENOTSUP (a filesystem without `user.*` attributes) comes back as an error for the caller to
+/// decide.
+pub fn fgetxattr(fd: RawFd, name: &CStr, buf: &mut [u8]) -> Result<Option<usize>, Errno> {
+    let (buf_ptr, buf_len) = (buf.as_mut_ptr().cast(), buf.len());
+    // SAFETY: `name` is NUL-terminated; the kernel writes at most `buf_len` bytes to `buf_ptr`,
+    // the mutably borrowed `buf`, during the call only.
+    let n = unsafe { libc::fgetxattr(fd, name.as_ptr(), buf_ptr, buf_len) };
+    if n >= 0 {
+        return Ok(Some(n as usize));
+    }
+    match Errno::last() {
+        Errno::ENODATA => Ok(None),
+        e => Err(e),
+    }
+}
+
 /// Writes one 4 KiB page with `O_DIRECT` to a temporary file in `dir` and removes it.
 ///
 /// `Ok(true)` if the filesystem accepted it, `Ok(false)` if it refuses `O_DIRECT` (EINVAL on open
@@ -398,5 +442,42 @@ mod tests {
         assert_eq!(f.read_exact_at(1 << 20, &r, 0, 4096), Err(Errno::EIO));
         f.set_len(4096).expect("set_len");
         assert_eq!(f.size_bytes(), Ok(4096));
+    }
+
+    #[test]
+    fn xattr_round_trip_and_missing_attribute() {
+        // The files layout keeps block metadata in user.* xattrs: a value written must read back
+        // byte for byte, a missing one must be a miss (None), not an error.
+        let tmp = tempfile::Builder::new()
+            .prefix("kvtier-sys-xattr-")
+            .tempdir_in(dir())
+            .expect("tempdir");
+        let file = File::create(tmp.path().join("block")).expect("create");
+        let fd = file.as_raw_fd();
+        let value: Vec<u8> = (0..200_u8).collect();
+        match fsetxattr(fd, c"user.kvtier.test", &value) {
+            Ok(()) => {}
+            Err(Errno::ENOTSUP) => {
+                println!("SKIP: /var/tmp has no user xattrs (ENOTSUP)");
+                return;
+            }
+            Err(e) => panic!("fsetxattr: {e}"),
+        }
+        let mut buf = [0_u8; 256];
+        assert_eq!(fgetxattr(fd, c"user.kvtier.test", &mut buf), Ok(Some(200)));
+        assert_eq!(&buf[..200], &value[..]);
+        assert_eq!(fgetxattr(fd, c"user.kvtier.test", &mut []), Ok(Some(200)));
+        assert_eq!(
+            fgetxattr(fd, c"user.kvtier.test", &mut buf[..10]),
+            Err(Errno::ERANGE)
+        );
+        fsetxattr(fd, c"user.kvtier.test", b"short").expect("replace");
+        assert_eq!(fgetxattr(fd, c"user.kvtier.test", &mut buf), Ok(Some(5)));
+        assert_eq!(&buf[..5], b"short");
+        assert_eq!(fgetxattr(fd, c"user.kvtier.absent", &mut buf), Ok(None));
+        assert_eq!(
+            fgetxattr(-1, c"user.kvtier.test", &mut buf),
+            Err(Errno::EBADF)
+        );
     }
 }

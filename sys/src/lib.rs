@@ -2,14 +2,16 @@
 //!
 //! Everything here is a thin, safe wrapper over one kernel facility: pinned memory regions
 //! ([`mem`]), `io_uring` rings with registered buffers and files ([`ring`]), `O_DIRECT` files and
-//! block devices ([`file`]), CPU affinity and CPU-time clocks ([`affinity`]), wake-up eventfds
-//! ([`eventfd`]) and read-only probes of what the machine supports ([`probe`]).
+//! block devices and their extended attributes ([`file`](mod@file)), CPU affinity and CPU-time clocks
+//! ([`affinity`]), wake-up eventfds ([`eventfd`]), state shared between processes on one
+//! directory ([`shared`]: a mapped counter and an `flock` lock file) and read-only probes of what
+//! the machine supports ([`probe`]).
 //!
 //! Invariants kept across the crate: every `unsafe {}` block holds one operation and says which
 //! invariant makes it sound; memory handed to the kernel for I/O stays mapped until the kernel
 //! has returned every completion that may touch it ([`ring::Ring`]'s `Drop` drains before it
-//! unregisters); errors are [`Errno`] or small error structs whose message says what failed and
-//! how to fix it.
+//! unregisters, and frees the path copies of file operations only after that); errors are
+//! [`Errno`] or small error structs whose message says what failed and how to fix it.
 
 #![deny(
     unsafe_op_in_unsafe_fn,
@@ -25,6 +27,7 @@ pub mod file;
 pub mod mem;
 pub mod probe;
 pub mod ring;
+pub mod shared;
 
 /// Converts a `std::io::Error` from a syscall wrapper into the errno it carries (EIO if none).
 pub(crate) fn errno_of(err: &std::io::Error) -> Errno {

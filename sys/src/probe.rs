@@ -25,7 +25,7 @@ pub struct UringProbe {
     pub opcodes: Vec<(&'static str, bool)>,
 }
 
-const OPCODES: [(&str, u8); 11] = [
+const OPCODES: [(&str, u8); 12] = [
     ("ReadFixed", opcode::ReadFixed::CODE),
     ("WriteFixed", opcode::WriteFixed::CODE),
     ("Read", opcode::Read::CODE),
@@ -35,6 +35,7 @@ const OPCODES: [(&str, u8); 11] = [
     ("Statx", opcode::Statx::CODE),
     ("RenameAt", opcode::RenameAt::CODE),
     ("UnlinkAt", opcode::UnlinkAt::CODE),
+    ("MkDirAt", opcode::MkDirAt::CODE),
     ("Fsync", opcode::Fsync::CODE),
     ("Fallocate", opcode::Fallocate::CODE),
 ];

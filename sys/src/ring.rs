@@ -1,20 +1,29 @@
 //! One `io_uring` instance per worker thread, moving blocks between registered [`Region`]s and
-//! registered [`DeviceFile`]s with `READ_FIXED`/`WRITE_FIXED`.
+//! registered [`DeviceFile`]s with `READ_FIXED`/`WRITE_FIXED`, and running the file-system
+//! operations of the one-file-per-block layout ([`FileOp`]: open, read, write, fsync, close,
+//! rename, unlink, mkdir) so that a worker never blocks its ring on a syscall.
 //!
 //! Invariants:
 //! * Memory the kernel may touch stays alive until its completion has been reaped: the ring
 //!   holds an `Arc` to every registered region and file and to every eventfd it reads, and owns
-//!   the 8-byte buffer of eventfd reads; `Drop` first drains every in-flight operation (cancelling
-//!   what can be cancelled), then unregisters buffers and files, and only then releases them. If
-//!   draining fails, the memory is leaked rather than freed under the kernel.
+//!   the 8-byte buffer of eventfd reads and a copy of every path of a queued [`FileOp`]; `Drop`
+//!   first drains every in-flight operation (cancelling what can be cancelled), then unregisters
+//!   buffers and files, and only then releases them. If draining fails, the memory is leaked
+//!   rather than freed under the kernel.
+//! * A path copy is freed only once a completion with its `user_data` has been popped *and* the
+//!   kernel has consumed its SQE (see `PathStore`), so even a `user_data` reused against the
+//!   contract cannot free a path the kernel has yet to read.
 //! * `in_flight` counts every SQE pushed whose CQE has not been popped by [`Ring::complete`].
 //! * A fixed-buffer operation lies inside one registered piece of one region (checked on push;
 //!   a violation panics, because it would let the kernel write outside the region).
 //! * A ring is used only by the thread that created it (`SINGLE_ISSUER` and `DEFER_TASKRUN`
 //!   require it), so `Ring` is neither `Send` nor `Sync`.
 
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
 use std::fmt;
 use std::marker::PhantomData;
+use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -108,6 +117,123 @@ pub struct Completion {
     pub user_data: u64,
     /// Bytes transferred, or `-errno`.
     pub result: i32,
+}
+
+/// `renameat2` flag: fail with EEXIST instead of replacing an existing target.
+pub const RENAME_NOREPLACE: u32 = libc::RENAME_NOREPLACE;
+
+/// A file-system operation for [`Ring::push_file_op`]. Paths are copied into ring-owned storage
+/// at push time and freed when the completion is popped by [`Ring::complete`], so the caller's
+/// `&CStr` need not outlive the push. Relative paths resolve against the current directory
+/// (`AT_FDCWD`) when the kernel prepares the operation, i.e. at submit time.
+///
+/// A plain fd given to `ReadFd`, `WriteFd`, `Fsync` or `Close` must stay open, and keep naming
+/// the same file, until the operation completes: that is the caller's job (the engine closes a
+/// block's fd only after its last completion). A violation cannot corrupt memory: once
+/// submitted the kernel holds its own file reference, and before that a closed fd fails with
+/// EBADF, a reused fd number reaches the wrong file.
+#[derive(Clone, Copy, Debug)]
+pub enum FileOp<'a> {
+    /// `openat(AT_FDCWD, path, flags | O_CLOEXEC, mode)`; the result is a plain fd (not a
+    /// fixed/direct descriptor), owned by the caller, who closes it (e.g. with `Close`).
+    OpenAt {
+        path: &'a CStr,
+        flags: i32,
+        mode: u32,
+    },
+    /// `READ_FIXED` of `buf.len` bytes at byte `offset` of plain fd `fd` into registered `buf`.
+    ReadFd { fd: RawFd, offset: u64, buf: BufRef },
+    /// `WRITE_FIXED` of registered `buf` to byte `offset` of plain fd `fd`.
+    WriteFd { fd: RawFd, offset: u64, buf: BufRef },
+    /// `close(fd)`.
+    Close { fd: RawFd },
+    /// `renameat2(AT_FDCWD, from, AT_FDCWD, to, flags)`, e.g. [`RENAME_NOREPLACE`].
+    RenameAt {
+        from: &'a CStr,
+        to: &'a CStr,
+        flags: u32,
+    },
+    /// `unlinkat(AT_FDCWD, path, 0)` (files only, not directories).
+    UnlinkAt { path: &'a CStr },
+    /// `fdatasync(fd)` if `data_only`, else `fsync(fd)`.
+    Fsync { fd: RawFd, data_only: bool },
+    /// `mkdirat(AT_FDCWD, path, mode)`.
+    MkdirAt { path: &'a CStr, mode: u32 },
+}
+
+/// Opcodes [`FileOp`] needs (`MkDirAt` and `UnlinkAt`/`RenameAt` arrived in 5.15 and 5.11).
+const FILE_OPCODES: [u8; 8] = [
+    opcode::OpenAt::CODE,
+    opcode::Close::CODE,
+    opcode::RenameAt::CODE,
+    opcode::UnlinkAt::CODE,
+    opcode::MkDirAt::CODE,
+    opcode::Fsync::CODE,
+    opcode::ReadFixed::CODE,
+    opcode::WriteFixed::CODE,
+];
+
+/// The path copies of one queued [`FileOp`].
+#[derive(Debug)]
+struct OwnedPaths {
+    /// Position of the op's SQE among all SQEs pushed on the ring ([`Ring::pushed`]).
+    seq: u64,
+    /// The kernel reads these through raw pointers; a `CString`'s bytes live on the heap and do
+    /// not move when the `CString` itself is moved.
+    // Never read by Rust: only kept alive for the kernel.
+    #[allow(dead_code)]
+    paths: Vec<CString>,
+}
+
+/// Copies of the paths of queued [`FileOp`]s.
+///
+/// A copy is *retired* when a completion with its `user_data` is popped, and *freed* once it is
+/// retired and the kernel has consumed its SQE (the kernel consumes SQEs in push order, so that
+/// is `seq < consumed`). With unique `user_data` (the contract) the two coincide, except with
+/// SQPOLL, whose kernel thread may post a CQE just before it publishes the new SQ head: then the
+/// copy is freed at a later [`Ring::complete`] or in `Drop`. The second condition is what keeps
+/// a contract violation sound: the completion of another operation with the same `user_data`
+/// cannot free a path the kernel has not read yet; once the SQE is consumed the kernel has
+/// copied the path into its own memory (`getname` when it prepares the request; the guarantee
+/// that `IORING_FEAT_SUBMIT_STABLE`, 5.5, advertises).
+#[derive(Debug, Default)]
+struct PathStore {
+    /// Copies whose completion has not been popped, by `user_data` (oldest first).
+    live: HashMap<u64, Vec<OwnedPaths>>,
+    /// Copies whose completion was popped but whose SQE the kernel had not consumed yet.
+    retired: Vec<OwnedPaths>,
+}
+
+impl PathStore {
+    fn is_empty(&self) -> bool {
+        self.live.is_empty() && self.retired.is_empty()
+    }
+
+    /// Number of operations whose path copies are held.
+    fn len(&self) -> usize {
+        self.live.values().map(Vec::len).sum::<usize>() + self.retired.len()
+    }
+
+    fn insert(&mut self, user_data: u64, owned: OwnedPaths) {
+        self.live.entry(user_data).or_default().push(owned);
+    }
+
+    /// A completion with `user_data` was popped: retires the oldest copy queued with it.
+    fn retire(&mut self, user_data: u64) {
+        let Some(queued) = self.live.get_mut(&user_data) else {
+            return;
+        };
+        let oldest = queued.remove(0);
+        if queued.is_empty() {
+            self.live.remove(&user_data);
+        }
+        self.retired.push(oldest);
+    }
+
+    /// Frees every retired copy whose SQE is among the first `consumed` SQEs of the ring.
+    fn release(&mut self, consumed: u64) {
+        self.retired.retain(|owned| owned.seq >= consumed);
+    }
 }
 
 /// The submission queue has no free entry; nothing was queued. Submit, then retry.
@@ -215,6 +341,15 @@ pub struct Ring {
     /// 8-byte target of eventfd reads, from `Box::into_raw`. The kernel writes it (possibly for
     /// several reads at once); Rust never reads it; freed in Drop after draining.
     sink: NonNull<u64>,
+    /// SQEs pushed since the ring was built. The kernel consumes them in order, so the first
+    /// `pushed - sq.len()` have been consumed.
+    pushed: u64,
+    /// Path copies of queued file operations.
+    paths: PathStore,
+    /// Debug builds: in-flight operations per `user_data`, to assert that `push_file_op` gets a
+    /// unique one.
+    #[cfg(debug_assertions)]
+    live_user_data: HashMap<u64, u32>,
     /// `SINGLE_ISSUER/DEFER_TASKRUN` tie the ring to its creating thread.
     _not_send: PhantomData<*mut ()>,
 }
@@ -226,6 +361,7 @@ impl fmt::Debug for Ring {
             .field("in_flight", &self.in_flight)
             .field("regions", &self.regions.len())
             .field("files", &self.files.len())
+            .field("paths", &self.paths.len())
             .finish_non_exhaustive()
     }
 }
@@ -289,6 +425,10 @@ impl Ring {
             files_registered: false,
             eventfds: Vec::new(),
             sink,
+            pushed: 0,
+            paths: PathStore::default(),
+            #[cfg(debug_assertions)]
+            live_user_data: HashMap::new(),
             _not_send: PhantomData,
         }
     }
@@ -454,6 +594,106 @@ impl Ring {
         res
     }
 
+    /// Queues `op` with `user_data`, which must be unique among this ring's in-flight operations
+    /// (asserted in debug builds). `ioprio` (see [`ioprio`]) applies to `ReadFd`/`WriteFd` only:
+    /// some kernels refuse a non-zero ioprio on the other opcodes.
+    ///
+    /// `Err(SqFull)` if the SQ has no room: nothing is queued and nothing kept. Buffer rules are
+    /// those of [`Ring::push_read`]: panics if `buf` is empty, outside its region, straddles a
+    /// registered piece or names an unregistered region. The result of the completion is that of
+    /// the syscall (a new fd for `OpenAt`, bytes for `ReadFd`/`WriteFd`, 0 otherwise) or
+    /// `-errno`. Check [`Ring::supports_file_ops`] first: on an older kernel the CQE carries
+    /// -EINVAL.
+    pub fn push_file_op(
+        &mut self,
+        user_data: u64,
+        op: &FileOp<'_>,
+        ioprio: u16,
+    ) -> Result<(), SqFull> {
+        #[cfg(debug_assertions)]
+        assert!(
+            !self.live_user_data.contains_key(&user_data),
+            "push_file_op: user_data {user_data:#x} is already in flight on this ring"
+        );
+        let mut paths = Vec::new();
+        let entry = self
+            .file_op_entry(op, ioprio, &mut paths)
+            .user_data(user_data);
+        let seq = self.pushed;
+        // SAFETY: each path pointer in `entry` points into a CString of `paths`, which is moved
+        // (heap bytes unmoved) into `self.paths` right after a successful push and freed only
+        // once the completion is popped and the SQE consumed, or after Drop has drained; a fixed
+        // buffer lies inside one registered piece of a region this ring keeps alive until Drop
+        // has drained (checked by fixed_buf); a plain fd closed early is EBADF, not memory.
+        unsafe { self.push_entry(&entry) }?;
+        if !paths.is_empty() {
+            self.paths.insert(user_data, OwnedPaths { seq, paths });
+        }
+        Ok(())
+    }
+
+    /// Whether the running kernel supports every opcode [`FileOp`] needs (`IORING_REGISTER_PROBE`:
+    /// OpenAt, Close, RenameAt, UnlinkAt, MkDirAt, Fsync, ReadFixed, WriteFixed; Linux 5.15+).
+    pub fn supports_file_ops(&self) -> bool {
+        self.probe_opcodes()
+            .is_ok_and(|probe| FILE_OPCODES.iter().all(|&code| probe.is_supported(code)))
+    }
+
+    /// Builds the SQE of `op` (without user_data), copying its paths into `paths`.
+    fn file_op_entry(
+        &self,
+        op: &FileOp<'_>,
+        ioprio: u16,
+        paths: &mut Vec<CString>,
+    ) -> squeue::Entry {
+        let cwd = types::Fd(libc::AT_FDCWD);
+        let mut keep = |path: &CStr| {
+            let owned = path.to_owned();
+            let ptr = owned.as_ptr();
+            paths.push(owned);
+            ptr
+        };
+        match *op {
+            FileOp::OpenAt { path, flags, mode } => opcode::OpenAt::new(cwd, keep(path))
+                .flags(flags | libc::O_CLOEXEC)
+                .mode(mode)
+                .build(),
+            FileOp::ReadFd { fd, offset, buf } => {
+                let (ptr, index) = self.fixed_buf(buf);
+                opcode::ReadFixed::new(types::Fd(fd), ptr, buf.len, index)
+                    .offset(offset)
+                    .ioprio(ioprio)
+                    .build()
+            }
+            FileOp::WriteFd { fd, offset, buf } => {
+                let (ptr, index) = self.fixed_buf(buf);
+                opcode::WriteFixed::new(types::Fd(fd), ptr.cast_const(), buf.len, index)
+                    .offset(offset)
+                    .ioprio(ioprio)
+                    .build()
+            }
+            FileOp::Close { fd } => opcode::Close::new(types::Fd(fd)).build(),
+            FileOp::RenameAt { from, to, flags } => {
+                let (from, to) = (keep(from), keep(to));
+                opcode::RenameAt::new(cwd, from, cwd, to)
+                    .flags(flags)
+                    .build()
+            }
+            FileOp::UnlinkAt { path } => opcode::UnlinkAt::new(cwd, keep(path)).build(),
+            FileOp::Fsync { fd, data_only } => {
+                let flags = if data_only {
+                    types::FsyncFlags::DATASYNC
+                } else {
+                    types::FsyncFlags::empty()
+                };
+                opcode::Fsync::new(types::Fd(fd)).flags(flags).build()
+            }
+            FileOp::MkdirAt { path, mode } => {
+                opcode::MkDirAt::new(cwd, keep(path)).mode(mode).build()
+            }
+        }
+    }
+
     /// Submits all queued SQEs and waits until at least `min(wait_nr, in_flight())`
     /// completions are available (0 = don't wait). EINTR is retried; EBUSY/EAGAIN (completion
     /// queue full) returns `Ok(0)` so that the caller reaps. Returns the number submitted.
@@ -486,6 +726,22 @@ impl Ring {
             self.in_flight
         );
         self.in_flight -= reaped;
+        #[cfg(debug_assertions)]
+        for c in &out[before..] {
+            if let Some(n) = self.live_user_data.get_mut(&c.user_data) {
+                *n -= 1;
+                if *n == 0 {
+                    self.live_user_data.remove(&c.user_data);
+                }
+            }
+        }
+        if !self.paths.is_empty() {
+            for c in &out[before..] {
+                self.paths.retire(c.user_data);
+            }
+            let consumed = self.pushed - self.uring.submission().len() as u64;
+            self.paths.release(consumed);
+        }
     }
 
     /// Operations pushed (queued or submitted) whose completion has not been popped.
@@ -522,6 +778,14 @@ impl Ring {
         // SAFETY: the caller guarantees the entry's memory outlives the operation.
         unsafe { sq.push(entry) }.map_err(|_| SqFull)?;
         self.in_flight += 1;
+        self.pushed += 1;
+        #[cfg(debug_assertions)]
+        {
+            *self
+                .live_user_data
+                .entry(entry.get_user_data())
+                .or_insert(0) += 1;
+        }
         Ok(())
     }
 
@@ -638,6 +902,7 @@ impl Drop for Ring {
             for region in self.regions.drain(..) {
                 std::mem::forget(region);
             }
+            std::mem::forget(std::mem::take(&mut self.paths));
             return;
         }
         let submitter = self.uring.submitter();
@@ -655,6 +920,7 @@ impl Drop for Ring {
         // SAFETY: `sink` came from Box::leak in `with`, is freed only here, and no operation
         // that writes it is in flight any more (drain succeeded).
         drop(unsafe { Box::from_raw(self.sink.as_ptr()) });
+        // The path copies go with the fields, after this: nothing in flight reads them any more.
     }
 }
 
@@ -721,4 +987,117 @@ fn register_error(errno: Errno, total_bytes: usize, pieces: usize) -> RegisterEr
         format!("{what} failed: {errno} ({})", errno.desc())
     };
     RegisterError { errno, message }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Bookkeeping of path copies: held while an operation is queued or in flight, freed when its
+    //! completion is popped, never kept for a push refused with SqFull, and never freed by the
+    //! completion of another operation with the same `user_data` before the kernel consumed the
+    //! SQE. A failure here means a path could be freed under the kernel or leak.
+    use super::*;
+
+    fn ring_with_file_ops(entries: u32) -> Option<Ring> {
+        let cfg = RingConfig {
+            entries,
+            ..RingConfig::default()
+        };
+        match Ring::new(&cfg) {
+            Ok(ring) if ring.supports_file_ops() => Some(ring),
+            Ok(_) => {
+                println!("SKIP: kernel lacks the io_uring file opcodes");
+                None
+            }
+            Err(e) => {
+                println!("SKIP: io_uring unavailable: {e}");
+                None
+            }
+        }
+    }
+
+    fn missing_path(i: u32) -> CString {
+        CString::new(format!(
+            "/var/tmp/kvtier-sys-missing-{}-{i}",
+            std::process::id()
+        ))
+        .expect("no NUL")
+    }
+
+    #[test]
+    fn path_copy_lives_until_its_completion_is_popped() {
+        let Some(mut ring) = ring_with_file_ops(8) else {
+            return;
+        };
+        {
+            let path = missing_path(1);
+            ring.push_file_op(5, &FileOp::UnlinkAt { path: &path }, 0)
+                .expect("push");
+        }
+        assert_eq!(ring.paths.len(), 1);
+        let mut out = Vec::new();
+        while out.is_empty() {
+            ring.submit(1).expect("submit");
+            ring.complete(&mut out);
+        }
+        assert_eq!((out[0].user_data, out[0].result), (5, -libc::ENOENT));
+        assert_eq!(ring.paths.len(), 0, "{:?}", ring.paths);
+        assert_eq!(ring.in_flight(), 0);
+    }
+
+    #[test]
+    fn refused_push_keeps_nothing() {
+        let Some(mut ring) = ring_with_file_ops(2) else {
+            return;
+        };
+        let path = missing_path(2);
+        let op = FileOp::RenameAt {
+            from: &path,
+            to: &path,
+            flags: RENAME_NOREPLACE,
+        };
+        ring.push_file_op(1, &op, 0).expect("room");
+        ring.push_file_op(2, &op, 0).expect("room");
+        assert!(ring.push_file_op(3, &op, 0).is_err());
+        assert_eq!((ring.paths.len(), ring.in_flight()), (2, 2));
+        // Dropped with both queued: Drop submits and drains them before freeing the copies.
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "already in flight")]
+    fn duplicate_user_data_is_caught_in_debug_builds() {
+        let Some(mut ring) = ring_with_file_ops(8) else {
+            panic!("already in flight (skipped: no io_uring file ops)");
+        };
+        let path = missing_path(3);
+        ring.push_file_op(9, &FileOp::UnlinkAt { path: &path }, 0)
+            .expect("push");
+        let _ = ring.push_file_op(9, &FileOp::UnlinkAt { path: &path }, 0);
+    }
+
+    #[test]
+    fn path_store_frees_only_consumed_and_completed_copies() {
+        let owned = |seq| OwnedPaths {
+            seq,
+            paths: vec![c"x".to_owned()],
+        };
+        let mut store = PathStore::default();
+        store.insert(7, owned(3));
+        store.insert(7, owned(4));
+        store.insert(8, owned(5));
+        // A completion of an op without paths (or an unknown user_data) frees nothing.
+        store.retire(1);
+        store.release(10);
+        assert_eq!(store.len(), 3);
+        // Completed but the SQE not consumed yet: kept.
+        store.retire(7);
+        store.release(3);
+        assert_eq!(store.len(), 3);
+        store.release(4);
+        assert_eq!(store.len(), 2);
+        store.retire(7);
+        store.retire(8);
+        store.release(6);
+        assert!(store.is_empty(), "{store:?}");
+    }
 }
