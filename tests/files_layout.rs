@@ -421,19 +421,24 @@ fn two_processes_share_one_directory() {
     // Create the namespace first so both processes agree on it from the start.
     drop(open(&files_config(dir.path(), Some(16 << 20)), &region(2)));
     let exe = std::env::current_exe().expect("test binary");
-    let mut child = std::process::Command::new(exe)
-        .args([
-            "--exact",
-            "child_process_entry",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    // The child's output is captured (and shown only if it fails), so its test runner's
+    // summary line does not mix with this one's.
+    let child = std::process::Command::new(exe)
+        .args(["--exact", "child_process_entry", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn the second process");
     run_sharer(dir.path(), 0);
-    let status = child.wait().expect("child");
-    assert!(status.success(), "the second process failed");
+    let out = child.wait_with_output().expect("child");
+    assert!(
+        out.status.success(),
+        "the second process failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"), "the child ran its entry");
     let (bytes, temps) = disk_bytes(dir.path());
     assert_eq!(temps, 0);
     assert_eq!(bytes, 48 * BLOCK, "each key stored once");
