@@ -810,6 +810,10 @@ impl FilesWorker {
         let Some((job, item, retried)) = self.next_store() else {
             return Start::Blocked;
         };
+        if retried && self.removals_in_flight > 0 {
+            // Retry an ENOSPC store only once the evictions it triggered have freed the space.
+            return Start::Blocked;
+        }
         let key = job.job.keys[item];
         if self.index.contains_key(&key) {
             self.take_store(retried);
