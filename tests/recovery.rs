@@ -108,3 +108,39 @@ fn block_size_mismatch_is_refused_unless_overwrite() {
     let engine = Engine::open_with(&cfg, region2, sim.clone()).expect("reformatted");
     assert!(engine.info().devices[0].formatted);
 }
+
+#[test]
+fn table_writes_are_batched_and_still_recover_everything() {
+    // A stream of stores writes each 4 KiB table page a few times, not once per block, and a
+    // clean shutdown still records every block.
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[64 << 20]);
+    let cfg = sim_config(1, 1);
+    let region = region(64);
+    {
+        let engine = open_sim(&cfg, &region, &sim);
+        for j in 0..8u64 {
+            let ids: Vec<u64> = (j * 8..j * 8 + 8).collect();
+            let blocks: Vec<u32> = (j as u32 * 8..j as u32 * 8 + 8).collect();
+            for (&b, &id) in blocks.iter().zip(&ids) {
+                put(&region, b, id);
+            }
+            engine
+                .submit_store(kvtier::Job::new(
+                    j,
+                    ids.iter().map(|&i| key(i)).collect(),
+                    blocks,
+                ))
+                .expect("submit");
+        }
+        let results = wait_results(&engine, 8);
+        assert!(results.iter().all(|r| r.success));
+        engine.shutdown();
+        let writes = engine.stats().table_writes;
+        assert!(
+            writes <= 16,
+            "{writes} table writes for 64 blocks in 2 pages"
+        );
+    }
+    let engine = open_sim(&cfg, &region, &sim);
+    assert_eq!(engine.stats().recovered_blocks, 64);
+}
