@@ -168,6 +168,8 @@ struct Op {
     chunks_total: u16,
     chunks_issued: u16,
     chunks_done: u16,
+    /// Bytes per write of a store (the last one may be shorter).
+    chunk_bytes: u64,
     failure: Option<(KeyFailure, String)>,
     started: Instant,
 }
@@ -194,6 +196,7 @@ impl Ops {
                 chunks_total: 0,
                 chunks_issued: 0,
                 chunks_done: 0,
+                chunk_bytes: 0,
                 failure: None,
                 started: now,
             })
@@ -332,6 +335,8 @@ pub(crate) struct Shard {
     table_in_flight: usize,
     /// Store ops started and not finished.
     store_ops: usize,
+    finalize: Vec<Finished>,
+    finishing_block: u32,
     seq: u64,
     stopping: bool,
     completions: Vec<Completion>,
@@ -423,6 +428,8 @@ impl Shard {
             store_bytes_in_flight: 0,
             table_in_flight: 0,
             store_ops: 0,
+            finalize: Vec::with_capacity(p.ring_entries),
+            finishing_block: 0,
             seq: 1,
             stopping: false,
             completions: Vec::with_capacity(p.ring_entries * 2),
@@ -614,6 +621,9 @@ impl Shard {
             }
             let r = self.backend.submit(wait);
             self.me.sleeping.store(false, Ordering::SeqCst);
+            if !self.finalize.is_empty() {
+                self.finalize_stores();
+            }
             self.me.metrics.submits.fetch_add(1, Ordering::Relaxed);
             if wait {
                 self.me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
@@ -633,6 +643,7 @@ impl Shard {
             && self.stores.is_empty()
             && self.store_issuing.is_empty()
             && self.dirty_pages.is_empty()
+            && self.finalize.is_empty()
             && self.backend.in_flight() == 0
     }
 
@@ -949,11 +960,9 @@ impl Shard {
             self.free_slot(d, local);
             return StoreStart::Blocked;
         };
-        let crc = region_crc(
-            &self.region,
-            block as usize * self.block_bytes as usize,
-            self.block_bytes as usize,
-        );
+        // The crc32c is computed after the write completes (see `finalize_stores`), off the
+        // path from a completion to the next submission.
+        let crc = 0;
         let s = &mut self.devs[d].slots[local as usize];
         *s = SlotMeta {
             state: SlotState::Writing,
@@ -970,7 +979,15 @@ impl Shard {
         op.dev = d as u16;
         op.slot = local;
         op.block = block;
-        op.chunks_total = self.block_bytes.div_ceil(self.chunk_bytes) as u16;
+        // Split the write only if loads are waiting: then a load never queues behind a whole
+        // large block. With no load around, one write per block is cheapest.
+        let chunk = if self.loads_in_flight > 0 || !self.loads.is_empty() {
+            self.chunk_bytes
+        } else {
+            self.block_bytes
+        };
+        op.chunk_bytes = chunk;
+        op.chunks_total = self.block_bytes.div_ceil(chunk) as u16;
         self.take_queued(JobKind::Store);
         self.store_issuing.push_back(idx);
         self.store_ops += 1;
@@ -981,8 +998,9 @@ impl Shard {
     fn issue_chunk(&mut self, idx: u32) -> bool {
         let op = &self.ops.ops[idx as usize];
         let chunk = op.chunks_issued;
-        let start = u64::from(chunk) * self.chunk_bytes;
-        let len = self.chunk_bytes.min(self.block_bytes - start);
+        let chunk_bytes = self.ops.ops[idx as usize].chunk_bytes;
+        let start = u64::from(chunk) * chunk_bytes;
+        let len = chunk_bytes.min(self.block_bytes - start);
         let dev = &self.devs[op.dev as usize];
         let req = IoRequest {
             user_data: self.ops.user_data(idx, chunk),
@@ -1010,8 +1028,9 @@ impl Shard {
     }
 
     fn on_store_chunk_done(&mut self, idx: u32, chunk: u16, result: i32) {
-        let start = u64::from(chunk) * self.chunk_bytes;
-        let len = self.chunk_bytes.min(self.block_bytes - start);
+        let chunk_bytes = self.ops.ops[idx as usize].chunk_bytes;
+        let start = u64::from(chunk) * chunk_bytes;
+        let len = chunk_bytes.min(self.block_bytes - start);
         self.store_bytes_in_flight -= len;
         let m = &self.me.metrics;
         m.write_ops.fetch_add(1, Ordering::Relaxed);
@@ -1055,6 +1074,7 @@ impl Shard {
         let (d, local, item) = (op.dev as usize, op.slot, op.item as usize);
         let job = op.job.clone().expect("store op has a job");
         let failure = op.failure.clone();
+        self.finishing_block = op.block;
         self.me
             .metrics
             .store_latency
@@ -1065,32 +1085,14 @@ impl Shard {
             .expect("writing slot has a key");
         match failure {
             None => {
-                let s = &mut self.devs[d].slots[local as usize];
-                s.state = SlotState::Valid;
-                let crc = s.crc;
-                self.me
-                    .published
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .insert(key);
-                let seq = self.seq;
-                self.seq += 1;
-                self.write_entry(
+                let block = self.finishing_block;
+                self.finalize.push(Finished {
                     d,
                     local,
-                    Some(Entry {
-                        seq,
-                        data_len: self.block_bytes as u32,
-                        data_crc: crc,
-                        key,
-                    }),
-                );
-                self.me.metrics.stores_ok.fetch_add(1, Ordering::Relaxed);
-                self.me
-                    .metrics
-                    .blocks_stored
-                    .fetch_add(1, Ordering::Relaxed);
-                job.succeed(&self.shared, item, self.block_bytes);
+                    item,
+                    block,
+                    job,
+                });
             }
             Some((reason, detail)) => {
                 self.index.remove(&key);
@@ -1105,6 +1107,49 @@ impl Shard {
                 job.fail(&self.shared, item, reason, detail);
             }
         }
+    }
+
+    /// Publishes the stores whose data writes completed: checksum, slot table entry, index,
+    /// result. Runs after the ring has been refilled and submitted, so the checksum work never
+    /// delays the next I/O.
+    fn finalize_stores(&mut self) {
+        let finished = std::mem::take(&mut self.finalize);
+        for f in &finished {
+            let crc = region_crc(
+                &self.region,
+                f.block as usize * self.block_bytes as usize,
+                self.block_bytes as usize,
+            );
+            let s = &mut self.devs[f.d].slots[f.local as usize];
+            s.state = SlotState::Valid;
+            s.crc = crc;
+            let key = s.key.expect("writing slot has a key");
+            self.me
+                .published
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(key);
+            let seq = self.seq;
+            self.seq += 1;
+            self.write_entry(
+                f.d,
+                f.local,
+                Some(Entry {
+                    seq,
+                    data_len: self.block_bytes as u32,
+                    data_crc: crc,
+                    key,
+                }),
+            );
+            self.me.metrics.stores_ok.fetch_add(1, Ordering::Relaxed);
+            self.me
+                .metrics
+                .blocks_stored
+                .fetch_add(1, Ordering::Relaxed);
+            f.job.succeed(&self.shared, f.item, self.block_bytes);
+        }
+        self.finalize = finished;
+        self.finalize.clear();
     }
 
     // ---------------------------------------------------------------------------------------
@@ -1295,6 +1340,15 @@ impl Shard {
             tracing::error!(worker = self.id, count = self.error_logs, "{msg}");
         }
     }
+}
+
+/// A store whose data is on the device, waiting for `finalize_stores`.
+struct Finished {
+    d: usize,
+    local: u32,
+    item: usize,
+    block: u32,
+    job: Arc<JobState>,
 }
 
 enum StoreStart {

@@ -17,7 +17,7 @@ fn loads_overtake_queued_stores() {
     let sim = SimStorage::new(seed, &[64 << 20]);
     let mut cfg = sim_config(1, 1);
     cfg.scheduler.store_chunk_bytes = 16 << 10;
-    cfg.scheduler.store_inflight_max = 64 << 10; // 4 chunks
+    cfg.scheduler.store_inflight_max = 256 << 10; // 4 whole blocks
     cfg.scheduler.store_inflight_max_while_loading = 16 << 10; // 1 chunk
     let region = region(40);
     let engine = open_sim(&cfg, &region, &sim);
@@ -34,7 +34,8 @@ fn loads_overtake_queued_stores() {
     engine
         .submit_store(Job::new(2, ids.iter().map(|&i| key(i)).collect(), blocks))
         .expect("submit");
-    // Let the worker fill its store budget: 4 chunk writes are then in flight and stuck.
+    // Let the worker fill its store budget: with no load around it writes whole blocks, so 4
+    // block writes are then in flight and stuck.
     wait_for(|| sim_log_writes(&sim) >= 4);
     engine
         .submit_load(Job::new(3, vec![key(1000), key(1001)], vec![0, 1]))
@@ -51,17 +52,26 @@ fn loads_overtake_queued_stores() {
         .iter()
         .position(|e| e.kind == IoKind::Read)
         .expect("a load was issued");
-    // Only the 4 chunks issued before the load arrived precede it: nothing queued behind
-    // the store budget got ahead of the load.
+    // Only the 4 block writes issued before the load arrived precede it: nothing queued
+    // behind the store budget got ahead of the load.
     assert_eq!(first_load, 4, "log: {data:?}");
     assert_eq!(
         data[first_load + 1].kind,
         IoKind::Read,
         "both loads go before more stores"
     );
+    let writes: Vec<u32> = data
+        .iter()
+        .filter(|e| e.kind == IoKind::Write)
+        .map(|e| e.len)
+        .collect();
+    assert!(
+        writes[..4].iter().all(|&l| l == 64 << 10),
+        "whole blocks with no load around"
+    );
     assert_eq!(
-        data.iter().filter(|e| e.kind == IoKind::Write).count(),
-        32 * 4
+        writes.iter().map(|&l| u64::from(l)).sum::<u64>(),
+        32 * (64 << 10)
     );
 }
 
@@ -76,6 +86,7 @@ fn stores_keep_a_minimum_share_under_constant_loads() {
     let region = region(24);
     let engine = open_sim(&cfg, &region, &sim);
     assert!(store(&engine, &region, 1, &[500]).success);
+    sim.record(true);
     let ids: Vec<u64> = (0..16).collect();
     for (b, &id) in ids.iter().enumerate() {
         put(&region, b as u32 + 8, id);
@@ -110,6 +121,13 @@ fn stores_keep_a_minimum_share_under_constant_loads() {
     }
     assert!(done.iter().find(|r| r.id == 2).is_some_and(|r| r.success));
     engine.drain();
+    // Stores started while loads were waiting were split into store_chunk_bytes writes.
+    let chunked = sim
+        .take_log()
+        .iter()
+        .filter(|e| e.kind == IoKind::Write && e.class == IoClass::Store && e.len == 16 << 10)
+        .count();
+    assert!(chunked > 0, "no chunked store writes under constant loads");
 }
 
 fn sim_log_writes(sim: &SimStorage) -> usize {
