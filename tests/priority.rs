@@ -87,6 +87,12 @@ fn stores_keep_a_minimum_share_under_constant_loads() {
     let engine = open_sim(&cfg, &region, &sim);
     assert!(store(&engine, &region, 1, &[500]).success);
     sim.record(true);
+    // Loads are already waiting when the store job arrives.
+    sim.pause(true);
+    engine
+        .submit_load(Job::new(99, vec![key(500)], vec![0]))
+        .expect("submit");
+    wait_for(|| sim_log_reads(&sim) >= 1);
     let ids: Vec<u64> = (0..16).collect();
     for (b, &id) in ids.iter().enumerate() {
         put(&region, b as u32 + 8, id);
@@ -98,6 +104,8 @@ fn stores_keep_a_minimum_share_under_constant_loads() {
             (8..24).collect(),
         ))
         .expect("submit");
+    std::thread::sleep(std::time::Duration::from_millis(10));
+    sim.pause(false);
     let mut done = Vec::new();
     let mut next_load = 100;
     let mut loads_outstanding = 0;
