@@ -1,1 +1,231 @@
-fn main() {}
+//! Criterion micro-benchmarks of kvtier's hot paths, through the public API only.
+//!
+//! Pure functions: key construction (xxh3 of the key bytes) and routing (`Key::shard`,
+//! `Key::device`), slot-table entry encode/decode, slab geometry, and crc32c of a 256 KiB and a
+//! 2 MiB block (what a worker computes for every stored block, and for the first load of a
+//! recovered one). Index, slot allocation, eviction and the caller/worker handoff are reachable
+//! only through the engine, so those run on one worker over the simulated device
+//! (`kvtier::sim::SimStorage`, which copies bytes in memory): an empty job (admission and the
+//! result channel, no worker), a load that misses (caller -> worker -> caller, no I/O), a lookup
+//! of 1000 stored keys, a store + load of one 64 KiB block, and stores into a full device (each
+//! one evicts).
+//!
+//! `cargo bench --bench core` measures (about 2 s per benchmark); `cargo test --all-targets`
+//! runs each benchmark once, in criterion's test mode, so they keep building and working.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvtier::config::{Cores, DeviceConfig, HugePages};
+use kvtier::sim::SimStorage;
+use kvtier::slab::{Entry, Geometry, ENTRY_BYTES};
+use kvtier::{Config, Engine, Job, JobResult, Key, Region};
+
+/// Block size of the engine benchmarks.
+const BLOCK: u64 = 64 << 10;
+/// Region blocks of the engine benchmarks: a few jobs in flight at most.
+const REGION_BLOCKS: u64 = 16;
+/// Keys stored for the lookup benchmark.
+const LOOKUP_KEYS: u64 = 1000;
+/// How long one benchmark waits for one job before it declares the engine stuck.
+const JOB_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The 36-byte vLLM-shaped key of number `n`.
+fn key(n: u64) -> Key {
+    let mut hash = [0u8; 32];
+    for (i, chunk) in hash.chunks_exact_mut(8).enumerate() {
+        chunk.copy_from_slice(&(n ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes());
+    }
+    Key::vllm(&hash, 0).expect("a 32-byte hash makes a valid key")
+}
+
+fn keys_and_routing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("key");
+    let hash = [7u8; 32];
+    g.bench_function("vllm_new_36B", |b| {
+        b.iter(|| Key::vllm(black_box(&hash), black_box(3)).expect("valid key"));
+    });
+    let k = key(42);
+    g.bench_function("route_shard_and_device", |b| {
+        b.iter(|| {
+            let k = black_box(&k);
+            (k.shard(black_box(2)), k.device(black_box(3)))
+        });
+    });
+    g.finish();
+}
+
+fn slot_table(c: &mut Criterion) {
+    let mut g = c.benchmark_group("slab");
+    let entry = Entry {
+        seq: 123_456,
+        data_len: 2 << 20,
+        data_crc: 0xdead_beef,
+        key: key(9),
+    };
+    let mut raw = [0u8; ENTRY_BYTES];
+    g.bench_function("entry_encode", |b| {
+        b.iter(|| black_box(&entry).encode(black_box(&mut raw)));
+    });
+    entry.encode(&mut raw);
+    g.bench_function("entry_decode", |b| {
+        b.iter(|| Entry::decode(black_box(&raw)));
+    });
+    g.bench_function("geometry_1TiB_2MiB", |b| {
+        b.iter(|| Geometry::compute(black_box(1 << 40), black_box(2 << 20), black_box(4096)));
+    });
+    g.finish();
+}
+
+fn checksums(c: &mut Criterion) {
+    let mut g = c.benchmark_group("crc32c");
+    for (name, len) in [("256KiB", 256usize << 10), ("2MiB", 2 << 20)] {
+        let block: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        g.throughput(Throughput::Bytes(len as u64));
+        g.bench_function(name, |b| b.iter(|| crc32c::crc32c(black_box(&block))));
+    }
+    g.finish();
+}
+
+/// One engine with one worker on a simulated device of `device_bytes`.
+struct SimEngine {
+    engine: Engine,
+    region: Arc<Region>,
+    results: Vec<JobResult>,
+    next_id: u64,
+}
+
+impl SimEngine {
+    fn new(device_bytes: u64) -> SimEngine {
+        let core = kvtier_sys::affinity::available_cores()
+            .first()
+            .copied()
+            .unwrap_or(0);
+        let config = Config {
+            block_size: BLOCK,
+            cores: Cores::List(vec![core]),
+            region_blocks: REGION_BLOCKS,
+            devices: vec![DeviceConfig::new("sim0")],
+            ..Config::default()
+        };
+        let region = kvtier::region::allocate_blocks(BLOCK, REGION_BLOCKS, HugePages::Off)
+            .expect("a small region");
+        region.fill(0, region.len(), 0x5a);
+        let sim = SimStorage::new(1, &[device_bytes]);
+        let engine = Engine::open_with(&config, Arc::clone(&region), sim)
+            .expect("the engine opens on the simulated device");
+        SimEngine {
+            engine,
+            region,
+            results: Vec::with_capacity(4),
+            next_id: 0,
+        }
+    }
+
+    /// Submits one job and waits for its result.
+    fn run(&mut self, store: bool, keys: Vec<Key>, blocks: Vec<u32>) -> JobResult {
+        self.next_id += 1;
+        let job = Job::new(self.next_id, keys, blocks);
+        let submitted = if store {
+            self.engine.submit_store(job)
+        } else {
+            self.engine.submit_load(job)
+        };
+        submitted.expect("one job at a time never meets backpressure");
+        let deadline = Instant::now() + JOB_TIMEOUT;
+        loop {
+            if let Some(r) = self.results.pop() {
+                return r;
+            }
+            self.engine
+                .wait_finished(&mut self.results, Duration::from_millis(100));
+            assert!(Instant::now() < deadline, "a job did not finish in 10 s");
+        }
+    }
+
+    fn store(&mut self, k: Key) -> JobResult {
+        self.run(true, vec![k], vec![0])
+    }
+
+    fn load(&mut self, k: Key) -> JobResult {
+        self.run(false, vec![k], vec![1])
+    }
+}
+
+fn engine_on_sim(c: &mut Criterion) {
+    let mut g = c.benchmark_group("engine_sim");
+
+    let mut e = SimEngine::new(64 << 20);
+    g.bench_function("handoff_empty_job", |b| {
+        b.iter(|| e.run(false, Vec::new(), Vec::new()));
+    });
+    let absent = key(u64::MAX);
+    g.bench_function("handoff_load_miss", |b| {
+        b.iter(|| {
+            let r = e.load(absent);
+            assert!(!r.success, "the key was never stored");
+        });
+    });
+    drop(e);
+
+    let mut e = SimEngine::new((LOOKUP_KEYS + 64) * BLOCK + (8 << 20));
+    for n in 0..LOOKUP_KEYS {
+        assert!(e.store(key(n)).success, "filling the index");
+    }
+    let keys: Vec<Key> = (0..LOOKUP_KEYS).map(key).collect();
+    g.throughput(Throughput::Elements(LOOKUP_KEYS));
+    g.bench_function("lookup_1000_hits", |b| {
+        b.iter(|| e.engine.lookup(black_box(&keys)));
+    });
+    drop(e);
+
+    // Enough slots that most iterations store into a free slot; the device wraps into
+    // evictions only after tens of thousands of iterations.
+    let mut e = SimEngine::new(256 << 20);
+    let mut n = 0u64;
+    g.throughput(Throughput::Bytes(2 * BLOCK));
+    g.bench_function("store_then_load_64KiB", |b| {
+        b.iter(|| {
+            n += 1;
+            assert!(e.store(key(n)).success, "store");
+            assert!(e.load(key(n)).success, "load");
+        });
+    });
+    drop(e);
+
+    // A device of a few dozen slots, full before measuring: every store evicts one block.
+    let mut e = SimEngine::new(4 << 20);
+    let mut n = 0u64;
+    let slots = e.engine.info().devices[0].geometry.slot_count;
+    while n < 2 * slots {
+        n += 1;
+        assert!(e.store(key(n)).success, "filling the device");
+    }
+    let evictions_before = e.engine.stats().evictions;
+    g.throughput(Throughput::Bytes(BLOCK));
+    g.bench_function("store_evicting_64KiB", |b| {
+        b.iter(|| {
+            n += 1;
+            assert!(e.store(key(n)).success, "store");
+        });
+    });
+    assert!(
+        e.engine.stats().evictions > evictions_before,
+        "stores into the full device evicted"
+    );
+    assert_eq!(e.region.len() as u64, REGION_BLOCKS * BLOCK);
+    drop(e);
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500))
+        .sample_size(30);
+    targets = keys_and_routing, slot_table, checksums, engine_on_sim
+}
+criterion_main!(benches);

@@ -424,7 +424,12 @@ fn two_processes_share_one_directory() {
     // The child's output is captured (and shown only if it fails), so its test runner's
     // summary line does not mix with this one's.
     let child = std::process::Command::new(exe)
-        .args(["--exact", "child_process_entry", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "child_process_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, dir.path())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -438,7 +443,10 @@ fn two_processes_share_one_directory() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"), "the child ran its entry");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "the child ran its entry"
+    );
     let (bytes, temps) = disk_bytes(dir.path());
     assert_eq!(temps, 0);
     assert_eq!(bytes, 48 * BLOCK, "each key stored once");

@@ -87,14 +87,15 @@ enum LayoutArg {
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Engine config; its devices are used as they are. Default: one 1 GiB slab file in a
-    /// fresh scratch directory inside --dir.
+    /// Engine config; its devices are used as they are. Default: one 1 GiB slab file (with
+    /// --layout files: a directory bounded to 1 GiB) in a fresh scratch directory inside --dir.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Where the scratch directory goes when no --config is given [default: /var/tmp].
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// Set every device's layout.
+    /// Set every device's layout (files: with a default [files] namespace, model
+    /// "kvtier-bench", when the config has none).
     #[arg(long, value_enum)]
     layout: Option<LayoutArg>,
     #[arg(
@@ -241,9 +242,36 @@ fn effective_config(args: &BenchArgs, scratch: Option<&Path>) -> CliResult<Confi
             };
         }
     }
+    if matches!(args.layout, Some(LayoutArg::Files)) {
+        if let (None, Some(dir)) = (&args.config, scratch) {
+            // The default scratch device becomes a directory, under the same capacity bound.
+            for device in &mut config.devices {
+                device.path = dir.join("kvtier-bench-files");
+            }
+        }
+        if config.files.is_none() {
+            config.files = Some(bench_files_config());
+        }
+    }
     config.region_blocks = (2 * u64::from(args.queue_depth)).max(REGION_BLOCKS_MIN);
     config.validate()?;
     Ok(config)
+}
+
+/// The `[files]` section `--layout files` uses when the config has none: a namespace of the
+/// bench's own, so its blocks never mix with a real model's in a shared directory.
+fn bench_files_config() -> kvtier::config::FilesConfig {
+    let mut namespace = kvtier::files::mapper::Namespace::new("kvtier-bench", "bfloat16", 16, 1);
+    namespace.kv_cache_groups = vec![kvtier::files::mapper::KvCacheGroup {
+        tokens_per_block: 16,
+        layer_names: vec!["layer.0".into()],
+    }];
+    kvtier::config::FilesConfig {
+        namespace,
+        sync: kvtier::config::SyncMode::None,
+        temp_grace_secs: 600,
+        checksums: true,
+    }
 }
 
 fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCode> {
@@ -398,7 +426,8 @@ pub(crate) enum EngineWorkload {
 
 /// The outcome of [`run_engine`].
 pub(crate) struct EngineRun {
-    pub(crate) info: kvtier::EngineInfo,
+    /// What backs the region this run allocated (hugetlb, THP, 4 KiB pages).
+    pub(crate) region_backing: &'static str,
     /// The measured rows (see [`EngineWorkload`]).
     pub(crate) rows: Vec<WorkloadRow>,
     pub(crate) stats: kvtier::Stats,
@@ -417,7 +446,8 @@ pub(crate) fn run_engine(
     config.validate()?;
     let region = kvtier::region::allocate(&config)?;
     let engine = Engine::open(&config, Arc::clone(&region))?;
-    let info = engine.info().clone();
+    let info = engine.info();
+    let region_backing = info.region_backing;
     let slots_total: u64 = info.devices.iter().map(|d| d.geometry.slot_count).sum();
     let block_bytes = usize::try_from(config.block_size)
         .map_err(|_| CliError::usage("block_size does not fit this machine's address space"))?;
@@ -464,14 +494,18 @@ pub(crate) fn run_engine(
     let stats = engine.stats();
     engine.shutdown();
     drop(bench);
-    Ok(EngineRun { info, rows, stats })
+    Ok(EngineRun {
+        region_backing,
+        rows,
+        stats,
+    })
 }
 
-/// Opens an engine on `config` with a small region, only to learn what it sets up (device
-/// geometry, worker cores, region backing), and shuts it down.
-pub(crate) fn engine_info(config: &Config) -> CliResult<kvtier::EngineInfo> {
+/// Opens an engine on `config` with the region [`run_engine`] allocates at `queue_depth`, only
+/// to learn what it sets up (device geometry, worker cores, region backing), and shuts it down.
+pub(crate) fn engine_info(config: &Config, queue_depth: u32) -> CliResult<kvtier::EngineInfo> {
     let mut config = config.clone();
-    config.region_blocks = REGION_BLOCKS_MIN;
+    config.region_blocks = (2 * u64::from(queue_depth)).max(REGION_BLOCKS_MIN);
     config.validate()?;
     let region = kvtier::region::allocate(&config)?;
     let engine = Engine::open(&config, Arc::clone(&region))?;
@@ -1033,7 +1067,7 @@ impl XorShift {
 /// [`Check::Stamps`] only the stamps are written and checked.
 struct Patterns {
     block_bytes: usize,
-    patterns: Vec<Vec<u8>>,
+    contents: Vec<Vec<u8>>,
     check: Check,
 }
 
@@ -1056,13 +1090,13 @@ impl Patterns {
             .collect();
         Patterns {
             block_bytes,
-            patterns,
+            contents: patterns,
             check,
         }
     }
 
     fn pattern(&self, k: u64) -> &[u8] {
-        &self.patterns[(k % PATTERNS) as usize]
+        &self.contents[(k % PATTERNS) as usize]
     }
 
     fn store_into(&self, region: &Region, offset: usize, k: u64) {
@@ -1178,7 +1212,7 @@ mod tests {
         data.poison(&region, 0);
         assert_eq!(data.first_mismatch(&region, 0, 9), Some(0));
         data.store_into(&region, 0, 9);
-        region.fill(block - 1, 1, 0);
+        region.fill(block - 1, 1, 0xAB);
         assert_eq!(data.first_mismatch(&region, 0, 9), Some(block - 1));
     }
 }

@@ -1,19 +1,31 @@
-//! `kvtier inspect`: what the configured slab devices hold, and whether every stored block
-//! still matches its checksum.
+//! `kvtier inspect`: what the configured devices hold, and whether every stored block still
+//! matches its checksum, for either layout.
 //!
-//! Two views are reported. First the on-device view, read directly from each device's header
-//! and slot table before the engine opens it (valid, empty, torn and duplicate entries); then
-//! the engine's view after recovery (`Engine::stats`). Verification loads every key found in
+//! Slab devices are reported twice. First the on-device view, read directly from each device's
+//! header and slot table before the engine opens it (valid, empty, torn and duplicate entries);
+//! then the engine's view after recovery (`Engine::stats`). Verification loads every key found in
 //! the slot tables through the engine (which checks the crc32c of recovered blocks on their
 //! first load) and checks the crc32c of what arrived against the table entry once more.
 //!
-//! Invariants: inspect never creates, grows or formats a device — devices must exist, hold a
-//! ready kvtier header with the config's block size, and are opened with `overwrite = false`
-//! and no `capacity_bytes`. Caveat: opening the engine runs its recovery, which clears torn
-//! entries and entries that the configured cores and devices no longer route to, so inspect
-//! with the `cores` the store was written with (a read-only open is not in the library yet).
+//! Files devices are reported from the scan the engine runs at open (blocks, bytes, wrong-size
+//! files, temp files removed or kept). Verification loads every key the engine indexed
+//! (`Engine::keys`) through the engine, which checks a file's crc32c xattr when it has one and
+//! removes a file that is short or fails it; the crc32c of what arrived is then compared with the
+//! xattr once more, which also tells a verified block from one stored without a checksum (by
+//! vLLM, or on a file system without user xattrs).
+//!
+//! Invariants: inspect never creates, grows or formats a store — slab devices must exist, hold a
+//! ready kvtier header with the config's block size, and are opened with `overwrite = false` and
+//! no `capacity_bytes`; a files device's namespace directory must exist already. Caveat: opening
+//! the engine is not read-only (the library has no read-only open yet). Slab recovery clears
+//! torn entries and entries that the configured cores and devices no longer route to, so inspect
+//! with the `cores` the store was written with; the files scan removes temp files older than
+//! `temp_grace_secs` and, when no other process has the directory open, resets the shared usage
+//! counter; and a load that finds a short or corrupt file removes it.
 
+use std::ffi::CString;
 use std::io::IsTerminal;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -22,15 +34,17 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvtier::config::Layout;
+use kvtier::files::device::CHECKSUM_XATTR;
+use kvtier::files::mapper::FileMapper;
 use kvtier::key::KeyMap;
 use kvtier::slab::{self, EntryRead, HeaderRead, HeaderState};
 use kvtier::{Config, Engine, Job, Key, KeyFailure};
 use kvtier_sys::file::{DeviceFile, OpenOptions};
 use kvtier_sys::mem::{HugePages, Region};
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 use serde_json::json;
 
-use crate::output::{self, CliError, CliResult, Human};
+use crate::output::{self, CliError, CliResult, Human, Table};
 
 /// Region blocks, and so loads in flight, while verifying.
 const VERIFY_DEPTH: u32 = 16;
@@ -54,9 +68,12 @@ pub struct InspectArgs {
     /// Skip loading every block to verify its checksum.
     #[arg(long)]
     no_verify: bool,
+    /// Also list every stored key (hex) with its size and checksum status.
+    #[arg(long)]
+    keys: bool,
 }
 
-/// What one device's slot table holds, read before the engine opens it.
+/// What one slab device's slot table holds, read before the engine opens it.
 #[derive(Serialize)]
 struct DeviceReport {
     path: PathBuf,
@@ -75,15 +92,116 @@ struct DeviceReport {
     duplicate_entries: u64,
 }
 
+/// What one files device's directory held when the engine scanned it at open.
+#[derive(Serialize)]
+struct FilesDeviceReport {
+    /// The device's configured path (the shared root directory).
+    path: PathBuf,
+    /// The namespace's data directory under it, where the block files are.
+    data_dir: PathBuf,
+    kind: &'static str,
+    direct: bool,
+    /// Block files of the right size: what the engine indexed.
+    blocks: u64,
+    /// Bytes of every block file and kept temp file found (the directory's usage at open).
+    bytes: u64,
+    /// `.bin` files whose size is not block_size: never served, left alone.
+    wrong_size_files: u64,
+    /// Temp files older than temp_grace_secs, left by a crashed writer, removed at open.
+    temps_removed: u64,
+    /// Younger temp files, possibly a live writer's in another process.
+    temps_kept: u64,
+    /// No other process had the directory open, so the shared usage counter was reset to
+    /// `bytes`.
+    usage_reset: bool,
+    /// The capacity bound; `null` when the directory grows without bound.
+    capacity_bytes: Option<u64>,
+    /// Blocks the bound holds; 0 when unbounded.
+    slot_count: u64,
+}
+
+/// A key's checksum status after verification.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    /// Loaded, and the crc32c of what arrived matches the stored checksum.
+    Verified,
+    /// Files only: loaded, but the file has no checksum xattr to verify against.
+    NoChecksum,
+    /// The engine refused the block: its data does not match the stored crc32c (a files block
+    /// is removed).
+    ChecksumMismatch,
+    /// The engine returned the block, but its crc32c differs from the slot table entry or
+    /// xattr (an engine running with `checksums = false` does not check).
+    CrcMismatch,
+    /// Fewer bytes than a block arrived (a files block is removed).
+    Short,
+    /// Listed, but the engine no longer had it when loaded.
+    Missing,
+    Error,
+    /// `--no-verify`.
+    NotVerified,
+}
+
+impl Status {
+    fn as_str(self) -> &'static str {
+        match self {
+            Status::Verified => "verified",
+            Status::NoChecksum => "no checksum",
+            Status::ChecksumMismatch => "checksum mismatch",
+            Status::CrcMismatch => "crc mismatch",
+            Status::Short => "short",
+            Status::Missing => "missing",
+            Status::Error => "error",
+            Status::NotVerified => "not verified",
+        }
+    }
+
+    fn of_failure(reason: KeyFailure) -> Status {
+        match reason {
+            KeyFailure::Checksum => Status::ChecksumMismatch,
+            KeyFailure::ShortIo { .. } => Status::Short,
+            KeyFailure::Miss => Status::Missing,
+            _ => Status::Error,
+        }
+    }
+}
+
+impl Serialize for Status {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+/// One line of `--keys`.
+#[derive(Serialize)]
+struct KeyReport {
+    key: String,
+    device: usize,
+    /// Slab: the slot table entry's data length; files: the file's size (`null` if it is gone).
+    size_bytes: Option<u64>,
+    checksum: Status,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+}
+
 #[derive(Serialize, Default)]
 struct VerifyReport {
     keys: u64,
+    /// Loaded without a problem: `verified` + `no_checksum`.
     ok: u64,
+    /// Loaded, and the crc32c of what arrived matches the stored checksum.
+    verified: u64,
+    /// Files only: loaded, but without a checksum xattr to verify against.
+    no_checksum: u64,
     /// The engine refused the block: its data does not match the stored crc32c.
     checksum_failures: u64,
-    /// The engine returned the block but its crc32c differs from the slot table entry.
+    /// The engine returned the block but its crc32c differs from the slot table entry (slab)
+    /// or the xattr (files with `checksums = false`).
     crc_mismatches: u64,
-    /// The key is in a slot table but the engine did not recover it.
+    /// Fewer bytes than a block arrived (a short file; the engine removed it).
+    short: u64,
+    /// The key is listed but the engine did not load it (slab: not recovered; files: removed
+    /// since the scan).
     missing: u64,
     other_errors: u64,
     bytes: u64,
@@ -93,8 +211,32 @@ struct VerifyReport {
 }
 
 impl VerifyReport {
+    fn new(checked: &[Checked], loads: &Loads, key_source: &'static str) -> VerifyReport {
+        let mut report = VerifyReport {
+            keys: checked.len() as u64,
+            bytes: loads.bytes,
+            seconds: loads.seconds,
+            key_source,
+            ..VerifyReport::default()
+        };
+        for c in checked {
+            match c.status {
+                Status::Verified => report.verified += 1,
+                Status::NoChecksum => report.no_checksum += 1,
+                Status::ChecksumMismatch => report.checksum_failures += 1,
+                Status::CrcMismatch => report.crc_mismatches += 1,
+                Status::Short => report.short += 1,
+                Status::Missing => report.missing += 1,
+                Status::Error => report.other_errors += 1,
+                Status::NotVerified => {}
+            }
+        }
+        report.ok = report.verified + report.no_checksum;
+        report
+    }
+
     fn bad(&self) -> u64 {
-        self.checksum_failures + self.crc_mismatches + self.other_errors
+        self.checksum_failures + self.crc_mismatches + self.short + self.other_errors
     }
 }
 
@@ -104,6 +246,7 @@ struct Stored {
     seq: u64,
     data_len: u32,
     data_crc: u32,
+    device: usize,
 }
 
 struct Scan {
@@ -115,24 +258,121 @@ struct Scan {
     duplicates: u64,
 }
 
+/// What loading one key through the engine gave.
+enum Loaded {
+    /// The crc32c of the bytes its checksum covers.
+    Ok {
+        crc: u32,
+    },
+    Failed {
+        reason: KeyFailure,
+        detail: String,
+    },
+}
+
+struct Loads {
+    outcomes: Vec<Loaded>,
+    bytes: u64,
+    seconds: f64,
+}
+
+/// A key's verification result.
+struct Checked {
+    status: Status,
+    detail: Option<String>,
+}
+
+impl Checked {
+    fn status(status: Status) -> Checked {
+        Checked {
+            status,
+            detail: None,
+        }
+    }
+
+    fn failed(reason: KeyFailure, detail: &str) -> Checked {
+        Checked {
+            status: Status::of_failure(reason),
+            detail: Some(if detail.is_empty() {
+                reason.to_string()
+            } else {
+                format!("{reason}: {detail}")
+            }),
+        }
+    }
+}
+
 pub fn run(args: &InspectArgs) -> CliResult<ExitCode> {
-    let mut config = Config::from_file(&args.config)?;
-    let mut keys: KeyMap<Stored> = KeyMap::default();
-    let mut scans = Vec::with_capacity(config.devices.len());
+    let config = Config::from_file(&args.config)?;
+    if config
+        .devices
+        .first()
+        .is_some_and(|d| d.layout == Layout::Files)
+    {
+        run_files(args, config)
+    } else {
+        run_slab(args, config)
+    }
+}
+
+/// Fails unless every device already holds a store for `config`: a slab device with a ready
+/// header of the config's block size, a files device with its namespace directory. Nothing is
+/// created or written. `command` names the caller in messages.
+pub(crate) fn require_existing(config: &Config, command: &str) -> CliResult<()> {
     for (i, device) in config.devices.iter().enumerate() {
-        if device.layout != Layout::Slab {
+        if !device.path.exists() {
             return Err(CliError::usage(format!(
-                "devices[{i}] ({}): inspect reads slab devices only",
+                "devices[{i}].path {} does not exist; {command} never creates devices",
                 device.path.display()
             )));
         }
+        match device.layout {
+            Layout::Files => {
+                files_data_dir(config, i)?;
+            }
+            Layout::Slab => {
+                let file = open_read_only(&device.path)
+                    .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
+                let buf = Region::allocate(slab::HEADER_BYTES as usize, HugePages::Off)
+                    .map_err(|e| CliError::runtime(e.to_string()))?;
+                read_geometry(&file, &buf, config.block_size)
+                    .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The data directory of files device `index`, which must exist.
+fn files_data_dir(config: &Config, index: usize) -> CliResult<PathBuf> {
+    let device = &config.devices[index];
+    let files = config.files.as_ref().ok_or_else(|| {
+        CliError::usage("layout = \"files\" needs a [files] section with [files.namespace]")
+    })?;
+    let data_dir = FileMapper::new(&device.path, &files.namespace).data_dir();
+    if !data_dir.is_dir() {
+        return Err(CliError::runtime(format!(
+            "devices[{index}] {}: no namespace directory {} for this [files.namespace], so \
+             nothing is stored under it (check model_name, dtype and the other namespace \
+             fields); this command never creates one",
+            device.path.display(),
+            data_dir.display()
+        )));
+    }
+    Ok(data_dir)
+}
+
+fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
+    let mut keys: KeyMap<Stored> = KeyMap::default();
+    let mut scans = Vec::with_capacity(config.devices.len());
+    for (i, device) in config.devices.iter().enumerate() {
         if !device.path.exists() {
             return Err(CliError::usage(format!(
                 "devices[{i}].path {} does not exist; inspect never creates devices",
                 device.path.display()
             )));
         }
-        let scan = scan_device(&device.path, config.block_size, &mut keys)
+        let scan = scan_device(&device.path, i, config.block_size, &mut keys)
             .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
         scans.push(scan);
     }
@@ -172,17 +412,64 @@ pub fn run(args: &InspectArgs) -> CliResult<ExitCode> {
             }
         })
         .collect();
-    let verify = if args.no_verify {
-        None
+    let mut list: Vec<(Key, Stored)> = keys.iter().map(|(k, s)| (*k, *s)).collect();
+    list.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let block_len = config.block_size as usize;
+    let (checked, verify) = if args.no_verify {
+        let checked = list
+            .iter()
+            .map(|_| Checked::status(Status::NotVerified))
+            .collect();
+        (checked, None)
     } else {
-        Some(verify(&engine, &region, config.block_size, &keys)?)
+        let targets: Vec<(Key, usize)> = list
+            .iter()
+            .map(|(k, s)| (*k, (s.data_len as usize).min(block_len)))
+            .collect();
+        let loads = load_all(&engine, &region, block_len, &targets)?;
+        let checked: Vec<Checked> = list
+            .iter()
+            .zip(&loads.outcomes)
+            .map(|((key, stored), loaded)| match loaded {
+                Loaded::Ok { crc } if *crc == stored.data_crc => Checked::status(Status::Verified),
+                Loaded::Ok { crc } => {
+                    tracing::error!(
+                        key = %key.to_hex(),
+                        "loaded block's crc32c differs from its slot table entry"
+                    );
+                    Checked {
+                        status: Status::CrcMismatch,
+                        detail: Some(format!(
+                            "slot table crc {:08x}, loaded {crc:08x}",
+                            stored.data_crc
+                        )),
+                    }
+                }
+                Loaded::Failed { reason, detail } => Checked::failed(*reason, detail),
+            })
+            .collect();
+        let verify = VerifyReport::new(&checked, &loads, "slot tables read from the devices");
+        (checked, Some(verify))
     };
     engine.shutdown();
     drop(engine);
+    let key_reports: Option<Vec<KeyReport>> = args.keys.then(|| {
+        list.iter()
+            .zip(checked)
+            .map(|((key, stored), c)| KeyReport {
+                key: key.to_hex(),
+                device: stored.device,
+                size_bytes: Some(u64::from(stored.data_len)),
+                checksum: c.status,
+                detail: c.detail,
+            })
+            .collect()
+    });
 
     if args.json {
-        let value = json!({
+        let mut value = json!({
             "config": args.config.display().to_string(),
+            "layout": "slab",
             "block_size": config.block_size,
             "devices": devices,
             "engine": {
@@ -195,34 +482,222 @@ pub fn run(args: &InspectArgs) -> CliResult<ExitCode> {
             },
             "verify": verify,
         });
+        if let Some(keys) = &key_reports {
+            value["keys"] = json!(keys);
+        }
         output::write_json("-", &value)?;
     } else {
-        Human::Stdout.print(&render(args, &config, &devices, &stats, verify.as_ref()));
-    }
-    match verify {
-        Some(v) if v.bad() > 0 => {
-            eprintln!(
-                "BAD BLOCKS: {} checksum failure(s), {} crc mismatch(es), {} other error(s)",
-                v.checksum_failures, v.crc_mismatches, v.other_errors
-            );
-            Ok(ExitCode::from(1))
+        let mut text = render_slab(args, &config, &devices, &stats);
+        text.push_str(&render_verify(verify.as_ref()));
+        if let Some(keys) = &key_reports {
+            text.push_str(&render_keys(keys));
         }
-        _ => Ok(ExitCode::SUCCESS),
+        Human::Stdout.print(&text);
+    }
+    Ok(exit(verify.as_ref()))
+}
+
+fn run_files(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
+    require_existing(&config, "inspect")?;
+    let namespace = config
+        .files
+        .as_ref()
+        .map(|f| f.namespace.clone())
+        .ok_or_else(|| CliError::usage("layout = \"files\" needs a [files] section"))?;
+    for device in &mut config.devices {
+        device.overwrite = false;
+    }
+    config.region_blocks = u64::from(VERIFY_DEPTH);
+    config.validate()?;
+    let region = kvtier::region::allocate(&config)?;
+    let engine = Engine::open(&config, Arc::clone(&region))?;
+    let info = engine.info().clone();
+    let devices: Vec<FilesDeviceReport> = config
+        .devices
+        .iter()
+        .zip(&info.devices)
+        .map(|(cfg, d)| {
+            let scan = d.files.clone().unwrap_or_default();
+            FilesDeviceReport {
+                path: cfg.path.clone(),
+                data_dir: d.path.clone(),
+                kind: d.kind,
+                direct: d.direct,
+                blocks: scan.blocks,
+                bytes: scan.bytes,
+                wrong_size_files: scan.wrong_size,
+                temps_removed: scan.temps_removed,
+                temps_kept: scan.temps_kept,
+                usage_reset: scan.usage_reset,
+                capacity_bytes: cfg.capacity_bytes,
+                slot_count: d.geometry.slot_count,
+            }
+        })
+        .collect();
+    let mappers: Vec<FileMapper> = config
+        .devices
+        .iter()
+        .map(|d| FileMapper::new(&d.path, &namespace))
+        .collect();
+    let mut keys = engine.keys();
+    keys.sort_unstable_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+    // Where each key's file is and its size, taken before loading: a bad file is removed.
+    let files: Vec<(usize, Option<PathBuf>, Option<u64>)> = keys
+        .iter()
+        .map(|key| {
+            let device = key.device(mappers.len());
+            let path = mappers[device].key_path(key.as_bytes());
+            let size = path
+                .as_ref()
+                .and_then(|p| std::fs::metadata(p).ok())
+                .map(|m| m.len());
+            (device, path, size)
+        })
+        .collect();
+    let block_len = config.block_size as usize;
+    let (checked, verify) = if args.no_verify {
+        let checked = keys
+            .iter()
+            .map(|_| Checked::status(Status::NotVerified))
+            .collect();
+        (checked, None)
+    } else {
+        let targets: Vec<(Key, usize)> = keys.iter().map(|k| (*k, block_len)).collect();
+        let loads = load_all(&engine, &region, block_len, &targets)?;
+        let xattr = CString::new(CHECKSUM_XATTR)
+            .map_err(|e| CliError::runtime(format!("xattr name: {e}")))?;
+        let checked: Vec<Checked> = loads
+            .outcomes
+            .iter()
+            .zip(&files)
+            .zip(&keys)
+            .map(|((loaded, (_, path, _)), key)| match (loaded, path) {
+                (Loaded::Ok { crc }, Some(path)) => check_xattr(key, path, &xattr, *crc),
+                (Loaded::Ok { .. }, None) => Checked {
+                    status: Status::Error,
+                    detail: Some("not a vLLM-shaped key: it has no file path".into()),
+                },
+                (Loaded::Failed { reason, detail }, _) => Checked::failed(*reason, detail),
+            })
+            .collect();
+        let verify = VerifyReport::new(&checked, &loads, "Engine::keys (the directory scan)");
+        (checked, Some(verify))
+    };
+    let stats = engine.stats();
+    engine.shutdown();
+    drop(engine);
+    let key_reports: Option<Vec<KeyReport>> = args.keys.then(|| {
+        keys.iter()
+            .zip(&files)
+            .zip(checked)
+            .map(|((key, (device, _, size)), c)| KeyReport {
+                key: key.to_hex(),
+                device: *device,
+                size_bytes: *size,
+                checksum: c.status,
+                detail: c.detail,
+            })
+            .collect()
+    });
+
+    if args.json {
+        let mut value = json!({
+            "config": args.config.display().to_string(),
+            "layout": "files",
+            "block_size": config.block_size,
+            "devices": devices,
+            "engine": {
+                "blocks_indexed": keys.len(),
+                "checksum_failures": stats.checksum_failures,
+                "io_errors": stats.io_errors,
+                "workers": info.workers.len(),
+                "open_seconds": info.open_seconds,
+            },
+            "verify": verify,
+        });
+        if let Some(keys) = &key_reports {
+            value["keys"] = json!(keys);
+        }
+        output::write_json("-", &value)?;
+    } else {
+        let mut text = render_files(args, &config, &devices, keys.len());
+        text.push_str(&render_verify(verify.as_ref()));
+        if let Some(keys) = &key_reports {
+            text.push_str(&render_keys(keys));
+        }
+        Human::Stdout.print(&text);
+    }
+    Ok(exit(verify.as_ref()))
+}
+
+/// Compares a loaded block's crc32c with its file's xattr, if it has one.
+fn check_xattr(key: &Key, path: &Path, name: &CString, crc: u32) -> Checked {
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) => {
+            return Checked {
+                status: Status::Error,
+                detail: Some(format!("reopening {} for its xattr: {e}", path.display())),
+            }
+        }
+    };
+    let mut buf = [0u8; 4];
+    match kvtier_sys::file::fgetxattr(file.as_raw_fd(), name, &mut buf) {
+        Ok(Some(4)) => {
+            let want = u32::from_le_bytes(buf);
+            if want == crc {
+                Checked::status(Status::Verified)
+            } else {
+                tracing::error!(
+                    key = %key.to_hex(),
+                    "loaded block's crc32c differs from its file's xattr (checksums off?)"
+                );
+                Checked {
+                    status: Status::CrcMismatch,
+                    detail: Some(format!("xattr crc {want:08x}, loaded {crc:08x}")),
+                }
+            }
+        }
+        Ok(Some(n)) => Checked {
+            status: Status::Error,
+            detail: Some(format!("{CHECKSUM_XATTR} holds {n} bytes, not 4")),
+        },
+        Ok(None) => Checked::status(Status::NoChecksum),
+        Err(e) if e == kvtier::Errno::ENOTSUP => Checked::status(Status::NoChecksum),
+        Err(e) => Checked {
+            status: Status::Error,
+            detail: Some(format!("reading {CHECKSUM_XATTR}: {}", e.desc())),
+        },
     }
 }
 
-/// Reads the header and the whole slot table of one device, read-only and buffered.
-fn scan_device(path: &Path, block_bytes: u64, keys: &mut KeyMap<Stored>) -> CliResult<Scan> {
+fn exit(verify: Option<&VerifyReport>) -> ExitCode {
+    match verify {
+        Some(v) if v.bad() > 0 => {
+            eprintln!(
+                "BAD BLOCKS: {} checksum failure(s), {} crc mismatch(es), {} short, {} other \
+                 error(s)",
+                v.checksum_failures, v.crc_mismatches, v.short, v.other_errors
+            );
+            ExitCode::from(1)
+        }
+        _ => ExitCode::SUCCESS,
+    }
+}
+
+fn open_read_only(path: &Path) -> CliResult<DeviceFile> {
     let opts = OpenOptions {
         read_only: true,
         ..OpenOptions::default()
     };
-    let file = DeviceFile::open(path, opts)
-        .map_err(|e| CliError::runtime(format!("open: {} ({e})", e.desc())))?;
-    let buf = Region::allocate(TABLE_CHUNK_BYTES, HugePages::Off)
-        .map_err(|e| CliError::runtime(e.to_string()))?;
+    DeviceFile::open(path, opts).map_err(|e| CliError::runtime(format!("open: {} ({e})", e.desc())))
+}
+
+/// Reads a slab device's header into `buf` and returns its geometry if it holds a ready store
+/// of `block_bytes` blocks.
+fn read_geometry(file: &DeviceFile, buf: &Region, block_bytes: u64) -> CliResult<slab::Geometry> {
     let header_bytes = slab::HEADER_BYTES as usize;
-    file.read_exact_at(0, &buf, 0, header_bytes)
+    file.read_exact_at(0, buf, 0, header_bytes)
         .map_err(|e| CliError::runtime(format!("reading the header: {} ({e})", e.desc())))?;
     let header = buf.with_bytes(0, header_bytes, slab::Header::decode);
     let geometry =
@@ -233,7 +708,7 @@ fn scan_device(path: &Path, block_bytes: u64, keys: &mut KeyMap<Stored>) -> CliR
             )),
             HeaderRead::Empty => {
                 return Err(CliError::runtime(
-                    "holds no kvtier store (never formatted); inspect never formats",
+                    "holds no kvtier store (never formatted); this command never formats",
                 ))
             }
             HeaderRead::Foreign(why) => return Err(CliError::runtime(why)),
@@ -246,6 +721,20 @@ fn scan_device(path: &Path, block_bytes: u64, keys: &mut KeyMap<Stored>) -> CliR
             output::size(geometry.block_bytes)
         )));
     }
+    Ok(geometry)
+}
+
+/// Reads the header and the whole slot table of one device, read-only and buffered.
+fn scan_device(
+    path: &Path,
+    device: usize,
+    block_bytes: u64,
+    keys: &mut KeyMap<Stored>,
+) -> CliResult<Scan> {
+    let file = open_read_only(path)?;
+    let buf = Region::allocate(TABLE_CHUNK_BYTES, HugePages::Off)
+        .map_err(|e| CliError::runtime(e.to_string()))?;
+    let geometry = read_geometry(&file, &buf, block_bytes)?;
     let mut scan = Scan {
         slot_count: geometry.slot_count,
         slot_bytes: geometry.slot_bytes,
@@ -275,6 +764,7 @@ fn scan_device(path: &Path, block_bytes: u64, keys: &mut KeyMap<Stored>) -> CliR
                             seq: e.seq,
                             data_len: e.data_len,
                             data_crc: e.data_crc,
+                            device,
                         };
                         match keys.get_mut(&e.key) {
                             Some(old) => {
@@ -296,23 +786,17 @@ fn scan_device(path: &Path, block_bytes: u64, keys: &mut KeyMap<Stored>) -> CliR
     Ok(scan)
 }
 
-/// Loads every key through the engine, `VERIFY_DEPTH` at a time, and checks what arrives.
-fn verify(
+/// Loads every key through the engine, `VERIFY_DEPTH` at a time; for each one that arrives,
+/// the crc32c of its first `len` bytes (`targets` holds `(key, len)`).
+fn load_all(
     engine: &Engine,
     region: &Region,
-    block_bytes: u64,
-    keys: &KeyMap<Stored>,
-) -> CliResult<VerifyReport> {
-    let list: Vec<(Key, Stored)> = keys.iter().map(|(k, s)| (*k, *s)).collect();
-    let block_len = block_bytes as usize;
-    let mut report = VerifyReport {
-        keys: list.len() as u64,
-        key_source: "slot tables read from the devices (no Engine::keys yet)",
-        ..VerifyReport::default()
-    };
+    block_bytes: usize,
+    targets: &[(Key, usize)],
+) -> CliResult<Loads> {
     let bar = if std::io::stderr().is_terminal() {
         let bar =
-            ProgressBar::with_draw_target(Some(list.len() as u64), ProgressDrawTarget::stderr());
+            ProgressBar::with_draw_target(Some(targets.len() as u64), ProgressDrawTarget::stderr());
         if let Ok(style) = ProgressStyle::with_template("    verify [{bar:30}] {pos}/{len} {eta}") {
             bar.set_style(style.progress_chars("=> "));
         }
@@ -321,16 +805,19 @@ fn verify(
         ProgressBar::hidden()
     };
     let start = Instant::now();
+    let mut outcomes: Vec<Option<Loaded>> = (0..targets.len()).map(|_| None).collect();
+    let mut bytes = 0u64;
+    let mut failures_logged = 0u64;
     let mut free: Vec<u32> = (0..VERIFY_DEPTH).rev().collect();
     let mut in_flight: Vec<Option<usize>> = vec![None; VERIFY_DEPTH as usize];
     let mut outstanding = 0usize;
     let mut next = 0usize;
     let mut results = Vec::with_capacity(VERIFY_DEPTH as usize);
-    while next < list.len() || outstanding > 0 {
-        while next < list.len() {
+    while next < targets.len() || outstanding > 0 {
+        while next < targets.len() {
             let Some(block) = free.pop() else { break };
             let id = ((next as u64) << 32) | u64::from(block);
-            match engine.submit_load(Job::new(id, vec![list[next].0], vec![block])) {
+            match engine.submit_load(Job::new(id, vec![targets[next].0], vec![block])) {
                 Ok(()) => {
                     in_flight[block as usize] = Some(next);
                     next += 1;
@@ -350,57 +837,49 @@ fn verify(
                 .take()
                 .expect("each result is for a load in flight on its block");
             outstanding -= 1;
-            let (key, stored) = &list[index];
-            if r.success {
-                report.bytes += r.bytes;
-                let len = (stored.data_len as usize).min(block_len);
-                let crc = region.with_bytes(block as usize * block_len, len, crc32c::crc32c);
-                if crc == stored.data_crc {
-                    report.ok += 1;
-                } else {
-                    report.crc_mismatches += 1;
-                    tracing::error!(key = %key.to_hex(), "loaded block's crc32c differs from its slot table entry");
-                }
+            let (key, len) = &targets[index];
+            outcomes[index] = Some(if r.success {
+                bytes += r.bytes;
+                let crc = region.with_bytes(block as usize * block_bytes, *len, crc32c::crc32c);
+                Loaded::Ok { crc }
             } else {
-                let failure = r.failure.as_ref();
-                let reason = failure.map(|f| f.reason);
-                match reason {
-                    Some(KeyFailure::Checksum) => report.checksum_failures += 1,
-                    Some(KeyFailure::Miss) => report.missing += 1,
-                    _ => report.other_errors += 1,
+                let (reason, detail) = r.failure.as_ref().map_or_else(
+                    || (KeyFailure::InvalidJob, "no failure reported".to_owned()),
+                    |f| (f.reason, f.detail.clone()),
+                );
+                if reason != KeyFailure::Miss && failures_logged < FAILURES_LOGGED_MAX {
+                    failures_logged += 1;
+                    tracing::error!(key = %key.to_hex(), %reason, %detail, "load failed");
                 }
-                if reason != Some(KeyFailure::Miss)
-                    && report.checksum_failures + report.other_errors <= FAILURES_LOGGED_MAX
-                {
-                    tracing::error!(
-                        key = %key.to_hex(),
-                        reason = reason.map_or_else(|| "unknown".into(), |r| r.to_string()),
-                        detail = failure.map_or("", |f| f.detail.as_str()),
-                        "load failed"
-                    );
-                }
-            }
+                Loaded::Failed { reason, detail }
+            });
             free.push(block);
             bar.inc(1);
         }
     }
     bar.finish_and_clear();
-    report.seconds = start.elapsed().as_secs_f64();
-    Ok(report)
+    let outcomes = outcomes
+        .into_iter()
+        .map(|o| o.expect("every key's load finished"))
+        .collect();
+    Ok(Loads {
+        outcomes,
+        bytes,
+        seconds: start.elapsed().as_secs_f64(),
+    })
 }
 
-fn render(
+fn render_slab(
     args: &InspectArgs,
     config: &Config,
     devices: &[DeviceReport],
     stats: &kvtier::Stats,
-    verify: Option<&VerifyReport>,
 ) -> String {
     use std::fmt::Write as _;
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "config: {} (block_size {})",
+        "config: {} (slab layout, block_size {})",
         args.config.display(),
         output::size(config.block_size)
     );
@@ -433,6 +912,62 @@ fn render(
          cleared",
         stats.blocks_stored, stats.slots_total, stats.recovered_blocks, stats.torn_entries
     );
+    s
+}
+
+fn render_files(
+    args: &InspectArgs,
+    config: &Config,
+    devices: &[FilesDeviceReport],
+    indexed: usize,
+) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "config: {} (files layout, block_size {})",
+        args.config.display(),
+        output::size(config.block_size)
+    );
+    for (i, d) in devices.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "device {i}: {} ({}, {})",
+            d.data_dir.display(),
+            d.kind,
+            if d.direct { "O_DIRECT" } else { "buffered" },
+        );
+        let bound = match d.capacity_bytes {
+            Some(cap) => format!(
+                "{} of {} capacity ({:.1} %)",
+                output::size(d.bytes),
+                output::size(cap),
+                d.bytes as f64 * 100.0 / cap.max(1) as f64
+            ),
+            None => format!("{} used, no capacity bound", output::size(d.bytes)),
+        };
+        let _ = writeln!(
+            s,
+            "  {} blocks, {bound}; {} wrong-size files (never served); temp files: {} removed \
+             (stale), {} kept (younger than temp_grace_secs){}",
+            d.blocks,
+            d.wrong_size_files,
+            d.temps_removed,
+            d.temps_kept,
+            if d.usage_reset {
+                "; alone on the directory: usage counter reset"
+            } else {
+                ""
+            }
+        );
+    }
+    let _ = writeln!(s, "engine: {indexed} blocks indexed");
+    s
+}
+
+fn render_verify(verify: Option<&VerifyReport>) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
     match verify {
         None => s.push_str("verify: skipped (--no-verify)\n"),
         Some(v) => {
@@ -443,24 +978,51 @@ fn render(
             };
             let _ = writeln!(
                 s,
-                "verify: {} keys: {} ok, {} checksum failures, {} crc mismatches, {} missing, \
-                 {} other errors ({:.2} s, {:.2} GiB/s)",
+                "verify: {} keys: {} verified, {} without checksum, {} checksum failures, {} crc \
+                 mismatches, {} short, {} missing, {} other errors ({:.2} s, {:.2} GiB/s)",
                 v.keys,
-                v.ok,
+                v.verified,
+                v.no_checksum,
                 v.checksum_failures,
                 v.crc_mismatches,
+                v.short,
                 v.missing,
                 v.other_errors,
                 v.seconds,
                 rate
             );
+            if v.no_checksum > 0 {
+                s.push_str(
+                    "  without checksum: files with no crc32c xattr (written by vLLM, or where \
+                     user xattrs are refused): loaded, nothing to verify against\n",
+                );
+            }
             if v.missing > 0 {
                 s.push_str(
-                    "  missing: in a slot table but not recovered by the engine (written with \
-                     other cores or devices, or an older duplicate)\n",
+                    "  missing: listed but not loaded (slab: written with other cores or \
+                     devices, or an older duplicate; files: removed since the scan)\n",
+                );
+            }
+            if v.checksum_failures + v.short > 0 {
+                s.push_str(
+                    "  checksum failures and short blocks are dropped by the engine (a files \
+                     block's file is removed)\n",
                 );
             }
         }
     }
     s
+}
+
+fn render_keys(keys: &[KeyReport]) -> String {
+    let mut table = Table::new(&["key", "device", "size", "checksum"]);
+    for k in keys {
+        table.row(vec![
+            k.key.clone(),
+            k.device.to_string(),
+            k.size_bytes.map_or_else(|| "-".into(), output::size),
+            k.checksum.as_str().to_owned(),
+        ]);
+    }
+    format!("keys:\n{table}")
 }

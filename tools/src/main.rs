@@ -1,6 +1,8 @@
-//! The `kvtier` command: `bench` (whole-engine load generator with data verification), `probe`
-//! (what this host offers the engine, with advice), `inspect` (what a configured store holds,
-//! with checksum verification) and `config-check` (parse, validate and print a config).
+//! The `kvtier` command: `bench` (whole-engine load generator with data verification),
+//! `fio-compare` (kvtier against fio on the same device, in alternating pairs), `probe` (what
+//! this host offers the engine, with advice), `inspect` (what a configured store holds, with
+//! checksum verification), `get` and `put` (one block out of or into a store, through the
+//! engine) and `config-check` (parse, validate and print a config).
 //!
 //! Exit codes: 0 success; 1 a runtime failure or bad data found (a corrupt block in `bench`, a
 //! checksum failure in `inspect`); 2 a usage or config error. Errors print as `error: ...` on
@@ -8,6 +10,8 @@
 //! overrides both), so stdout carries only the command's report.
 
 mod bench;
+mod block;
+mod fio_compare;
 mod inspect;
 mod interrupt;
 mod output;
@@ -26,7 +30,8 @@ use crate::output::{CliError, CliResult};
 #[command(
     name = "kvtier",
     version,
-    about = "kvtier: KV-cache block storage engine tools (bench, probe, inspect, config-check)"
+    about = "kvtier: KV-cache block storage engine tools (bench, fio-compare, probe, inspect, \
+             get, put, config-check)"
 )]
 struct Cli {
     #[arg(
@@ -44,6 +49,8 @@ struct Cli {
 enum Command {
     /// Measure the engine: stores, verified loads, and loads under concurrent stores.
     Bench(bench::BenchArgs),
+    /// Compare kvtier with fio on the same device, block size, queue depth and cores.
+    FioCompare(fio_compare::FioCompareArgs),
     #[command(
         about = "Report what this host offers kvtier (io_uring, O_DIRECT, hugepages, memlock, \
                  block queue), with advice"
@@ -51,6 +58,10 @@ enum Command {
     Probe(probe::ProbeArgs),
     /// Show what the configured devices hold and verify every stored block's checksum.
     Inspect(inspect::InspectArgs),
+    /// Copy one stored block out to a file, through the engine.
+    Get(block::GetArgs),
+    /// Store one block from a file of block_size bytes, through the engine.
+    Put(block::PutArgs),
     /// Parse and validate a config file and print the effective config.
     ConfigCheck {
         /// The TOML config file.
@@ -60,11 +71,19 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.verbose);
+    // fio-compare opens an engine per run: its per-open info lines would drown the progress.
+    let engine_level = match cli.command {
+        Command::FioCompare(_) => "warn",
+        _ => "info",
+    };
+    init_tracing(cli.verbose, engine_level);
     let outcome = match cli.command {
         Command::Bench(args) => bench::run(&args),
+        Command::FioCompare(args) => fio_compare::run(&args),
         Command::Probe(args) => probe::run(&args),
         Command::Inspect(args) => inspect::run(&args),
+        Command::Get(args) => block::get(&args),
+        Command::Put(args) => block::put(&args),
         Command::ConfigCheck { file } => config_check(&file),
     };
     match outcome {
@@ -76,10 +95,15 @@ fn main() -> ExitCode {
     }
 }
 
-/// `RUST_LOG` if set; otherwise kvtier's own crates at info (debug with `-v`), others at warn.
-fn init_tracing(verbose: bool) {
-    let level = if verbose { "debug" } else { "info" };
-    let default = format!("warn,kvtier={level},kvtier_sys={level},kvtier_cli={level}");
+/// `RUST_LOG` if set; otherwise kvtier's own crates at info (the engine crates at
+/// `engine_level`; all at debug with `-v`), others at warn.
+fn init_tracing(verbose: bool, engine_level: &str) {
+    let (engine, cli) = if verbose {
+        ("debug", "debug")
+    } else {
+        (engine_level, "info")
+    };
+    let default = format!("warn,kvtier={engine},kvtier_sys={engine},kvtier_cli={cli}");
     let filter = match std::env::var("RUST_LOG") {
         Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
             eprintln!("warning: RUST_LOG={spec:?} is not a valid filter ({e}); using {default}");

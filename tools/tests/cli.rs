@@ -194,21 +194,66 @@ fn config_check_names_the_bad_field() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("[[devices]]"));
 }
 
-// The files layout is not built yet: the engine's refusal must come out as a clean error.
+// `--layout files` with no config: the bench fills in a default namespace and makes the scratch
+// device a directory; every phase must run and every loaded block verify, as on the slab.
 #[test]
-fn bench_files_layout_fails_cleanly() {
+fn bench_files_layout_runs_and_verifies() {
     let dir = scratch();
     let out = kvtier(&[
         "bench",
         "--layout",
         "files",
+        "--workload",
+        "all",
+        "--blocks",
+        "32",
+        "--block-size",
+        "256KiB",
+        "--queue-depth",
+        "8",
         "--duration",
         "1",
+        "--json",
+        "-",
         "--dir",
         path_str(dir.path()),
     ]);
-    assert!(!out.status.success());
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    let err = stderr(&out);
-    assert!(err.contains("error: ") && err.contains("files"), "{err}");
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    let doc = json_stdout(&out);
+    let results = doc["results"].as_array().expect("results array");
+    let names: Vec<&str> = results
+        .iter()
+        .map(|r| r["workload"].as_str().expect("workload name"))
+        .collect();
+    for want in ["store", "load", "load_alone", "mixed_load", "mixed_store"] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    for r in results {
+        assert_eq!(r["corrupt_blocks"], 0, "{r}");
+        assert_eq!(r["block_size"], 256 * 1024, "{r}");
+    }
+    let store = results
+        .iter()
+        .find(|r| r["workload"] == "store")
+        .expect("store row");
+    assert_eq!(store["bytes"], 32 * 256 * 1024, "{store}");
+    let load = results
+        .iter()
+        .find(|r| r["workload"] == "load")
+        .expect("load row");
+    assert!(
+        load["verified_blocks"].as_u64().expect("count") > 0,
+        "{load}"
+    );
+    assert_eq!(doc["engine"]["devices"][0]["kind"], "directory", "{doc}");
+    let config = doc["config"].as_str().expect("config text");
+    assert!(
+        config.contains("layout = \"files\"") && config.contains("kvtier-bench"),
+        "{config}"
+    );
 }

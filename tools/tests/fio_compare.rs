@@ -1,0 +1,174 @@
+//! End-to-end tests of `kvtier fio-compare`: the built binary runs fio and the engine in
+//! alternating pairs on a scratch slab under /var/tmp (not /tmp, which may be tmpfs). They catch
+//! a JSON report that loses its documented shape, ratios that stop being computed (zero or
+//! negative), fio jobs that no longer use the kernel path the comparison promises, and a
+//! scratch directory left behind. Each test skips with a message when fio is not installed.
+
+use std::process::{Command, Output};
+
+fn have_fio() -> bool {
+    let found = Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        println!("skipping: fio is not on PATH (install fio: apt-get install -y fio)");
+    }
+    found
+}
+
+fn kvtier(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("the kvtier binary runs")
+}
+
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("kvtier-fio-test-")
+        .tempdir_in("/var/tmp")
+        .expect("a temporary directory in /var/tmp")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn assert_left_nothing(dir: &tempfile::TempDir) {
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("read scratch parent")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert!(left.is_empty(), "scratch directory not removed: {left:?}");
+}
+
+// One pair per workload at 256 KiB, QD 8, 1 s runs: every cell must be there with every
+// documented field, bandwidth and CPU ratios positive, no corrupt or failed kvtier block.
+#[test]
+fn one_pair_per_workload_reports_positive_ratios() {
+    if !have_fio() {
+        return;
+    }
+    let dir = scratch();
+    let out = kvtier(&[
+        "fio-compare",
+        "--pairs",
+        "1",
+        "--duration",
+        "1",
+        "--block-size",
+        "256KiB",
+        "--queue-depth",
+        "8",
+        "--json",
+        "-",
+        "--dir",
+        dir.path().to_str().expect("UTF-8 path"),
+    ]);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}):\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            stderr(&out)
+        )
+    });
+    let cells = doc["cells"].as_array().expect("cells array");
+    let workloads: Vec<&str> = cells
+        .iter()
+        .map(|c| c["workload"].as_str().expect("workload name"))
+        .collect();
+    assert_eq!(workloads, ["load", "store", "mixed"], "{doc}");
+    for c in cells {
+        assert_eq!(c["block_size"], 256 * 1024, "{c}");
+        assert_eq!(c["queue_depth"], 8, "{c}");
+        for field in [
+            "fio_gib_per_s",
+            "kvtier_gib_per_s",
+            "ratio_median",
+            "fio_p50_us",
+            "fio_p99_us",
+            "kvtier_p50_us",
+            "kvtier_p99_us",
+            "fio_cpu_s_per_gib",
+            "kvtier_cpu_s_per_gib",
+            "cpu_ratio_median",
+        ] {
+            let v = c[field]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{field} is not a number in {c}"));
+            assert!(v > 0.0, "{field} = {v} in {c}");
+        }
+        let pairs = c["pairs"].as_array().expect("pairs array");
+        assert_eq!(pairs.len(), 1, "{c}");
+        assert_eq!(pairs[0]["kvtier_corrupt_blocks"], 0, "{c}");
+        assert_eq!(pairs[0]["kvtier_failed_blocks"], 0, "{c}");
+        assert!(
+            c["fio_job"]
+                .as_str()
+                .expect("job text")
+                .contains("ioengine=io_uring"),
+            "{c}"
+        );
+    }
+    let mixed = &cells[2];
+    assert!(mixed["store_ratio_median"].as_f64().expect("store ratio") > 0.0);
+    assert!(
+        mixed["kvtier_store_gib_per_s"]
+            .as_f64()
+            .expect("store side")
+            > 0.0
+    );
+    assert!(stderr(&out).contains("ratio"), "the table goes to stderr");
+    assert_left_nothing(&dir);
+}
+
+// --show-fio prints the jobs, filled in, with the kernel path of the comparison, and measures
+// nothing.
+#[test]
+fn show_fio_prints_io_uring_jobs() {
+    if !have_fio() {
+        return;
+    }
+    let dir = scratch();
+    let out = kvtier(&[
+        "fio-compare",
+        "--show-fio",
+        "--block-size",
+        "256KiB",
+        "--queue-depth",
+        "8",
+        "--dir",
+        dir.path().to_str().expect("UTF-8 path"),
+    ]);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "ioengine=io_uring",
+        "fixedbufs=1",
+        "registerfiles=1",
+        "direct=1",
+        "rw=randread",
+        "rw=randwrite",
+        "[fill]",
+        "numjobs=",
+        "iodepth=",
+        "cpus_allowed=",
+    ] {
+        assert!(text.contains(want), "{want} missing:\n{text}");
+    }
+    assert!(!text.contains("${"), "unfilled variable:\n{text}");
+    assert_left_nothing(&dir);
+}
