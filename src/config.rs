@@ -308,7 +308,7 @@ impl Default for SchedulerConfig {
         SchedulerConfig {
             load_inflight_max: 64,
             store_inflight_max: 64 * MIB,
-            store_inflight_max_while_loading: 2 * MIB,
+            store_inflight_max_while_loading: 512 * KIB,
             store_chunk_bytes: 512 * KIB,
             ioprio: true,
         }

@@ -124,8 +124,8 @@ struct PageState {
     in_flight: bool,
 }
 
-/// A dirty table page is written once this many of its entries changed, or as soon as the store
-/// stream pauses. Batching cuts the table writes of a sequential store stream from about one
+/// A dirty table page is written once this many of its entries changed, or as soon as the worker
+/// runs out of work. Batching cuts the table writes of a sequential store stream from about one
 /// per block to a few per page; the price is that a crash forgets up to this many recent blocks
 /// of a page (they are re-fetched, never served wrong).
 const TABLE_BATCH_ENTRIES: u16 = (ENTRIES_PER_PAGE / 2) as u16;
@@ -1244,8 +1244,15 @@ impl Shard {
     /// Writes the dirty table pages that are due: those with enough changed entries, or all of
     /// them once no store is queued or in flight (or the worker is stopping).
     fn issue_table_writes(&mut self) -> bool {
+        // "Quiet" means the worker is about to run out of work: no queued jobs and no I/O in
+        // flight. A queue-depth-bound store stream keeps I/O in flight, so its pages are
+        // written at the batch threshold; the rest are written before the worker sleeps.
         let quiet = self.stopping
-            || (self.stores.is_empty() && self.store_issuing.is_empty() && self.store_ops == 0);
+            || (self.stores.is_empty()
+                && self.loads.is_empty()
+                && self.store_issuing.is_empty()
+                && self.store_ops == 0
+                && self.backend.in_flight() == 0);
         let mut any = false;
         let mut i = 0;
         while i < self.dirty_pages.len() {
