@@ -1085,7 +1085,7 @@ mod tests {
         assert_eq!(d.jobs_in_flight_max, 8192);
         assert_eq!(d.scheduler.load_inflight_max, 64);
         assert_eq!(d.scheduler.store_inflight_max, 64 * MIB);
-        assert_eq!(d.scheduler.store_inflight_max_while_loading, 2 * MIB);
+        assert_eq!(d.scheduler.store_inflight_max_while_loading, 512 * KIB);
         assert_eq!(d.scheduler.store_chunk_bytes, 512 * KIB);
         assert!(d.scheduler.ioprio);
         assert!(!d.events.enabled);
