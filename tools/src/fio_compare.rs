@@ -141,10 +141,10 @@ pub struct FioCompareArgs {
     #[arg(long, value_enum, default_value = "all")]
     workload: WorkloadArg,
     /// fio/kvtier pairs per cell; the ratios reported are medians over the pairs.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
     pairs: u32,
     /// Seconds per measured run (each fio run and each kvtier run).
-    #[arg(long, default_value_t = 4.0, value_parser = bench::parse_seconds)]
+    #[arg(long, default_value_t = 2.5, value_parser = bench::parse_seconds)]
     duration: f64,
     /// Also write the results as JSON to PATH, or to stdout with `-` (the table then goes to
     /// stderr).
