@@ -611,22 +611,9 @@ impl Shard {
             if self.stopping && self.idle() {
                 break;
             }
-            let mut wait = !progress;
-            if wait {
-                self.me.sleeping.store(true, Ordering::SeqCst);
-                std::sync::atomic::fence(Ordering::SeqCst);
-                if !self.rx.is_empty() {
-                    wait = false;
-                }
-            }
-            let r = self.backend.submit(wait);
-            self.me.sleeping.store(false, Ordering::SeqCst);
+            let r = submit_or_sleep(self.backend.as_mut(), &self.me, &self.rx, progress);
             if !self.finalize.is_empty() {
                 self.finalize_stores();
-            }
-            self.me.metrics.submits.fetch_add(1, Ordering::Relaxed);
-            if wait {
-                self.me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
             }
             if let Err(e) = r {
                 // The ring itself failed (not one I/O): nothing can be completed any more
@@ -1370,6 +1357,32 @@ pub(crate) fn thread_cpu_ns(tid: i32) -> u64 {
         .ok()
         .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
         .unwrap_or(0)
+}
+
+/// Submits what the worker queued; with no `progress` this turn, sleeps in the kernel until a
+/// completion or a submitter's wake-up. The sleeping flag and the fence pair with
+/// [`ShardShared::nudge`], so a job sent while the worker decides to sleep is never missed.
+pub(crate) fn submit_or_sleep(
+    backend: &mut dyn IoBackend,
+    me: &ShardShared,
+    rx: &Receiver<Msg>,
+    progress: bool,
+) -> std::io::Result<()> {
+    let mut wait = !progress;
+    if wait {
+        me.sleeping.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !rx.is_empty() {
+            wait = false;
+        }
+    }
+    let r = backend.submit(wait);
+    me.sleeping.store(false, Ordering::SeqCst);
+    me.metrics.submits.fetch_add(1, Ordering::Relaxed);
+    if wait {
+        me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
+    }
+    r
 }
 
 /// crc32c of a range of the primary region.

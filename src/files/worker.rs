@@ -32,7 +32,7 @@ use crate::files::mapper::FileMapper;
 use crate::io::{BufRef, Completion, FileOp, IoBackend, IoClass, Region};
 use crate::job::{JobKind, JobState, KeyFailure, Shared};
 use crate::key::{Key, KeyMap};
-use crate::shard::{region_crc, Msg, ShardShared, WorkQueue, BUF_REGION};
+use crate::shard::{region_crc, submit_or_sleep, Msg, ShardShared, WorkQueue, BUF_REGION};
 use crate::Errno;
 
 const RENAME_NOREPLACE: u32 = 1;
@@ -450,20 +450,7 @@ impl FilesWorker {
             if self.stopping && self.idle() {
                 break;
             }
-            let mut wait = !progress;
-            if wait {
-                self.me.sleeping.store(true, Ordering::SeqCst);
-                std::sync::atomic::fence(Ordering::SeqCst);
-                if !self.rx.is_empty() {
-                    wait = false;
-                }
-            }
-            let r = self.backend.submit(wait);
-            self.me.sleeping.store(false, Ordering::SeqCst);
-            self.me.metrics.submits.fetch_add(1, Ordering::Relaxed);
-            if wait {
-                self.me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
-            }
+            let r = submit_or_sleep(self.backend.as_mut(), &self.me, &self.rx, progress);
             if let Err(e) = r {
                 self.log_error(&format!("submit failed: {e}"));
                 std::thread::sleep(std::time::Duration::from_millis(1));
