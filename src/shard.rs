@@ -232,14 +232,12 @@ impl Ops {
     }
 
     fn user_data(&self, idx: u32, chunk: u16) -> u64 {
-        (u64::from(self.ops[idx as usize].gen) << 32) | (u64::from(chunk) << 24) | u64::from(idx)
+        encode_user_data(idx, self.ops[idx as usize].gen, chunk)
     }
 
     /// Decodes `user_data`, asserting that it names a live op of the current generation.
     fn decode(&self, user_data: u64) -> (u32, u16) {
-        let idx = (user_data & 0xff_ffff) as u32;
-        let chunk = ((user_data >> 24) & 0xff) as u16;
-        let gen = (user_data >> 32) as u32;
+        let (idx, chunk, gen) = decode_user_data(user_data);
         let op = &self.ops[idx as usize];
         assert!(
             op.live && op.gen == gen,
@@ -247,6 +245,22 @@ impl Ops {
         );
         (idx, chunk)
     }
+}
+
+/// An op's `user_data`: generation (32 bits) | chunk (8 bits) | table index (24 bits). Both
+/// workers address in-flight ops this way, never by pointer.
+pub(crate) fn encode_user_data(idx: u32, gen: u32, chunk: u16) -> u64 {
+    debug_assert!(idx < 1 << 24 && chunk < 1 << 8);
+    (u64::from(gen) << 32) | (u64::from(chunk) << 24) | u64::from(idx)
+}
+
+/// The inverse of [`encode_user_data`]: `(index, chunk, generation)`.
+pub(crate) fn decode_user_data(user_data: u64) -> (u32, u16, u32) {
+    (
+        (user_data & 0xff_ffff) as u32,
+        ((user_data >> 24) & 0xff) as u16,
+        (user_data >> 32) as u32,
+    )
 }
 
 /// A queue of parts with a cursor into the front one.

@@ -32,7 +32,10 @@ use crate::files::mapper::FileMapper;
 use crate::io::{BufRef, Completion, FileOp, IoBackend, IoClass, Region};
 use crate::job::{JobKind, JobState, KeyFailure, Shared};
 use crate::key::{Key, KeyMap};
-use crate::shard::{region_crc, submit_or_sleep, Msg, ShardShared, WorkQueue, BUF_REGION};
+use crate::shard::{
+    decode_user_data, encode_user_data, region_crc, submit_or_sleep, Msg, ShardShared, WorkQueue,
+    BUF_REGION,
+};
 use crate::Errno;
 
 const RENAME_NOREPLACE: u32 = 1;
@@ -287,13 +290,11 @@ impl FilesWorker {
     }
 
     fn user_data(&self, idx: u32, chunk: u16) -> u64 {
-        (u64::from(self.ops[idx as usize].gen) << 32) | (u64::from(chunk) << 24) | u64::from(idx)
+        encode_user_data(idx, self.ops[idx as usize].gen, chunk)
     }
 
     fn decode(&self, user_data: u64) -> (u32, u16) {
-        let idx = (user_data & 0xff_ffff) as u32;
-        let chunk = ((user_data >> 24) & 0xff) as u16;
-        let gen = (user_data >> 32) as u32;
+        let (idx, chunk, gen) = decode_user_data(user_data);
         let op = &self.ops[idx as usize];
         assert!(
             op.live && op.gen == gen,
