@@ -131,6 +131,27 @@ impl Named for Layout {
     }
 }
 
+impl Named for S3Write {
+    const ALL: &'static [Self] = &[Self::Through, Self::OnEvict, Self::Off];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Through => "through",
+            Self::OnEvict => "on_evict",
+            Self::Off => "off",
+        }
+    }
+}
+
+impl Named for WriteAck {
+    const ALL: &'static [Self] = &[Self::Both, Self::Nvme];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Nvme => "nvme",
+        }
+    }
+}
+
 impl Named for SyncMode {
     const ALL: &'static [Self] = &[Self::None, Self::Data];
     fn name(self) -> &'static str {
@@ -218,6 +239,106 @@ pub struct Config {
     /// `[files]`: required when a device uses `layout = "files"`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub files: Option<FilesConfig>,
+    /// `[s3]`: the object-store tier; absent means no S3 tier.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub s3: Option<S3Config>,
+}
+
+/// A credential from the config: kept for the client, shown as `"<redacted>"` by `Debug` and
+/// when the config is printed, so it never reaches a log.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+pub struct Secret(String);
+
+impl Secret {
+    #[must_use]
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for the S3 client only.
+    #[must_use]
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("\"<redacted>\"")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str("<redacted>")
+    }
+}
+
+/// `[s3] write`: when stored blocks go to the object store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum S3Write {
+    /// Every stored block is uploaded after its NVMe store.
+    Through,
+    /// Blocks the NVMe tier evicts are uploaded before their slot is reused (slab layout).
+    OnEvict,
+    /// Nothing is uploaded: the bucket is read-only for this node.
+    #[default]
+    Off,
+}
+
+/// `[s3] write_ack`: when a write-through store job is reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WriteAck {
+    /// After both the NVMe store and the upload finished; the job fails if either failed.
+    #[default]
+    Both,
+    /// After the NVMe store and a copy of the block for the upload; the upload finishes in the
+    /// background (failures are counted and logged, not reported in the job).
+    Nvme,
+}
+
+/// `[s3]`: an S3-compatible object store behind the NVMe tier.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(try_from = "RawS3")]
+pub struct S3Config {
+    pub bucket: String,
+    /// `http(s)://host:port` for S3-compatible stores; `None` for AWS itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    pub region: String,
+    /// Path-style URLs (`endpoint/bucket/key`), which most S3-compatible servers need.
+    pub force_path_style: bool,
+    /// Static credentials; all three absent means the AWS default chain (env, profile, IMDS...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub access_key_id: Option<Secret>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret_access_key: Option<Secret>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_token: Option<Secret>,
+    /// Object names are `<prefix>/<files-layout relative path>`, the prefix used verbatim (an
+    /// empty prefix gives no leading slash; vLLM's prefix `P` is kvtier's `"P/"`).
+    pub prefix: String,
+    /// Requests in flight at once (GET, HEAD and PUT together).
+    pub max_concurrency: usize,
+    /// Per attempt: connect plus response, and the whole body for GET and PUT.
+    pub timeout_ms: u64,
+    /// Retries after the first attempt, for timeouts, connection errors, 5xx and throttling.
+    pub retries: u32,
+    pub write: S3Write,
+    pub write_ack: WriteAck,
+    /// Store a block loaded from S3 into NVMe too (the load reports once that store is done).
+    pub promote_on_load: bool,
+    /// Bound of the lookup cache (keys whose presence in the bucket is known or being asked).
+    pub lookup_cache_max: usize,
+    /// How long a HEAD's answer is trusted before the key is asked again (other nodes upload,
+    /// lifecycle rules delete).
+    pub lookup_ttl_ms: u64,
+    /// Bound of blocks copied and waiting for upload (`write_ack = "nvme"` and demotions).
+    pub upload_queue_blocks: usize,
+    /// Namespace for object names; defaults to `[files.namespace]`.
+    pub namespace: crate::files::mapper::Namespace,
 }
 
 /// Whether the files layout makes each published block durable before it is visible.
@@ -344,6 +465,7 @@ impl Default for Config {
             events: EventsConfig::default(),
             devices: Vec::new(),
             files: None,
+            s3: None,
         }
     }
 }
@@ -436,7 +558,52 @@ impl Config {
             self.events.max,
             AT_LEAST_ONE,
         )?;
-        self.validate_devices()
+        self.validate_devices()?;
+        self.validate_s3()
+    }
+
+    fn validate_s3(&self) -> Result<(), ConfigError> {
+        let Some(s3) = &self.s3 else {
+            return Ok(());
+        };
+        ensure(
+            (1..=1024).contains(&s3.max_concurrency),
+            "s3.max_concurrency",
+            s3.max_concurrency,
+            "an integer from 1 to 1024",
+        )?;
+        ensure(
+            (1..=3_600_000).contains(&s3.timeout_ms),
+            "s3.timeout_ms",
+            s3.timeout_ms,
+            "an integer number of milliseconds from 1 to 3600000",
+        )?;
+        ensure(
+            s3.retries <= 20,
+            "s3.retries",
+            s3.retries,
+            "an integer from 0 to 20",
+        )?;
+        ensure(
+            s3.lookup_cache_max >= 1,
+            "s3.lookup_cache_max",
+            s3.lookup_cache_max,
+            AT_LEAST_ONE,
+        )?;
+        ensure(
+            s3.upload_queue_blocks >= 1,
+            "s3.upload_queue_blocks",
+            s3.upload_queue_blocks,
+            AT_LEAST_ONE,
+        )?;
+        let files_layout = self.devices.iter().any(|d| d.layout == Layout::Files);
+        ensure(
+            !(s3.write == S3Write::OnEvict && files_layout),
+            "s3.write",
+            "\"on_evict\"",
+            "\"through\" or \"off\" with layout = \"files\" (demotion on eviction reads \
+             the evicted slot, which only the slab layout does so far)",
+        )
     }
 
     fn validate_scheduler(&self) -> Result<(), ConfigError> {
@@ -759,6 +926,155 @@ struct RawConfig {
     events: Option<RawEvents>,
     devices: Option<Vec<RawDevice>>,
     files: Option<RawFiles>,
+    s3: Option<RawS3>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "an [s3] table")]
+struct RawS3 {
+    bucket: Option<Value>,
+    endpoint: Option<Value>,
+    region: Option<Value>,
+    force_path_style: Option<Value>,
+    access_key_id: Option<Value>,
+    secret_access_key: Option<Value>,
+    session_token: Option<Value>,
+    prefix: Option<Value>,
+    max_concurrency: Option<Value>,
+    timeout_ms: Option<Value>,
+    retries: Option<Value>,
+    write: Option<Value>,
+    write_ack: Option<Value>,
+    promote_on_load: Option<Value>,
+    lookup_cache_max: Option<Value>,
+    lookup_ttl_ms: Option<Value>,
+    upload_queue_blocks: Option<Value>,
+    namespace: Option<Value>,
+}
+
+fn string_or(field: &str, value: Option<Value>, default: &str) -> Result<String, ConfigError> {
+    match value {
+        None => Ok(default.to_owned()),
+        Some(Value::String(text)) => Ok(text),
+        Some(other) => Err(invalid(field, other, "a string")),
+    }
+}
+
+fn secret_opt(field: &str, value: Option<Value>) -> Result<Option<Secret>, ConfigError> {
+    match value {
+        None => Ok(None),
+        Some(Value::String(text)) if !text.is_empty() => Ok(Some(Secret(text))),
+        // Never echo what was written: it may be a credential in the wrong form.
+        Some(_) => Err(invalid(field, "<redacted>", "a non-empty string")),
+    }
+}
+
+/// Builds `[s3]` once the whole config is read: the namespace may come from `[files]`.
+fn s3_from_raw(raw: RawS3, files: Option<&FilesConfig>) -> Result<S3Config, ConfigError> {
+    let bucket = match raw.bucket {
+        Some(Value::String(b)) if !b.is_empty() => b,
+        Some(other) => return Err(invalid("s3.bucket", other, "a non-empty bucket name")),
+        None => return Err(invalid("s3.bucket", "(missing)", "a non-empty bucket name")),
+    };
+    let endpoint = match raw.endpoint {
+        None => None,
+        Some(Value::String(e)) if e.starts_with("http://") || e.starts_with("https://") => {
+            Some(e.trim_end_matches('/').to_owned())
+        }
+        Some(other) => {
+            return Err(invalid(
+                "s3.endpoint",
+                other,
+                "a URL such as \"http://127.0.0.1:9000\" or \"https://s3.example.com\"",
+            ))
+        }
+    };
+    let namespace = match raw.namespace {
+        Some(value) => value.try_into().map_err(|e: toml::de::Error| {
+            ConfigError::Parse(format!("in [s3.namespace]: {}", e.message()))
+        })?,
+        None => match files {
+            Some(f) => f.namespace.clone(),
+            None => {
+                return Err(invalid(
+                    "s3.namespace",
+                    "(missing)",
+                    "an [s3.namespace] table (or a [files.namespace] table) with model_name, \
+                     dtype, tokens_per_hash, blocks_per_file and kv_cache_groups: object names \
+                     follow vLLM's object-store tier",
+                ))
+            }
+        },
+    };
+    let access_key_id = secret_opt("s3.access_key_id", raw.access_key_id)?;
+    let secret_access_key = secret_opt("s3.secret_access_key", raw.secret_access_key)?;
+    let session_token = secret_opt("s3.session_token", raw.session_token)?;
+    if access_key_id.is_some() != secret_access_key.is_some() {
+        let (field, missing) = if access_key_id.is_some() {
+            ("s3.secret_access_key", "secret_access_key")
+        } else {
+            ("s3.access_key_id", "access_key_id")
+        };
+        return Err(invalid(
+            field,
+            "(missing)",
+            format!("both access_key_id and secret_access_key, or neither (then the AWS default credential chain is used); {missing} is missing"),
+        ));
+    }
+    if session_token.is_some() && access_key_id.is_none() {
+        return Err(invalid(
+            "s3.session_token",
+            "<redacted>",
+            "a session token only together with access_key_id and secret_access_key",
+        ));
+    }
+    let prefix = string_or("s3.prefix", raw.prefix, "")?;
+    let write: S3Write = choice_or("s3.write", raw.write, S3Write::Off)?;
+    Ok(S3Config {
+        bucket,
+        endpoint,
+        region: string_or("s3.region", raw.region, "us-east-1")?,
+        force_path_style: bool_or("s3.force_path_style", raw.force_path_style, false)?,
+        access_key_id,
+        secret_access_key,
+        session_token,
+        prefix,
+        max_concurrency: int_or(
+            "s3.max_concurrency",
+            raw.max_concurrency,
+            32,
+            "an integer from 1 to 1024",
+        )?,
+        timeout_ms: int_or(
+            "s3.timeout_ms",
+            raw.timeout_ms,
+            5000,
+            "an integer number of milliseconds from 1 to 3600000",
+        )?,
+        retries: int_or("s3.retries", raw.retries, 3, "an integer from 0 to 20")?,
+        write,
+        write_ack: choice_or("s3.write_ack", raw.write_ack, WriteAck::Both)?,
+        promote_on_load: bool_or("s3.promote_on_load", raw.promote_on_load, true)?,
+        lookup_cache_max: int_or(
+            "s3.lookup_cache_max",
+            raw.lookup_cache_max,
+            65536,
+            AT_LEAST_ONE,
+        )?,
+        lookup_ttl_ms: int_or(
+            "s3.lookup_ttl_ms",
+            raw.lookup_ttl_ms,
+            30_000,
+            "an integer number of milliseconds",
+        )?,
+        upload_queue_blocks: int_or(
+            "s3.upload_queue_blocks",
+            raw.upload_queue_blocks,
+            64,
+            AT_LEAST_ONE,
+        )?,
+        namespace,
+    })
 }
 
 #[derive(Deserialize)]
@@ -833,7 +1149,7 @@ impl TryFrom<RawConfig> for Config {
 
     fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
         let d = Config::default();
-        Ok(Config {
+        Config {
             block_size: size_or("block_size", raw.block_size, d.block_size)?,
             cores: raw
                 .cores
@@ -883,8 +1199,32 @@ impl TryFrom<RawConfig> for Config {
                 .enumerate()
                 .map(|(index, device)| device_from_raw(&format!("devices[{index}]"), device))
                 .collect::<Result<_, _>>()?,
-            files: raw.files.map(FilesConfig::try_from).transpose()?,
-        })
+            files: None,
+            s3: None,
+        }
+        .with_sections(raw.files, raw.s3)
+    }
+}
+
+impl Config {
+    fn with_sections(
+        mut self,
+        files: Option<RawFiles>,
+        s3: Option<RawS3>,
+    ) -> Result<Config, ConfigError> {
+        self.files = files.map(FilesConfig::try_from).transpose()?;
+        self.s3 = s3
+            .map(|raw| s3_from_raw(raw, self.files.as_ref()))
+            .transpose()?;
+        Ok(self)
+    }
+}
+
+impl TryFrom<RawS3> for S3Config {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawS3) -> Result<Self, ConfigError> {
+        s3_from_raw(raw, None)
     }
 }
 

@@ -30,6 +30,8 @@ use crate::slab::{table_bytes, Geometry, Header, HeaderRead, HeaderState, HEADER
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tier {
     Nvme,
+    /// The object store (`[s3]`).
+    S3,
 }
 
 /// The answer to a lookup, from the in-memory index (no I/O, no retry step).
@@ -72,6 +74,9 @@ pub struct EngineInfo {
     pub region_backing: &'static str,
     pub devices: Vec<DeviceSummary>,
     pub workers: Vec<WorkerSummary>,
+    /// The S3 tier, when configured.
+    #[cfg(feature = "s3")]
+    pub s3: Option<crate::s3::S3Summary>,
     pub open_seconds: f64,
 }
 
@@ -82,6 +87,45 @@ struct ShardHandle {
     shared: Arc<ShardShared>,
 }
 
+/// Sends work to the workers: the engine's admitted jobs and its own internal jobs (promotions
+/// from S3, the NVMe half of write-through stores).
+pub(crate) struct Router {
+    shards: Vec<(Sender<Msg>, Arc<ShardShared>)>,
+}
+
+impl Router {
+    /// Sends `items` of `job` to worker `shard` (their queue room is already reserved).
+    fn send(&self, shard: usize, job: &Arc<JobState>, items: Vec<u32>) {
+        let (tx, me) = &self.shards[shard];
+        // Cannot fail: the engine holds a receiver of every channel until it is dropped, and
+        // shutdown fails whatever is left in them.
+        let _ = tx.send(Msg::Work(Part {
+            job: Arc::clone(job),
+            items,
+        }));
+        me.nudge();
+    }
+
+    /// Sends every key of an internal job to its worker. Internal jobs are admitted with the
+    /// caller's job they serve, so they only count their queued blocks.
+    pub fn dispatch(&self, job: &Arc<JobState>) {
+        let workers = self.shards.len();
+        let mut parts: Vec<Vec<u32>> = vec![Vec::new(); workers];
+        for (i, key) in job.job.keys.iter().enumerate() {
+            parts[key.shard(workers)].push(i as u32);
+        }
+        for (s, items) in parts.into_iter().enumerate() {
+            if !items.is_empty() {
+                self.shards[s]
+                    .1
+                    .queued_blocks
+                    .fetch_add(items.len(), Ordering::AcqRel);
+                self.send(s, job, items);
+            }
+        }
+    }
+}
+
 pub struct Engine {
     region_blocks: u64,
     block_bytes: u64,
@@ -90,6 +134,9 @@ pub struct Engine {
     jobs_in_flight_max: usize,
     shared: Arc<Shared>,
     shards: Vec<ShardHandle>,
+    router: Arc<Router>,
+    #[cfg(feature = "s3")]
+    s3: Option<crate::s3::S3Tier>,
     results: Receiver<JobResult>,
     shut: AtomicBool,
     /// Held shared by every submit and exclusively by shutdown while it sets `shut`.
@@ -282,14 +329,23 @@ impl Engine {
                 }
             }
         }
-        let engine = Engine {
+        let router = Arc::new(Router {
+            shards: shards
+                .iter()
+                .map(|h| (h.tx.clone(), Arc::clone(&h.shared)))
+                .collect(),
+        });
+        let mut engine = Engine {
             region_blocks,
             block_bytes,
             files_devices: Arc::clone(&files_devices),
             queue_blocks_max: config.queue_blocks_max,
             jobs_in_flight_max: config.jobs_in_flight_max,
-            shared,
+            shared: Arc::clone(&shared),
             shards,
+            router: Arc::clone(&router),
+            #[cfg(feature = "s3")]
+            s3: None,
             results,
             shut: AtomicBool::new(false),
             gate: RwLock::new(()),
@@ -300,12 +356,45 @@ impl Engine {
                 region_backing: region.backing().as_str(),
                 devices: summaries,
                 workers: worker_info.into_iter().flatten().collect(),
+                #[cfg(feature = "s3")]
+                s3: None,
                 open_seconds: 0.0,
             },
         };
         if let Some(e) = first_error {
             engine.shutdown();
             return Err(e);
+        }
+        if let Some(s3) = &config.s3 {
+            #[cfg(feature = "s3")]
+            {
+                let worker_cores: Vec<usize> = cores.iter().flatten().copied().collect();
+                match crate::s3::S3Tier::open(
+                    s3,
+                    block_bytes,
+                    Arc::clone(&region),
+                    shared,
+                    router,
+                    &worker_cores,
+                ) {
+                    Ok(tier) => {
+                        engine.info.s3 = Some(tier.summary().clone());
+                        engine.s3 = Some(tier);
+                    }
+                    Err(e) => {
+                        engine.shutdown();
+                        return Err(e);
+                    }
+                }
+            }
+            #[cfg(not(feature = "s3"))]
+            {
+                let _ = (s3, router, shared);
+                engine.shutdown();
+                return Err(Error::S3(
+                    "this kvtier was built without the `s3` feature; rebuild with it or remove the [s3] section".into(),
+                ));
+            }
         }
         let unroutable = engine.stats().unroutable_entries;
         if unroutable > 0 {
@@ -315,7 +404,6 @@ impl Engine {
                  (cores or devices changed since they were written)"
             );
         }
-        let mut engine = engine;
         engine.info.open_seconds = started.elapsed().as_secs_f64();
         for (i, d) in engine.info.devices.iter().enumerate() {
             tracing::info!(
@@ -397,24 +485,65 @@ impl Engine {
                 )));
             }
         }
-        let state = Arc::new(JobState::new(kind, job));
+        let state = Arc::new(self.job_state(kind, job));
         if state.job.keys.is_empty() {
             state.publish(&self.shared);
             return Ok(());
         }
-        for (s, items) in parts.into_iter().enumerate() {
-            if items.is_empty() {
-                continue;
+        #[cfg(feature = "s3")]
+        if let (JobKind::Load, Some(s3)) = (kind, &self.s3) {
+            // Keys not held locally are loaded from the bucket; their queue room is returned.
+            let mut remote = Vec::new();
+            for (s, items) in parts.iter_mut().enumerate() {
+                let before = items.len();
+                items.retain(|&i| {
+                    let local = self.is_local(&state.job.keys[i as usize]);
+                    if !local {
+                        remote.push(i);
+                    }
+                    local
+                });
+                let moved = before - items.len();
+                if moved > 0 {
+                    self.shards[s]
+                        .shared
+                        .queued_blocks
+                        .fetch_sub(moved, Ordering::AcqRel);
+                }
             }
-            let h = &self.shards[s];
-            // Cannot fail: the handle holds a receiver too.
-            let _ = h.tx.send(Msg::Work(Part {
-                job: Arc::clone(&state),
-                items,
-            }));
-            h.shared.nudge();
+            if !remote.is_empty() {
+                s3.load(&state, remote);
+            }
+        }
+        for (s, items) in parts.into_iter().enumerate() {
+            if !items.is_empty() {
+                self.router.send(s, &state, items);
+            }
         }
         Ok(())
+    }
+
+    /// The state of an admitted job: write-through stores report after their upload.
+    fn job_state(&self, kind: JobKind, job: Job) -> JobState {
+        #[cfg(feature = "s3")]
+        if let (JobKind::Store, Some(s3)) = (kind, &self.s3) {
+            if s3.write_mode() == crate::config::S3Write::Through {
+                let then = s3.after_store(job.keys.clone(), job.blocks.clone());
+                return JobState::internal(kind, job, then);
+            }
+        }
+        JobState::new(kind, job)
+    }
+
+    /// Whether the NVMe tier holds `key` (stored here, or published by another process into a
+    /// shared files directory).
+    fn is_local(&self, key: &Key) -> bool {
+        let set = self.shards[key.shard(self.shards.len())]
+            .shared
+            .published
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        set.contains(key) || self.published_elsewhere(key)
     }
 
     fn invalid(&self, job: &Job) -> Option<(usize, String)> {
@@ -467,23 +596,40 @@ impl Engine {
         }
     }
 
-    /// Answers from the in-memory index: a key is a hit once its store completed.
+    /// Answers from the in-memory index: a key is a hit once its store completed. With an S3
+    /// tier, a key absent locally is [`Lookup::Pending`] until a HEAD answers (one per key,
+    /// shared by concurrent lookups), then `Hit(Tier::S3)` or `Miss`, cached (bounded by
+    /// `s3.lookup_cache_max`, trusted for `s3.lookup_ttl_ms`). A failed load from S3 makes its
+    /// keys `Miss`.
     pub fn lookup(&self, keys: &[Key]) -> Vec<Lookup> {
-        let workers = self.shards.len();
-        keys.iter()
+        let mut out: Vec<Lookup> = keys
+            .iter()
             .map(|k| {
-                let set = self.shards[k.shard(workers)]
-                    .shared
-                    .published
-                    .read()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if set.contains(k) || self.published_elsewhere(k) {
+                if self.is_local(k) {
                     Lookup::Hit(Tier::Nvme)
                 } else {
                     Lookup::Miss
                 }
             })
-            .collect()
+            .collect();
+        #[cfg(feature = "s3")]
+        if let Some(s3) = &self.s3 {
+            let missing: Vec<Key> = keys
+                .iter()
+                .zip(&out)
+                .filter(|(_, l)| **l == Lookup::Miss)
+                .map(|(k, _)| *k)
+                .collect();
+            if !missing.is_empty() {
+                let mut remote = s3.lookup(&missing).into_iter();
+                for l in &mut out {
+                    if *l == Lookup::Miss {
+                        *l = remote.next().unwrap_or(Lookup::Miss);
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// For the files layout: whether another process (kvtier or vLLM) published `key` since
@@ -498,6 +644,13 @@ impl Engine {
         dev.path_of(key)
             .and_then(|p| std::fs::metadata(p).ok())
             .is_some_and(|m| m.is_file() && m.len() == self.block_bytes)
+    }
+
+    /// The object name `key` has in the S3 tier (`None` without one, or for a key too short to
+    /// hold a block hash).
+    #[cfg(feature = "s3")]
+    pub fn s3_object_name(&self, key: &Key) -> Option<String> {
+        self.s3.as_ref().and_then(|t| t.object_name(key))
     }
 
     /// Every key currently stored (completed stores, not yet evicted), in no particular order.
@@ -550,6 +703,12 @@ impl Engine {
                 return;
             }
         }
+        // S3 first: queued requests fail, running ones end within the timeout; promotions they
+        // start still reach running workers.
+        #[cfg(feature = "s3")]
+        if let Some(s3) = &self.s3 {
+            s3.close();
+        }
         for h in &self.shards {
             let _ = h.tx.send(Msg::Stop);
             h.shared.wake.notify();
@@ -582,6 +741,11 @@ impl Engine {
                 }
             }
         }
+        // Write-through jobs whose NVMe half just ended report from the reactor: let them.
+        #[cfg(feature = "s3")]
+        if let Some(s3) = &self.s3 {
+            s3.stop();
+        }
     }
 
     /// Stored and removed events since the last call (empty unless `events.enabled`).
@@ -599,6 +763,10 @@ impl Engine {
             }
         }
         s.jobs_in_flight = self.jobs_in_flight() as u64;
+        #[cfg(feature = "s3")]
+        {
+            s.s3 = self.s3.as_ref().map(|t| t.metrics().snapshot());
+        }
         s.events_dropped = self.shared.events.dropped();
         s
     }

@@ -34,6 +34,9 @@ pub enum Error {
     /// A worker thread could not be started or died.
     #[error("worker: {0}")]
     Worker(String),
+    /// The S3 tier could not be set up (the message names bucket, endpoint and likely cause).
+    #[error("s3: {0}")]
+    S3(String),
 }
 
 impl Error {

@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use crate::config::Locality;
+use crate::engine::Tier;
 use crate::key::Key;
 
 /// Where the event's blocks live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Medium {
-    /// vLLM's `STORAGE` medium: the NVMe tier.
+    /// vLLM's `STORAGE` medium: the NVMe tier and the S3 tier both report it (see `tier`).
     Storage,
 }
 
@@ -21,6 +22,8 @@ pub enum Medium {
 pub struct Event {
     pub keys: Vec<Key>,
     pub medium: Medium,
+    /// Which of kvtier's tiers the blocks were stored in or removed from.
+    pub tier: Tier,
     pub removed: bool,
     pub locality: Option<Locality>,
 }
@@ -49,6 +52,10 @@ impl EventSink {
     }
 
     pub fn push(&self, keys: Vec<Key>, removed: bool) {
+        self.push_tier(keys, removed, Tier::Nvme);
+    }
+
+    pub fn push_tier(&self, keys: Vec<Key>, removed: bool, tier: Tier) {
         if !self.enabled || keys.is_empty() {
             return;
         }
@@ -63,6 +70,7 @@ impl EventSink {
         buf.push_back(Event {
             keys,
             medium: Medium::Storage,
+            tier,
             removed,
             locality: self.locality,
         });

@@ -58,6 +58,9 @@ pub enum KeyFailure {
     Shutdown,
     /// The job itself is malformed (block id out of range, list lengths differ).
     InvalidJob,
+    /// The object store failed the request after the configured retries (or it timed out);
+    /// the detail names the operation, the object and the cause.
+    Remote,
 }
 
 impl std::fmt::Display for KeyFailure {
@@ -73,6 +76,7 @@ impl std::fmt::Display for KeyFailure {
             KeyFailure::NoSpace => write!(f, "no free slot"),
             KeyFailure::Shutdown => write!(f, "engine shut down"),
             KeyFailure::InvalidJob => write!(f, "invalid job"),
+            KeyFailure::Remote => write!(f, "object store request failed"),
         }
     }
 }
@@ -137,6 +141,9 @@ impl Shared {
     }
 }
 
+/// What an internal job does with its result instead of reporting it to the caller.
+pub(crate) type Then = Box<dyn FnOnce(JobResult) + Send>;
+
 /// One job in flight, shared by the shards that hold its keys.
 pub(crate) struct JobState {
     pub kind: JobKind,
@@ -145,6 +152,10 @@ pub(crate) struct JobState {
     remaining: AtomicUsize,
     first_failure: Mutex<Option<JobFailure>>,
     bytes: AtomicU64,
+    /// Set for the engine's own jobs (a promotion's store, the NVMe half of a write-through
+    /// store): their result goes here, not to `poll_finished`, and they are not counted in
+    /// `jobs_in_flight` (the caller's job they serve is).
+    then: Mutex<Option<Then>>,
 }
 
 impl JobState {
@@ -157,7 +168,18 @@ impl JobState {
             remaining: AtomicUsize::new(n),
             first_failure: Mutex::new(None),
             bytes: AtomicU64::new(0),
+            then: Mutex::new(None),
         }
+    }
+
+    /// An internal job whose result is handed to `then` (see the field).
+    pub fn internal(kind: JobKind, job: Job, then: Then) -> JobState {
+        let state = JobState::new(kind, job);
+        *state
+            .then
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(then);
+        state
     }
 
     /// Records that key `index` succeeded after moving `bytes`.
@@ -218,7 +240,7 @@ impl JobState {
         if success && self.kind == JobKind::Store && shared.events.enabled() {
             shared.events.push(self.job.keys.clone(), false);
         }
-        shared.finish(JobResult {
+        let result = JobResult {
             id: self.job.id,
             kind: self.kind,
             success,
@@ -227,6 +249,15 @@ impl JobState {
             failure,
             bytes: self.bytes.load(Ordering::Relaxed),
             elapsed: self.submitted.elapsed(),
-        });
+        };
+        let then = self
+            .then
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        match then {
+            Some(then) => then(result),
+            None => shared.finish(result),
+        }
     }
 }

@@ -29,6 +29,8 @@ pub mod job;
 pub mod key;
 pub mod metrics;
 pub mod region;
+#[cfg(feature = "s3")]
+pub mod s3;
 mod shard;
 pub mod sim;
 pub mod slab;
@@ -42,4 +44,4 @@ pub use job::{BlockId, Job, JobFailure, JobId, JobKind, JobResult, KeyFailure};
 pub use key::{Key, MAX_KEY_BYTES};
 pub use kvtier_sys::mem::{Backing, Region};
 pub use kvtier_sys::Errno;
-pub use metrics::Stats;
+pub use metrics::{S3OpStats, S3Stats, Stats};

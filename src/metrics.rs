@@ -160,6 +160,97 @@ pub struct Stats {
     /// Per-block device latency of loads and stores (push to completion), microseconds.
     pub load_latency_us: HistogramSnapshot,
     pub store_latency_us: HistogramSnapshot,
+    /// The S3 tier's counters; `None` without an `[s3]` section.
+    pub s3: Option<S3Stats>,
+}
+
+/// Counters of one kind of S3 request.
+#[derive(Default)]
+pub struct S3OpMetrics {
+    /// Attempts sent, retries included.
+    pub requests: AtomicU64,
+    /// Requests that failed for good (after retries); a HEAD or GET answered 404 is not one.
+    pub errors: AtomicU64,
+    pub retries: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Whole operation, retries included, microseconds.
+    pub latency: Histogram,
+}
+
+impl S3OpMetrics {
+    fn snapshot(&self) -> S3OpStats {
+        S3OpStats {
+            requests: self.requests.load(Relaxed),
+            errors: self.errors.load(Relaxed),
+            retries: self.retries.load(Relaxed),
+            bytes: self.bytes.load(Relaxed),
+            latency_us: self.latency.snapshot(),
+        }
+    }
+}
+
+/// The S3 tier's live counters.
+#[derive(Default)]
+pub struct S3Metrics {
+    pub head: S3OpMetrics,
+    pub get: S3OpMetrics,
+    pub put: S3OpMetrics,
+    pub lookup_hits: AtomicU64,
+    pub lookup_misses: AtomicU64,
+    pub lookup_pending: AtomicU64,
+    pub promotions: AtomicU64,
+    pub promotions_failed: AtomicU64,
+    pub demotions: AtomicU64,
+    /// Evicted blocks not demoted because the upload queue was full.
+    pub demotions_dropped: AtomicU64,
+    /// Background uploads (`write_ack = "nvme"`, demotions) that failed after retries.
+    pub background_upload_failures: AtomicU64,
+}
+
+impl S3Metrics {
+    pub fn snapshot(&self) -> S3Stats {
+        let l = |a: &AtomicU64| a.load(Relaxed);
+        S3Stats {
+            head: self.head.snapshot(),
+            get: self.get.snapshot(),
+            put: self.put.snapshot(),
+            lookup_hits: l(&self.lookup_hits),
+            lookup_misses: l(&self.lookup_misses),
+            lookup_pending: l(&self.lookup_pending),
+            promotions: l(&self.promotions),
+            promotions_failed: l(&self.promotions_failed),
+            demotions: l(&self.demotions),
+            demotions_dropped: l(&self.demotions_dropped),
+            background_upload_failures: l(&self.background_upload_failures),
+        }
+    }
+}
+
+/// A snapshot of one kind of S3 request.
+#[derive(Clone, Debug, Default)]
+pub struct S3OpStats {
+    pub requests: u64,
+    pub errors: u64,
+    pub retries: u64,
+    pub bytes: u64,
+    pub latency_us: HistogramSnapshot,
+}
+
+/// A snapshot of the S3 tier's counters.
+#[derive(Clone, Debug, Default)]
+pub struct S3Stats {
+    pub head: S3OpStats,
+    pub get: S3OpStats,
+    pub put: S3OpStats,
+    /// Lookup answers given from the S3 tier.
+    pub lookup_hits: u64,
+    pub lookup_misses: u64,
+    pub lookup_pending: u64,
+    pub promotions: u64,
+    pub promotions_failed: u64,
+    pub demotions: u64,
+    pub demotions_dropped: u64,
+    pub background_upload_failures: u64,
 }
 
 impl Stats {

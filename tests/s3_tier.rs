@@ -1,0 +1,515 @@
+//! The S3 tier against a real S3-compatible server (s3s-fs on 127.0.0.1, one per test), with
+//! the plain aws-sdk-s3 client checking and seeding the bucket: byte-exact round trips, vLLM
+//! object names, lookup Pending -> Hit/Miss, loads of S3-only keys, promotion, write-through,
+//! the server killed mid-run, and the probe's errors.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
+use common::{content, holds, key, put, region, scratch_dir, wait_results, BLOCK};
+use kvtier::files::mapper::{FileMapper, KvCacheGroup, Namespace};
+use kvtier::{Config, Engine, Error, Job, KeyFailure, Lookup, Region, Tier};
+
+fn namespace() -> Namespace {
+    let mut ns = Namespace::new("test/model", "float16", 16, 1);
+    ns.kv_cache_groups = vec![KvCacheGroup {
+        tokens_per_block: 16,
+        layer_names: vec!["layer.0".into()],
+    }];
+    ns
+}
+
+/// The name vLLM's FileMapper gives block `id` under root "fleet" (kvtier's prefix "fleet").
+fn object_name(id: u64) -> String {
+    FileMapper::new(Path::new("fleet"), &namespace())
+        .key_path(key(id).as_bytes())
+        .expect("vLLM-shaped key")
+        .to_str()
+        .expect("utf-8")
+        .to_owned()
+}
+
+fn config_text(dir: &Path, endpoint: &str, capacity_blocks: u64, s3_extra: &str) -> String {
+    format!(
+        r#"
+block_size = {BLOCK}
+cores = [0]
+region_blocks = 64
+[events]
+enabled = true
+[[devices]]
+path = "{dev}"
+capacity_bytes = {cap}
+[s3]
+bucket = "kvtier-test"
+endpoint = "{endpoint}"
+force_path_style = true
+access_key_id = "{ACCESS_KEY}"
+secret_access_key = "{SECRET_KEY}"
+prefix = "fleet"
+timeout_ms = 1000
+retries = 2
+lookup_ttl_ms = 300
+{s3_extra}
+[s3.namespace]
+model_name = "test/model"
+dtype = "float16"
+tokens_per_hash = 16
+blocks_per_file = 1
+[[s3.namespace.kv_cache_groups]]
+tokens_per_block = 16
+layer_names = ["layer.0"]
+"#,
+        dev = dir.join("slab").display(),
+        // Room for the slab header and table besides the slots; 16 MiB is the smallest device.
+        cap = ((capacity_blocks + 1) * BLOCK + (1 << 20)).max(16 << 20),
+    )
+}
+
+fn config(dir: &Path, server: &S3Server, capacity_blocks: u64, s3_extra: &str) -> Config {
+    Config::from_toml_str(&config_text(
+        dir,
+        &server.endpoint(),
+        capacity_blocks,
+        s3_extra,
+    ))
+    .expect("test config")
+}
+
+fn open(config: &Config) -> (Engine, Arc<Region>) {
+    let region = region(64);
+    let engine = Engine::open(config, Arc::clone(&region)).expect("engine opens with S3");
+    (engine, region)
+}
+
+fn submit_store(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> kvtier::JobResult {
+    let blocks: Vec<u32> = (0..ids.len() as u32).collect();
+    for (b, &id) in blocks.iter().zip(ids) {
+        put(region, *b, id);
+    }
+    engine
+        .submit_store(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks))
+        .expect("submit store");
+    wait_results(engine, 1).pop().expect("one result")
+}
+
+fn submit_load(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> kvtier::JobResult {
+    let blocks: Vec<u32> = (0..ids.len() as u32).collect();
+    for &b in &blocks {
+        region.fill(b as usize * BLOCK as usize, BLOCK as usize, 0xee);
+    }
+    engine
+        .submit_load(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks))
+        .expect("submit load");
+    wait_results(engine, 1).pop().expect("one result")
+}
+
+/// Asks until the answer is no longer Pending (bounded).
+fn settled_lookup(engine: &Engine, id: u64) -> Lookup {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let l = engine.lookup(&[key(id)])[0];
+        if l != Lookup::Pending {
+            return l;
+        }
+        assert!(Instant::now() < deadline, "lookup of {id} stayed Pending");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn write_through_uploads_exact_bytes_under_vllm_object_names() {
+    let server = S3Server::start();
+    let dir = scratch_dir();
+    let cfg = config(dir.path(), &server, 32, r#"write = "through""#);
+    let (engine, region) = open(&cfg);
+    let r = submit_store(&engine, &region, 1, &[10, 11, 12]);
+    assert!(r.success, "{r:?}");
+    // Reported after the upload: the objects are there, byte for byte, under vLLM's names.
+    let sdk = server.client();
+    for id in [10, 11, 12] {
+        let name = object_name(id);
+        assert!(name.starts_with("fleet/test_model_"), "{name}");
+        assert!(!name.contains("//"), "no double slash: {name}");
+        assert_eq!(
+            engine.s3_object_name(&key(id)).as_deref(),
+            Some(name.as_str())
+        );
+        let got = sdk
+            .get(&name)
+            .unwrap_or_else(|| panic!("object {name} missing"));
+        assert!(
+            got == content(id, BLOCK as usize),
+            "object {name} bytes differ"
+        );
+    }
+    let mut listed = sdk.list();
+    listed.sort();
+    let mut want: Vec<String> = [10, 11, 12].iter().map(|&i| object_name(i)).collect();
+    want.sort();
+    assert_eq!(listed, want);
+    // Both tiers hold them now; events name both tiers.
+    assert_eq!(engine.lookup(&[key(10)]), vec![Lookup::Hit(Tier::Nvme)]);
+    let events = engine.take_events();
+    let stored_s3: usize = events
+        .iter()
+        .filter(|e| e.tier == Tier::S3 && !e.removed)
+        .map(|e| e.keys.len())
+        .sum();
+    let stored_nvme: usize = events
+        .iter()
+        .filter(|e| e.tier == Tier::Nvme && !e.removed)
+        .map(|e| e.keys.len())
+        .sum();
+    assert_eq!((stored_s3, stored_nvme), (3, 3), "{events:?}");
+    let s3 = engine.stats().s3.expect("s3 stats");
+    assert_eq!(s3.put.requests, 3);
+    assert_eq!(s3.put.bytes, 3 * BLOCK);
+    assert_eq!(s3.put.errors, 0);
+    assert!(s3.put.latency_us.count() == 3);
+}
+
+#[test]
+fn lookup_is_pending_then_hit_or_miss_and_s3_only_keys_load_and_promote() {
+    let server = S3Server::start();
+    let sdk = server.client();
+    // Blocks another node uploaded (vLLM-compatible names, raw block bytes, no kvtier metadata).
+    for id in [1, 2, 3] {
+        sdk.put(&object_name(id), content(id, BLOCK as usize));
+    }
+    let dir = scratch_dir();
+    let cfg = config(dir.path(), &server, 32, "promote_on_load = true");
+    let (engine, region) = open(&cfg);
+
+    let first = engine.lookup(&[key(1), key(2), key(99)]);
+    assert_eq!(first, vec![Lookup::Pending; 3]);
+    assert_eq!(settled_lookup(&engine, 1), Lookup::Hit(Tier::S3));
+    assert_eq!(settled_lookup(&engine, 99), Lookup::Miss);
+
+    let r = submit_load(&engine, &region, 7, &[1, 2, 3]);
+    assert!(r.success, "{r:?}");
+    assert_eq!(r.bytes, 3 * BLOCK);
+    for (b, id) in [(0u32, 1u64), (1, 2), (2, 3)] {
+        assert!(holds(&region, b, id), "block {b} does not hold {id}");
+    }
+    // Promoted: now an NVMe hit, and the NVMe copy loads byte-exact with S3 gone.
+    assert_eq!(engine.lookup(&[key(2)]), vec![Lookup::Hit(Tier::Nvme)]);
+    let s3 = engine.stats().s3.expect("s3 stats");
+    assert_eq!(s3.promotions, 3);
+    assert_eq!(s3.get.bytes, 3 * BLOCK);
+    drop(server);
+    let r = submit_load(&engine, &region, 8, &[3, 1]);
+    assert!(r.success, "{r:?}");
+    assert!(holds(&region, 0, 3) && holds(&region, 1, 1));
+}
+
+#[test]
+fn a_missing_object_fails_the_load_as_a_miss_with_the_prefix_reported() {
+    let server = S3Server::start();
+    let sdk = server.client();
+    sdk.put(&object_name(5), content(5, BLOCK as usize));
+    let dir = scratch_dir();
+    let cfg = config(dir.path(), &server, 32, "promote_on_load = false");
+    let (engine, region) = open(&cfg);
+    let r = submit_load(&engine, &region, 1, &[5, 404, 6]);
+    assert!(!r.success);
+    assert_eq!(r.succeeded_prefix, 1);
+    assert_eq!(r.successful_keys(), Some(1));
+    let f = r.failure.expect("failure");
+    assert_eq!((f.key_index, f.reason), (1, KeyFailure::Miss));
+    assert!(f.detail.contains("does not exist"), "{}", f.detail);
+    assert!(holds(&region, 0, 5));
+    // Not promoted: still only in S3.
+    assert_eq!(settled_lookup(&engine, 5), Lookup::Hit(Tier::S3));
+    assert_eq!(
+        engine.stats().s3.expect("stats").get.errors,
+        0,
+        "a 404 is a miss"
+    );
+}
+
+#[test]
+fn a_failed_load_marks_the_key_missing() {
+    let server = S3Server::start();
+    let sdk = server.client();
+    // A wrong-size object: HEAD says present, the load must fail and turn the verdict to Miss.
+    sdk.put(&object_name(8), vec![7u8; 1000]);
+    let dir = scratch_dir();
+    let text = config_text(dir.path(), &server.endpoint(), 32, "")
+        .replace("lookup_ttl_ms = 300", "lookup_ttl_ms = 60000");
+    let cfg = Config::from_toml_str(&text).expect("config");
+    let (engine, region) = open(&cfg);
+    assert_eq!(settled_lookup(&engine, 8), Lookup::Hit(Tier::S3));
+    let r = submit_load(&engine, &region, 1, &[8]);
+    let f = r.failure.expect("wrong-size object fails");
+    assert!(
+        matches!(f.reason, KeyFailure::ShortIo { done: 1000, wanted } if u64::from(wanted) == BLOCK),
+        "{f:?}"
+    );
+    assert!(f.detail.contains("1000 bytes"), "{}", f.detail);
+    assert_eq!(engine.lookup(&[key(8)]), vec![Lookup::Miss]);
+}
+
+#[test]
+fn a_corrupted_object_fails_its_checksum() {
+    let server = S3Server::start();
+    let dir = scratch_dir();
+    let cfg = config(dir.path(), &server, 32, r#"write = "through""#);
+    let (engine, region) = open(&cfg);
+    assert!(submit_store(&engine, &region, 1, &[21]).success);
+    drop(engine);
+    // Flip a byte in the stored object file (s3s-fs keeps objects as files).
+    let file = server
+        .root
+        .path()
+        .join(common::s3::BUCKET)
+        .join(object_name(21));
+    let mut bytes = std::fs::read(&file).expect("object file");
+    bytes[100] ^= 0xff;
+    std::fs::write(&file, bytes).expect("rewrite object");
+    // A fresh engine on another slab: the key is only in S3.
+    let dir2 = scratch_dir();
+    let cfg2 = config(dir2.path(), &server, 32, "promote_on_load = false");
+    let (engine, region) = open(&cfg2);
+    let r = submit_load(&engine, &region, 2, &[21]);
+    let f = r.failure.expect("corrupt object fails");
+    assert_eq!(f.reason, KeyFailure::Checksum, "{f:?}");
+}
+
+#[test]
+fn write_ack_nvme_reports_first_and_uploads_in_the_background() {
+    let server = S3Server::start();
+    let dir = scratch_dir();
+    let cfg = config(
+        dir.path(),
+        &server,
+        32,
+        "write = \"through\"\nwrite_ack = \"nvme\"",
+    );
+    let (engine, region) = open(&cfg);
+    let r = submit_store(&engine, &region, 1, &[31, 32]);
+    assert!(r.success, "{r:?}");
+    // The job's blocks are the caller's again: scribbling over them must not change the upload.
+    region.fill(0, 2 * BLOCK as usize, 0x55);
+    let sdk = server.client();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for id in [31, 32] {
+        loop {
+            if let Some(got) = sdk.get(&object_name(id)) {
+                assert!(got == content(id, BLOCK as usize), "object {id} differs");
+                break;
+            }
+            assert!(Instant::now() < deadline, "object {id} never uploaded");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn server_killed_mid_run_fails_jobs_within_the_timeout_and_recovers() {
+    let mut server = S3Server::start();
+    let sdk = server.client();
+    for id in 40..44 {
+        sdk.put(&object_name(id), content(id, BLOCK as usize));
+    }
+    let dir = scratch_dir();
+    let cfg = config(
+        dir.path(),
+        &server,
+        32,
+        "write = \"through\"\npromote_on_load = false",
+    );
+    let (engine, region) = open(&cfg);
+    // NVMe keeps working while S3 is down.
+    assert!(submit_store(&engine, &region, 1, &[90]).success);
+    server.kill();
+
+    // Three attempts of at most 1 s, two backoffs of at most 2 s, slack.
+    let budget = Duration::from_secs(3 + 2 * 2 + 2);
+    let t = Instant::now();
+    let r = submit_load(&engine, &region, 2, &[40, 41]);
+    assert!(t.elapsed() < budget, "failed after {:?}", t.elapsed());
+    let f = r.failure.expect("load fails while the server is down");
+    assert_eq!(f.reason, KeyFailure::Remote, "{f:?}");
+    assert!(
+        f.detail.contains("GET") && f.detail.contains("attempts"),
+        "{}",
+        f.detail
+    );
+    // A write-through store: NVMe succeeds, the upload fails, the job says so.
+    let r = submit_store(&engine, &region, 3, &[91]);
+    let f = r.failure.expect("upload fails while the server is down");
+    assert_eq!(f.reason, KeyFailure::Remote);
+    assert_eq!(engine.lookup(&[key(91)]), vec![Lookup::Hit(Tier::Nvme)]);
+    // NVMe loads are unaffected.
+    let r = submit_load(&engine, &region, 4, &[90, 91]);
+    assert!(r.success, "{r:?}");
+    assert!(holds(&region, 0, 90) && holds(&region, 1, 91));
+    // drain() returns: nothing is left hanging.
+    engine.drain();
+    assert_eq!(engine.jobs_in_flight(), 0);
+    let stats = engine.stats().s3.expect("stats");
+    assert!(stats.get.retries >= 2 && stats.get.errors >= 1, "{stats:?}");
+
+    server.restart();
+    let r = submit_load(&engine, &region, 5, &[42, 43]);
+    assert!(r.success, "after restart: {r:?}");
+    assert!(holds(&region, 0, 42) && holds(&region, 1, 43));
+    std::thread::sleep(Duration::from_millis(350)); // the TTL of the failed verdicts
+    assert_eq!(settled_lookup(&engine, 41), Lookup::Hit(Tier::S3));
+}
+
+#[test]
+fn shutdown_with_the_server_down_reports_every_job_within_the_timeout() {
+    let mut server = S3Server::start();
+    let dir = scratch_dir();
+    let cfg = config(dir.path(), &server, 32, "max_concurrency = 2");
+    let (engine, region) = open(&cfg);
+    server.kill();
+    for j in 0..8u64 {
+        engine
+            .submit_load(Job::new(j, vec![key(100 + j)], vec![j as u32]))
+            .expect("submit");
+    }
+    let t = Instant::now();
+    engine.shutdown();
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "shutdown took {:?}",
+        t.elapsed()
+    );
+    let mut out = Vec::new();
+    engine.poll_finished(&mut out);
+    assert_eq!(out.len(), 8, "every job reported once: {out:?}");
+    assert!(out.iter().all(|r| !r.success));
+    drop(region);
+}
+
+#[test]
+fn the_probe_names_bucket_endpoint_and_cause() {
+    let server = S3Server::start();
+    let dir = scratch_dir();
+    let text = config_text(dir.path(), &server.endpoint(), 8, "");
+
+    let bad_secret = text.replace(SECRET_KEY, "wrong-secret");
+    let cfg = Config::from_toml_str(&bad_secret).expect("config");
+    let err = Engine::open(&cfg, region(8))
+        .err()
+        .expect("bad credentials fail");
+    let msg = err.to_string();
+    assert!(matches!(err, Error::S3(_)), "{msg}");
+    assert!(
+        msg.contains("\"kvtier-test\"") && msg.contains(&server.endpoint()),
+        "{msg}"
+    );
+    assert!(msg.contains("403") && msg.contains("credentials"), "{msg}");
+    assert!(!msg.contains("wrong-secret"), "the secret leaked: {msg}");
+
+    let missing_bucket = text.replace("bucket = \"kvtier-test\"", "bucket = \"nope\"");
+    let cfg = Config::from_toml_str(&missing_bucket).expect("config");
+    let msg = Engine::open(&cfg, region(8))
+        .err()
+        .expect("missing bucket")
+        .to_string();
+    assert!(
+        msg.contains("\"nope\"") && msg.contains("bucket does not exist"),
+        "{msg}"
+    );
+
+    let port = server.port;
+    drop(server);
+    let cfg = Config::from_toml_str(&text).expect("config");
+    let msg = Engine::open(&cfg, region(8))
+        .err()
+        .expect("no server")
+        .to_string();
+    assert!(msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+    assert!(msg.contains("cannot connect"), "{msg}");
+}
+
+#[test]
+fn secrets_never_show_in_debug_or_printed_config() {
+    let dir = scratch_dir();
+    let text = config_text(
+        dir.path(),
+        "http://127.0.0.1:1",
+        8,
+        "session_token = \"tok-123\"",
+    );
+    let cfg = Config::from_toml_str(&text).expect("config");
+    let debug = format!("{cfg:?}");
+    let printed = cfg.to_toml_string();
+    for shown in [debug, printed] {
+        assert!(!shown.contains(SECRET_KEY), "{shown}");
+        assert!(!shown.contains("tok-123"), "{shown}");
+        assert!(shown.contains("redacted"), "{shown}");
+    }
+}
+
+/// An endpoint that accepts connections and never answers: every attempt ends at timeout_ms,
+/// the job fails after the retries, and neither drain() nor shutdown() waits longer.
+#[test]
+fn a_silent_endpoint_times_out_and_never_hangs_drain_or_shutdown() {
+    let mut server = S3Server::start();
+    let dir = scratch_dir();
+    let text = config_text(dir.path(), &server.endpoint(), 32, "")
+        .replace("timeout_ms = 1000", "timeout_ms = 300")
+        .replace("retries = 2", "retries = 1");
+    let cfg = Config::from_toml_str(&text).expect("config");
+    let (engine, region) = open(&cfg);
+    server.kill();
+    let hole = std::net::TcpListener::bind(("127.0.0.1", server.port)).expect("same port");
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = Arc::clone(&held);
+    std::thread::spawn(move || {
+        for s in hole.incoming().flatten() {
+            keep.lock().expect("lock").push(s); // accepted, never answered
+        }
+    });
+    let t = Instant::now();
+    let r = submit_load(&engine, &region, 1, &[60]);
+    let took = t.elapsed();
+    let f = r.failure.expect("silent endpoint fails the load");
+    assert_eq!(f.reason, KeyFailure::Remote);
+    assert!(
+        f.detail.contains("timeout_ms = 300") && f.detail.contains("2 attempts"),
+        "{}",
+        f.detail
+    );
+    // Two attempts of 300 ms and one backoff of at most 100 ms, plus scheduling slack.
+    assert!(took >= Duration::from_millis(600), "{took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    // Lookups answer Pending, then Miss (a failed HEAD is a miss), never block.
+    assert_eq!(engine.lookup(&[key(61)]), vec![Lookup::Pending]);
+    assert_eq!(settled_lookup(&engine, 61), Lookup::Miss);
+    for j in 0..4u64 {
+        engine
+            .submit_load(Job::new(10 + j, vec![key(70 + j)], vec![j as u32]))
+            .expect("submit");
+    }
+    let t = Instant::now();
+    engine.drain();
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "drain took {:?}",
+        t.elapsed()
+    );
+    engine
+        .submit_load(Job::new(20, vec![key(80)], vec![5]))
+        .expect("submit");
+    let t = Instant::now();
+    engine.shutdown();
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "shutdown took {:?}",
+        t.elapsed()
+    );
+    let mut out = Vec::new();
+    engine.poll_finished(&mut out);
+    assert_eq!(out.len(), 5, "{out:?}");
+    assert!(out.iter().all(|r| !r.success));
+}
