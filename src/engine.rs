@@ -278,6 +278,11 @@ impl Engine {
             piece_bytes: (piece_blocks * block_bytes) as usize,
             files_layout,
         };
+        let demote_sink: Option<shard::DemoteSink> = config
+            .s3
+            .as_ref()
+            .filter(|s3| s3.write == crate::config::S3Write::OnEvict && !files_layout)
+            .map(|_| Arc::new(std::sync::OnceLock::new()));
         let mut shards = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
         let (ready_tx, ready_rx) = crossbeam_channel::unbounded();
@@ -307,6 +312,7 @@ impl Engine {
                 settings: settings.clone(),
                 config: config.clone(),
                 ready: ready_tx.clone(),
+                demote_sink: demote_sink.clone(),
             };
             let handle = std::thread::Builder::new()
                 .name(format!("kvtier-w{id}"))
@@ -378,6 +384,9 @@ impl Engine {
                     &worker_cores,
                 ) {
                     Ok(tier) => {
+                        if let Some(sink) = &demote_sink {
+                            let _ = sink.set(tier.demote_sink());
+                        }
                         engine.info.s3 = Some(tier.summary().clone());
                         engine.s3 = Some(tier);
                     }
@@ -389,7 +398,7 @@ impl Engine {
             }
             #[cfg(not(feature = "s3"))]
             {
-                let _ = (s3, router, shared);
+                let _ = (s3, router, shared, demote_sink);
                 engine.shutdown();
                 return Err(Error::S3(
                     "this kvtier was built without the `s3` feature; rebuild with it or remove the [s3] section".into(),
@@ -797,6 +806,8 @@ struct WorkerCtx {
     settings: BackendSettings,
     config: Config,
     ready: Sender<(usize, std::result::Result<WorkerSummary, String>)>,
+    /// Set with `s3.write = "on_evict"` on the slab layout.
+    demote_sink: Option<shard::DemoteSink>,
 }
 
 fn worker_main(ctx: WorkerCtx) {
@@ -825,12 +836,36 @@ fn worker_main(ctx: WorkerCtx) {
             return;
         }
     };
-    let backend = match ctx.storage.backend(
-        id,
-        vec![Arc::clone(&ctx.region), Arc::clone(&meta)],
-        Arc::clone(&ctx.me.wake),
-        &ctx.settings,
-    ) {
+    // Demotion staging: a few blocks per worker, registered as buffer 2.
+    let staging_blocks = 8usize;
+    let demote = match &ctx.demote_sink {
+        None => None,
+        Some(sink) => {
+            let len = staging_blocks * ctx.config.block_size as usize;
+            match Region::allocate(len, kvtier_sys::mem::HugePages::Off) {
+                Ok(r) => Some(shard::Demote::new(
+                    Arc::new(r),
+                    staging_blocks,
+                    Arc::clone(sink),
+                )),
+                Err(e) => {
+                    let _ = ctx.ready.send((
+                        id,
+                        Err(format!("allocating {len} bytes of demotion staging: {e}")),
+                    ));
+                    return;
+                }
+            }
+        }
+    };
+    let mut buffers = vec![Arc::clone(&ctx.region), Arc::clone(&meta)];
+    if let Some(d) = &demote {
+        buffers.push(Arc::clone(&d.staging));
+    }
+    let backend = match ctx
+        .storage
+        .backend(id, buffers, Arc::clone(&ctx.me.wake), &ctx.settings)
+    {
         Ok(b) => b,
         Err(e) => {
             let _ = ctx.ready.send((id, Err(e.to_string())));
@@ -877,6 +912,7 @@ fn worker_main(ctx: WorkerCtx) {
             sched: ctx.config.scheduler.clone(),
             block_bytes: ctx.config.block_size,
             ring_entries: ctx.config.ring_entries as usize,
+            demote,
         },
         &ctx.devices,
     );

@@ -118,6 +118,10 @@ pub struct ShardMetrics {
     pub recovered_blocks: AtomicU64,
     pub torn_entries: AtomicU64,
     pub unroutable_entries: AtomicU64,
+    /// Evicted blocks read and handed to the S3 tier (`write = "on_evict"`).
+    pub demotions: AtomicU64,
+    /// Evicted blocks not demoted (no staging slot free, or the read failed).
+    pub demotions_dropped: AtomicU64,
     pub load_latency: Histogram,
     pub store_latency: Histogram,
 }
@@ -153,6 +157,10 @@ pub struct Stats {
     /// Recovered entries dropped because `cores` or the device list changed since they were
     /// written (their keys now route to another worker or device).
     pub unroutable_entries: u64,
+    /// Evicted blocks read and handed to the S3 tier (`write = "on_evict"`).
+    pub demotions: u64,
+    /// Evicted blocks not demoted (no staging slot free, or the read failed).
+    pub demotions_dropped: u64,
     pub jobs_in_flight: u64,
     pub events_dropped: u64,
     /// CPU time used by the worker threads, in seconds.
@@ -200,8 +208,9 @@ pub struct S3Metrics {
     pub lookup_pending: AtomicU64,
     pub promotions: AtomicU64,
     pub promotions_failed: AtomicU64,
+    /// Demoted blocks uploaded.
     pub demotions: AtomicU64,
-    /// Evicted blocks not demoted because the upload queue was full.
+    /// Demoted blocks not uploaded: the upload queue was full, or their crc32c did not match.
     pub demotions_dropped: AtomicU64,
     /// Background uploads (`write_ack = "nvme"`, demotions) that failed after retries.
     pub background_upload_failures: AtomicU64,
@@ -280,6 +289,8 @@ impl Stats {
         self.recovered_blocks += l(&m.recovered_blocks);
         self.torn_entries += l(&m.torn_entries);
         self.unroutable_entries += l(&m.unroutable_entries);
+        self.demotions += l(&m.demotions);
+        self.demotions_dropped += l(&m.demotions_dropped);
         self.load_latency_us.merge(&m.load_latency.snapshot());
         self.store_latency_us.merge(&m.store_latency.snapshot());
     }

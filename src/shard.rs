@@ -34,6 +34,76 @@ use crate::Errno;
 /// Buffer indexes in every backend: the primary region and this worker's table copy.
 pub(crate) const BUF_REGION: u16 = 0;
 pub(crate) const BUF_META: u16 = 1;
+/// The demotion staging buffer (`s3.write = "on_evict"` only).
+pub(crate) const BUF_STAGING: u16 = 2;
+
+/// An evicted block read into a staging slot, handed to the S3 tier for upload. Dropping it
+/// gives the staging slot back to its worker.
+pub(crate) struct Demotion {
+    pub key: Key,
+    pub staging: Arc<Region>,
+    pub offset: usize,
+    pub len: usize,
+    /// The crc32c the slot table holds for the block: checked before the upload, so a block
+    /// corrupted on NVMe is never demoted.
+    pub crc: u32,
+    slot: u32,
+    give_back: crossbeam_channel::Sender<u32>,
+    /// The worker, woken when the slot comes back (a store may be waiting for it).
+    worker: Arc<ShardShared>,
+}
+
+impl Drop for Demotion {
+    fn drop(&mut self) {
+        let _ = self.give_back.send(self.slot);
+        self.worker.nudge();
+    }
+}
+
+/// Where a worker hands demotions; set once the S3 tier is open.
+pub(crate) type DemoteSink = Arc<std::sync::OnceLock<Box<dyn Fn(Demotion) + Send + Sync>>>;
+
+/// A worker's demotion state: evicted blocks are read into staging slots before their NVMe
+/// slot is reused.
+pub(crate) struct Demote {
+    pub staging: Arc<Region>,
+    pub sink: DemoteSink,
+    free: Vec<u32>,
+    returned: crossbeam_channel::Receiver<u32>,
+    give_back: crossbeam_channel::Sender<u32>,
+    in_flight: usize,
+    /// Staging slots handed to the S3 tier and not taken back yet.
+    handed: usize,
+}
+
+impl Demote {
+    pub fn new(staging: Arc<Region>, staging_blocks: usize, sink: DemoteSink) -> Demote {
+        let (give_back, returned) = crossbeam_channel::unbounded();
+        Demote {
+            staging,
+            sink,
+            free: (0..staging_blocks as u32).rev().collect(),
+            returned,
+            give_back,
+            in_flight: 0,
+            handed: 0,
+        }
+    }
+
+    fn take_staging(&mut self) -> Option<u32> {
+        self.free.pop().or_else(|| {
+            let s = self.returned.try_recv().ok()?;
+            self.handed -= 1;
+            Some(s)
+        })
+    }
+
+    /// Whether a staging slot will become free without this worker doing anything: read in
+    /// flight, or handed to the S3 tier, which gives it back right after copying it out.
+    fn will_free(&self) -> bool {
+        self.in_flight > 0 || self.handed > 0
+    }
+}
 
 /// Largest single read used while recovering the slot table.
 const RECOVER_READ_BYTES: usize = 1 << 20;
@@ -152,8 +222,14 @@ impl Dev {
 enum OpKind {
     Load,
     Store,
-    Table { page: u32 },
+    Table {
+        page: u32,
+    },
     Recover,
+    /// Reading an evicted slot into staging slot `staging` (`op.dev`, `op.slot` name the slot).
+    Demote {
+        staging: u32,
+    },
 }
 
 struct Op {
@@ -356,6 +432,7 @@ pub(crate) struct Shard {
     completions: Vec<Completion>,
     scratch_entry: [u8; ENTRY_BYTES],
     error_logs: u32,
+    demote: Option<Demote>,
 }
 
 /// Bytes of meta buffer a shard needs for its table ranges on `devices`.
@@ -382,6 +459,7 @@ pub(crate) struct ShardParams {
     pub sched: SchedulerConfig,
     pub block_bytes: u64,
     pub ring_entries: usize,
+    pub demote: Option<Demote>,
 }
 
 impl Shard {
@@ -449,6 +527,7 @@ impl Shard {
             completions: Vec::with_capacity(p.ring_entries * 2),
             scratch_entry: [0; ENTRY_BYTES],
             error_logs: 0,
+            demote: p.demote,
         }
     }
 
@@ -625,7 +704,10 @@ impl Shard {
             if self.stopping && self.idle() {
                 break;
             }
-            let r = submit_or_sleep(self.backend.as_mut(), &self.me, &self.rx, progress);
+            let returned = self.demote.as_ref().map(|d| &d.returned);
+            let r = submit_or_sleep(self.backend.as_mut(), &self.me, &self.rx, progress, || {
+                returned.is_some_and(|r| !r.is_empty())
+            });
             if !self.finalize.is_empty() {
                 self.finalize_stores();
             }
@@ -941,8 +1023,11 @@ impl Shard {
         }
         let d = key.device(self.devs.len());
         let Some(local) = self.alloc_slot(d) else {
-            if self.backend.in_flight() > self.table_in_flight {
-                return StoreStart::Blocked; // a completion may free or unpin a slot
+            if self.backend.in_flight() > self.table_in_flight
+                || self.demote.as_ref().is_some_and(Demote::will_free)
+            {
+                // A completion may free or unpin a slot, or a demotion give back its staging.
+                return StoreStart::Blocked;
             }
             self.take_queued(JobKind::Store);
             self.me
@@ -1160,9 +1245,123 @@ impl Shard {
         if let Some(s) = self.devs[d].free.pop() {
             return Some(s);
         }
+        if self.demote.is_some() {
+            return self.demote_for_slot(d);
+        }
         let victim = self.clock_victim(d)?;
         self.evict(d, victim);
         self.devs[d].free.pop()
+    }
+
+    /// With demotion: starts reading a victim into a staging slot and returns `None` (the store
+    /// waits for that read, after which the slot is free). Without a staging slot and with no
+    /// demotion in flight (the S3 tier has not copied earlier ones out yet), evicts without
+    /// demoting, counted, so a slow object store never stalls NVMe stores.
+    fn demote_for_slot(&mut self, d: usize) -> Option<u32> {
+        let waiting = self.demote.as_ref().is_some_and(Demote::will_free);
+        let staging = self.demote.as_mut().and_then(Demote::take_staging);
+        let Some(staging) = staging else {
+            if waiting {
+                return None;
+            }
+            let victim = self.clock_victim(d)?;
+            self.me
+                .metrics
+                .demotions_dropped
+                .fetch_add(1, Ordering::Relaxed);
+            self.evict(d, victim);
+            return self.devs[d].free.pop();
+        };
+        let give_back = |me: &mut Shard| {
+            if let Some(m) = me.demote.as_mut() {
+                m.free.push(staging);
+            }
+        };
+        let Some(victim) = self.clock_victim(d) else {
+            give_back(self);
+            return None;
+        };
+        let Some(idx) = self.ops.alloc(OpKind::Demote { staging }) else {
+            give_back(self);
+            return None;
+        };
+        let dev = &self.devs[d];
+        let req = IoRequest {
+            user_data: self.ops.user_data(idx, 0),
+            kind: IoKind::Read,
+            device: d as u16,
+            offset: dev.geometry.slot_offset(dev.first + u64::from(victim)),
+            buf: BufRef {
+                region: BUF_STAGING,
+                offset: staging as usize * self.block_bytes as usize,
+                len: self.block_bytes as u32,
+            },
+            class: IoClass::Store,
+        };
+        if !self.backend.push(&req) {
+            self.ops.release(idx);
+            give_back(self);
+            return None;
+        }
+        let op = &mut self.ops.ops[idx as usize];
+        op.dev = d as u16;
+        op.slot = victim;
+        self.devs[d].slots[victim as usize].pins += 1;
+        if let Some(m) = self.demote.as_mut() {
+            m.in_flight += 1;
+        }
+        None
+    }
+
+    fn on_demote_done(&mut self, idx: u32, staging: u32, result: i32) {
+        let op = &self.ops.ops[idx as usize];
+        let (d, local) = (op.dev as usize, op.slot);
+        self.ops.release(idx);
+        let Some(m) = self.demote.as_mut() else {
+            return;
+        };
+        m.in_flight -= 1;
+        let slot = &mut self.devs[d].slots[local as usize];
+        slot.pins -= 1;
+        let read_ok = result == self.block_bytes as i32;
+        let still_valid = slot.state == SlotState::Valid && slot.pins == 0;
+        match (read_ok, slot.key, m.sink.get()) {
+            (true, Some(key), Some(sink)) if still_valid => {
+                self.me.metrics.demotions.fetch_add(1, Ordering::Relaxed);
+                m.handed += 1;
+                sink(Demotion {
+                    key,
+                    staging: Arc::clone(&m.staging),
+                    offset: staging as usize * self.block_bytes as usize,
+                    len: self.block_bytes as usize,
+                    crc: slot.crc,
+                    slot: staging,
+                    give_back: m.give_back.clone(),
+                    worker: Arc::clone(&self.me),
+                });
+            }
+            _ => {
+                m.free.push(staging);
+                if !read_ok {
+                    self.me
+                        .metrics
+                        .demotions_dropped
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.log_error(&format!(
+                        "reading evicted slot {local} of device {d} for demotion: {}",
+                        if result < 0 {
+                            Errno::from_raw(-result).desc().to_owned()
+                        } else {
+                            format!("{result} bytes")
+                        }
+                    ));
+                }
+            }
+        }
+        let slot = self.devs[d].slots[local as usize];
+        if slot.state == SlotState::Valid && slot.pins == 0 {
+            self.evict(d, local);
+        }
     }
 
     /// CLOCK: the first valid, unpinned slot whose reference bit is clear, clearing bits on the way.
@@ -1334,6 +1533,7 @@ impl Shard {
                 OpKind::Store => self.on_store_chunk_done(idx, chunk, c.result),
                 OpKind::Table { page } => self.on_table_done(idx, page, c.result),
                 OpKind::Recover => unreachable!("recovery ops are reaped before the loop starts"),
+                OpKind::Demote { staging } => self.on_demote_done(idx, staging, c.result),
             }
         }
         self.completions = out;
@@ -1381,12 +1581,15 @@ pub(crate) fn submit_or_sleep(
     me: &ShardShared,
     rx: &Receiver<Msg>,
     progress: bool,
+    other_work: impl Fn() -> bool,
 ) -> std::io::Result<()> {
     let mut wait = !progress;
     if wait {
         me.sleeping.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
-        if !rx.is_empty() {
+        // Checked after `sleeping` is set: whoever adds work after this check sees the flag
+        // and wakes the ring wait.
+        if !rx.is_empty() || other_work() {
             wait = false;
         }
     }

@@ -513,3 +513,72 @@ fn a_silent_endpoint_times_out_and_never_hangs_drain_or_shutdown() {
     assert_eq!(out.len(), 5, "{out:?}");
     assert!(out.iter().all(|r| !r.success));
 }
+
+#[test]
+fn on_evict_demotes_evicted_blocks_before_their_slot_is_reused() {
+    let server = S3Server::start();
+    let dir = scratch_dir();
+    let cfg = config(
+        dir.path(),
+        &server,
+        0, // the smallest device: 16 MiB, about 240 slots of 64 KiB
+        "write = \"on_evict\"\nupload_queue_blocks = 1024\npromote_on_load = false",
+    );
+    let (engine, region) = open(&cfg);
+    let slots = engine.stats().slots_total;
+    let total = slots + 96;
+    for (j, chunk) in (0..total).collect::<Vec<u64>>().chunks(32).enumerate() {
+        let r = submit_store(&engine, &region, j as u64, chunk);
+        assert!(r.success, "{r:?}");
+    }
+    engine.drain();
+    let stats = engine.stats();
+    assert!(stats.evictions >= 96, "{stats:?}");
+    assert_eq!(
+        stats.evictions,
+        stats.demotions + stats.demotions_dropped,
+        "{stats:?}"
+    );
+    // Wait for the uploads the workers handed over.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let s3 = loop {
+        let s3 = engine.stats().s3.expect("s3 stats");
+        if s3.demotions + s3.demotions_dropped + s3.background_upload_failures >= stats.demotions {
+            break s3;
+        }
+        assert!(Instant::now() < deadline, "uploads never finished: {s3:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!("evictions {}, handed over {}, dropped at the worker {}, uploaded {}, dropped at the reactor {}", stats.evictions, stats.demotions, stats.demotions_dropped, s3.demotions, s3.demotions_dropped);
+    assert!(s3.demotions > 0, "{s3:?}");
+    assert_eq!(s3.background_upload_failures, 0, "{s3:?}");
+    // Every uploaded object holds its block's bytes, and only evicted keys were uploaded.
+    let sdk = server.client();
+    let names = sdk.list();
+    assert_eq!(names.len() as u64, s3.demotions);
+    let local: std::collections::HashSet<_> = engine.keys().into_iter().collect();
+    let mut demoted = Vec::new();
+    for id in 0..total {
+        if let Some(bytes) = sdk.get(&object_name(id)) {
+            assert!(
+                !local.contains(&key(id)),
+                "{id} is still local yet was demoted"
+            );
+            assert!(bytes == content(id, BLOCK as usize), "object {id} differs");
+            demoted.push(id);
+        }
+    }
+    assert_eq!(demoted.len() as u64, s3.demotions);
+    // A demoted key loads from S3 now.
+    let id = demoted[0];
+    let r = submit_load(&engine, &region, 9999, &[id]);
+    assert!(r.success, "{r:?}");
+    assert!(holds(&region, 0, id));
+    let removed_nvme: usize = engine
+        .take_events()
+        .iter()
+        .filter(|e| e.removed && e.tier == Tier::Nvme)
+        .map(|e| e.keys.len())
+        .sum();
+    assert_eq!(removed_nvme as u64, stats.evictions);
+}

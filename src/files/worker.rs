@@ -451,7 +451,9 @@ impl FilesWorker {
             if self.stopping && self.idle() {
                 break;
             }
-            let r = submit_or_sleep(self.backend.as_mut(), &self.me, &self.rx, progress);
+            let r = submit_or_sleep(self.backend.as_mut(), &self.me, &self.rx, progress, || {
+                false
+            });
             if let Err(e) = r {
                 self.log_error(&format!("submit failed: {e}"));
                 std::thread::sleep(std::time::Duration::from_millis(1));

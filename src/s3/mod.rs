@@ -363,6 +363,50 @@ impl S3Tier {
         })
     }
 
+    /// Where the NVMe workers hand evicted blocks (`write = "on_evict"`). Never blocks: the
+    /// block is copied out of its staging slot on the reactor, then uploaded; with the upload
+    /// queue full it is dropped and counted.
+    pub fn demote_sink(&self) -> Box<dyn Fn(crate::shard::Demotion) + Send + Sync> {
+        let inner = Arc::clone(&self.inner);
+        Box::new(move |d: crate::shard::Demotion| {
+            let Ok(permit) = inner.upload_queue.try_acquire() else {
+                inner
+                    .metrics
+                    .demotions_dropped
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            };
+            permit.forget();
+            let me = Arc::clone(&inner);
+            inner.spawn(async move {
+                let mut buf = vec![0u8; d.len];
+                d.staging.read(d.offset, &mut buf);
+                let (key, crc) = (d.key, d.crc);
+                drop(d); // the staging slot is the worker's again
+                if crc32c::crc32c(&buf) == crc {
+                    match me.upload(key, Bytes::from(buf)).await {
+                        Ok(_) => {
+                            me.metrics.demotions.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err((_, detail)) => {
+                            me.metrics
+                                .background_upload_failures
+                                .fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!("demotion upload failed: {detail}");
+                        }
+                    }
+                } else {
+                    me.metrics.demotions_dropped.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        key = %key.to_hex(),
+                        "an evicted block does not match its crc32c: not demoted"
+                    );
+                }
+                me.upload_queue.add_permits(1);
+            });
+        })
+    }
+
     /// Stops new requests and retries, and waits (bounded) for the tasks under way. Their jobs
     /// still report: queued requests fail with `Shutdown`, running ones end within the timeout.
     pub fn close(&self) {
