@@ -1843,4 +1843,132 @@ mod tests {
         check::<Layout>();
         check::<Locality>();
     }
+
+    const S3_NS: &str = "[s3.namespace]\nmodel_name = \"m\"\ndtype = \"bfloat16\"\n\
+                         tokens_per_hash = 16\nblocks_per_file = 1\n\
+                         kv_cache_groups = [{ tokens_per_block = 16, layer_names = [\"l\"] }]\n";
+
+    fn with_s3(lines: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_str(&format!("{ONE_DEVICE}[s3]\n{lines}\n{S3_NS}"))
+    }
+
+    #[test]
+    fn s3_defaults_and_values() {
+        let c = with_s3("bucket = \"kv-cache\"").expect("minimal [s3]");
+        let s3 = c.s3.expect("s3 section");
+        assert_eq!(s3.bucket, "kv-cache");
+        assert_eq!(s3.endpoint, None);
+        assert_eq!(s3.region, "us-east-1");
+        assert!(!s3.force_path_style);
+        assert_eq!(
+            (s3.max_concurrency, s3.timeout_ms, s3.retries),
+            (32, 5000, 3)
+        );
+        assert_eq!((s3.write, s3.write_ack), (S3Write::Off, WriteAck::Both));
+        assert!(s3.promote_on_load);
+        assert_eq!(s3.prefix, "");
+        assert_eq!(s3.namespace.model_name, "m");
+        let c = with_s3(
+            "bucket = \"b-1\"\nendpoint = \"http://127.0.0.1:9000/\"\nwrite = \"on_evict\"\n\
+             write_ack = \"nvme\"\nprefix = \"kv/\"\nretries = 0",
+        )
+        .expect("[s3] with values");
+        let s3 = c.s3.expect("s3");
+        assert_eq!(s3.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!((s3.write, s3.write_ack), (S3Write::OnEvict, WriteAck::Nvme));
+        assert_eq!((s3.prefix.as_str(), s3.retries), ("kv/", 0));
+        // The namespace falls back to [files.namespace].
+        let text = format!(
+            "{ONE_DEVICE}[s3]\nbucket = \"b-1\"\n[files.namespace]\nmodel_name = \"f\"\n\
+             dtype = \"x\"\ntokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n"
+        );
+        let c = Config::from_toml_str(&text).expect("namespace from [files]");
+        assert_eq!(c.s3.expect("s3").namespace.model_name, "f");
+    }
+
+    #[test]
+    fn s3_errors_name_field_value_and_accepted() {
+        let e = |lines: &str| with_s3(lines).expect_err("invalid [s3]").to_string();
+        assert_mentions(&e("region = \"x\""), &["s3.bucket", "(missing)"]);
+        assert_mentions(
+            &e("bucket = \"b\"\nwrite = \"sometimes\""),
+            &[
+                "s3.write",
+                "sometimes",
+                "\"through\"",
+                "\"on_evict\"",
+                "\"off\"",
+            ],
+        );
+        assert_mentions(
+            &e("bucket = \"b\"\nendpoint = \"127.0.0.1:9000\""),
+            &["s3.endpoint", "127.0.0.1:9000", "http://"],
+        );
+        let message = e("bucket = \"b\"\naccess_key_id = \"AKIA-SECRET-ID\"");
+        assert_mentions(
+            &message,
+            &["s3.secret_access_key", "default credential chain"],
+        );
+        assert_mentions(
+            &e("bucket = \"b\"\nmax_concurrency = 0"),
+            &["s3.max_concurrency", "1 to 1024"],
+        );
+        assert_mentions(&e("bucket = \"b\"\ntimeout_ms = 0"), &["s3.timeout_ms"]);
+        assert_mentions(
+            &e("bucket = \"b\"\nretries = 99"),
+            &["s3.retries", "0 to 20"],
+        );
+        assert_mentions(
+            &e("bucket = \"b\"\nbukket = 1"),
+            &["unknown field", "bukket"],
+        );
+        // A credential in the wrong form is never echoed.
+        let message = e("bucket = \"b\"\nsecret_access_key = 12345");
+        assert_mentions(&message, &["s3.secret_access_key", "<redacted>"]);
+        assert!(!message.contains("12345"), "{message}");
+        // No namespace anywhere.
+        let message = Config::from_toml_str(&format!("{ONE_DEVICE}[s3]\nbucket = \"b\"\n"))
+            .expect_err("no namespace")
+            .to_string();
+        assert_mentions(&message, &["s3.namespace", "[files.namespace]"]);
+        // Demotion needs the slab layout.
+        let text = "[[devices]]\npath = \"/d\"\nlayout = \"files\"\n[s3]\nbucket = \"b\"\n\
+             write = \"on_evict\"\n[files.namespace]\nmodel_name = \"f\"\ndtype = \"x\"\n\
+             tokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n";
+        let message = Config::from_toml_str(text)
+            .expect_err("on_evict + files")
+            .to_string();
+        assert_mentions(&message, &["s3.write", "on_evict", "slab"]);
+    }
+
+    #[test]
+    fn the_example_s3_section_parses_when_uncommented() {
+        let text = include_str!("../kvtier.example.toml");
+        let start = text.find("# [s3]\n").expect("example has an [s3] section");
+        let mut section = String::new();
+        for line in text[start..]
+            .lines()
+            .map(|l| l.strip_prefix("# ").unwrap_or(l))
+            .filter(|l| {
+                l.starts_with('[')
+                    || l.split_once(" = ").is_some_and(|(k, _)| {
+                        !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                    })
+            })
+        {
+            section.push_str(line);
+            section.push('\n');
+        }
+        let config = Config::from_toml_str(&format!("{ONE_DEVICE}{section}"))
+            .expect("uncommented [s3] section");
+        let s3 = config.s3.expect("s3");
+        assert_eq!(s3.bucket, "kv-cache");
+        assert_eq!(s3.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!(
+            (s3.max_concurrency, s3.timeout_ms, s3.retries),
+            (32, 5000, 3)
+        );
+        assert_eq!(s3.access_key_id.as_ref().map(Secret::expose), Some("..."));
+        assert!(!format!("{s3:?}").contains("\"...\""));
+    }
 }

@@ -203,7 +203,9 @@ impl S3Tier {
             .into_iter()
             .filter(|c| !worker_cores.contains(c))
             .collect();
-        let threads = free.len().clamp(1, 2);
+        // Two threads: on cores no worker uses when there are any, else unpinned (on a machine
+        // whose every core has a worker, the kernel shares them).
+        let threads = 2;
         let cores: Vec<usize> = free.iter().copied().take(threads).collect();
         let pin = cores.clone();
         let next = Arc::new(AtomicUsize::new(0));

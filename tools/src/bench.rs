@@ -77,6 +77,9 @@ enum Workload {
     Load,
     Mixed,
     All,
+    /// The S3 tier: PUT/GET throughput next to a plain aws-sdk-s3 loop, and NVMe load latency
+    /// under an S3 stream (needs --s3-endpoint/--s3-bucket or an [s3] section).
+    Cold,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -131,6 +134,74 @@ pub struct BenchArgs {
     /// Keep the scratch directory (with the slab and its config) instead of removing it.
     #[arg(long)]
     keep: bool,
+    /// --workload cold: the S3-compatible endpoint, e.g. http://127.0.0.1:8014 (path-style
+    /// URLs). Without it, the [s3] section of --config is used.
+    #[arg(long, value_name = "URL")]
+    s3_endpoint: Option<String>,
+    /// --workload cold: the bucket (it must exist).
+    #[arg(long, value_name = "NAME")]
+    s3_bucket: Option<String>,
+    /// --workload cold: static credentials (else AWS_ACCESS_KEY_ID/... and the default chain).
+    #[arg(long, value_name = "ID")]
+    s3_access_key: Option<String>,
+    #[arg(long, value_name = "SECRET")]
+    s3_secret_key: Option<String>,
+    /// --workload cold: requests in flight, the engine's max_concurrency and the plain loop's
+    /// [default: 16, or the config's max_concurrency].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    s3_concurrency: Option<u32>,
+    /// --workload cold: rounds of PUT and GET (engine and plain loop alternate).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
+}
+
+/// The `[s3]` section `--workload cold` uses: --config's, with the --s3-* flags applied.
+fn cold_s3(args: &BenchArgs, config: &mut Config) -> CliResult<()> {
+    if args.s3_endpoint.is_none() && args.s3_bucket.is_none() {
+        return Ok(());
+    }
+    let (Some(endpoint), Some(bucket)) = (&args.s3_endpoint, &args.s3_bucket) else {
+        return Err(CliError::usage("--s3-endpoint and --s3-bucket go together"));
+    };
+    let mut text = format!(
+        "bucket = {bucket:?}\nendpoint = {endpoint:?}\nforce_path_style = true\nmax_concurrency = {}\n",
+        args.s3_concurrency.unwrap_or(16)
+    );
+    if let (Some(id), Some(secret)) = (&args.s3_access_key, &args.s3_secret_key) {
+        let _ = write!(
+            text,
+            "access_key_id = {id:?}\nsecret_access_key = {secret:?}\n"
+        );
+    }
+    let mut s3: kvtier::config::S3Config = toml_s3(&text)?;
+    if let Some(files) = &config.files {
+        s3.namespace = files.namespace.clone();
+    }
+    config.s3 = Some(s3);
+    Ok(())
+}
+
+fn toml_s3(text: &str) -> CliResult<kvtier::config::S3Config> {
+    #[derive(serde::Deserialize)]
+    struct Section {
+        s3: kvtier::config::S3Config,
+    }
+    let ns = bench_files_config().namespace;
+    let mut groups = String::new();
+    for g in &ns.kv_cache_groups {
+        let _ = write!(
+            groups,
+            "[[s3.namespace.kv_cache_groups]]\ntokens_per_block = {}\nlayer_names = {:?}\n",
+            g.tokens_per_block, g.layer_names
+        );
+    }
+    let full = format!(
+        "[s3]\n{text}[s3.namespace]\nmodel_name = {:?}\ndtype = {:?}\ntokens_per_hash = {}\nblocks_per_file = {}\n{groups}",
+        ns.model_name, ns.dtype, ns.tokens_per_hash, ns.blocks_per_file
+    );
+    let section: Section = toml::from_str(&full)
+        .map_err(|e| CliError::usage(format!("the --s3-* flags: {}", e.message())))?;
+    Ok(section.s3)
 }
 
 pub(crate) fn parse_size_arg(text: &str) -> Result<u64, String> {
@@ -176,7 +247,29 @@ pub fn run(args: &BenchArgs) -> CliResult<ExitCode> {
                 .map_err(|e| CliError::runtime(format!("writing {}: {e}", path.display())))?;
         }
     }
-    let result = run_with(args, &config, human);
+    let result = if args.workload == Workload::Cold {
+        let mut config = config;
+        cold_s3(args, &mut config)?;
+        if let (Some(s3), Some(c)) = (&mut config.s3, args.s3_concurrency) {
+            s3.max_concurrency = c as usize;
+        }
+        let scratch_path = scratch
+            .as_ref()
+            .map_or_else(|| PathBuf::from(DEFAULT_DIR), |d| d.path().to_path_buf());
+        crate::cold::run(
+            &crate::cold::ColdParams {
+                scratch: &scratch_path,
+                objects: args.blocks.unwrap_or(32),
+                rounds: args.rounds as usize,
+                latency_seconds: args.duration / 2.0,
+                json: args.json.as_deref(),
+            },
+            &config,
+            human,
+        )
+    } else {
+        run_with(args, &config, human)
+    };
     if let Some(dir) = scratch {
         if args.keep {
             let path = dir.keep();

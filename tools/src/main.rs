@@ -11,6 +11,7 @@
 
 mod bench;
 mod block;
+mod cold;
 mod fio_compare;
 mod inspect;
 mod interrupt;

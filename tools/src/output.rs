@@ -232,6 +232,22 @@ pub fn engine_text(info: &kvtier::EngineInfo, cores: &[usize]) -> String {
             w.backend, w.recovered_blocks
         );
     }
+    if let Some(t) = &info.s3 {
+        let _ = writeln!(
+            s,
+            "s3: bucket {:?} at {}, prefix {:?}, reactor {} threads ({}), probe {:.0} ms",
+            t.bucket,
+            t.endpoint,
+            t.prefix,
+            t.reactor_threads,
+            if t.reactor_cores.is_empty() {
+                "unpinned: every core has a worker".to_owned()
+            } else {
+                format!("cores {:?}", t.reactor_cores)
+            },
+            t.probe_seconds * 1000.0
+        );
+    }
     let list: Vec<String> = cores.iter().map(ToString::to_string).collect();
     let _ = writeln!(s, "cores available: {} ({})", cores.len(), list.join(","));
     s

@@ -1,0 +1,634 @@
+//! `kvtier bench --workload cold`: the S3 tier against a configured endpoint.
+//!
+//! * PUT and GET throughput through the engine (write-through stores; loads of keys held only in
+//!   S3, GET straight into the block) next to a plain concurrent aws-sdk-s3 loop against the same
+//!   bucket, same object size and concurrency, alternating round by round; medians and ratios.
+//! * NVMe load latency (QD1 loads of local blocks) alone, then while an S3 GET stream runs at
+//!   `max_concurrency` through the same engine: the cold reactor must not slow the NVMe path.
+//!
+//! Every loaded block is compared with what was stored. Objects are written under
+//! `<prefix>/kvtier-bench-<run>/...` and deleted at the end.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier::config::{S3Write, WriteAck};
+use kvtier::{Config, Engine, Job, JobKind, JobResult, Key, Region};
+use serde_json::json;
+
+use crate::output::{self, CliError, CliResult, Human, Table};
+
+/// What the cold bench needs from `kvtier bench`'s arguments.
+pub(crate) struct ColdParams<'a> {
+    pub scratch: &'a Path,
+    /// Objects per round and direction.
+    pub objects: u64,
+    pub rounds: usize,
+    /// Seconds of each latency phase.
+    pub latency_seconds: f64,
+    pub json: Option<&'a str>,
+}
+
+/// The block bytes for object `i` of round `r`: a cheap pattern with the indexes stamped in.
+fn pattern(run: u64, r: u64, i: u64, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len);
+    let mut x = run ^ (r << 40) ^ (i << 8) ^ 0x9E37_79B9_7F4A_7C15;
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+fn key_of(run: u64, r: u64, i: u64) -> Key {
+    let mut hash = [0u8; 24];
+    hash[..8].copy_from_slice(&run.to_be_bytes());
+    hash[8..16].copy_from_slice(&r.to_be_bytes());
+    hash[16..].copy_from_slice(&i.to_be_bytes());
+    Key::vllm(&hash, 0).expect("24-byte hash")
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        f64::midpoint(v[n / 2 - 1], v[n / 2])
+    }
+}
+
+fn quantile_us(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// The plain loop: aws-sdk-s3 on its own runtime, with the engine's endpoint, credentials and
+/// concurrency.
+struct Plain {
+    rt: tokio::runtime::Runtime,
+    client: aws_sdk_s3::Client,
+    bucket: String,
+    concurrency: usize,
+}
+
+impl Plain {
+    fn new(s3: &kvtier::config::S3Config) -> CliResult<Plain> {
+        use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region as AwsRegion};
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| CliError::runtime(format!("tokio runtime: {e}")))?;
+        let http = aws_smithy_http_client::Builder::new()
+            .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
+                aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
+            ))
+            .build_https();
+        let mut loader = aws_config::defaults(BehaviorVersion::latest())
+            .region(AwsRegion::new(s3.region.clone()))
+            .http_client(http);
+        if let (Some(id), Some(secret)) = (&s3.access_key_id, &s3.secret_access_key) {
+            loader = loader.credentials_provider(Credentials::new(
+                id.expose(),
+                secret.expose(),
+                s3.session_token.as_ref().map(|t| t.expose().to_owned()),
+                None,
+                "kvtier-bench",
+            ));
+        }
+        let sdk = rt.block_on(loader.load());
+        let mut b = aws_sdk_s3::config::Builder::from(&sdk)
+            .force_path_style(s3.force_path_style)
+            .request_checksum_calculation(
+                aws_sdk_s3::config::RequestChecksumCalculation::WhenRequired,
+            )
+            .response_checksum_validation(
+                aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired,
+            );
+        if let Some(e) = &s3.endpoint {
+            b = b.endpoint_url(e);
+        }
+        Ok(Plain {
+            rt,
+            client: aws_sdk_s3::Client::from_conf(b.build()),
+            bucket: s3.bucket.clone(),
+            concurrency: s3.max_concurrency,
+        })
+    }
+
+    /// PUTs every `(name, body)` with `concurrency` in flight; returns seconds.
+    fn put_all(&self, objects: Vec<(String, bytes::Bytes)>) -> CliResult<f64> {
+        let started = Instant::now();
+        self.rt.block_on(async {
+            let sem = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
+            let mut set = tokio::task::JoinSet::new();
+            for (name, body) in objects {
+                let permit = Arc::clone(&sem)
+                    .acquire_owned()
+                    .await
+                    .map_err(|e| CliError::runtime(e.to_string()))?;
+                let client = self.client.clone();
+                let bucket = self.bucket.clone();
+                set.spawn(async move {
+                    let _permit = permit;
+                    client
+                        .put_object()
+                        .bucket(bucket)
+                        .key(&name)
+                        .body(body.into())
+                        .send()
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| {
+                            format!(
+                                "plain PUT {name}: {}",
+                                aws_sdk_s3::error::DisplayErrorContext(e)
+                            )
+                        })
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                r.map_err(|e| CliError::runtime(e.to_string()))?
+                    .map_err(CliError::runtime)?;
+            }
+            Ok::<(), CliError>(())
+        })?;
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    /// GETs every name (body collected in memory) and checks its length; returns seconds.
+    fn get_all(&self, names: Vec<String>, len: usize) -> CliResult<f64> {
+        let started = Instant::now();
+        self.rt.block_on(async {
+            let sem = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
+            let mut set = tokio::task::JoinSet::new();
+            for name in names {
+                let permit = Arc::clone(&sem)
+                    .acquire_owned()
+                    .await
+                    .map_err(|e| CliError::runtime(e.to_string()))?;
+                let client = self.client.clone();
+                let bucket = self.bucket.clone();
+                set.spawn(async move {
+                    let _permit = permit;
+                    let out = client
+                        .get_object()
+                        .bucket(bucket)
+                        .key(&name)
+                        .send()
+                        .await
+                        .map_err(|e| {
+                            format!(
+                                "plain GET {name}: {}",
+                                aws_sdk_s3::error::DisplayErrorContext(e)
+                            )
+                        })?;
+                    let body = out
+                        .body
+                        .collect()
+                        .await
+                        .map_err(|e| format!("plain GET {name}: {e}"))?
+                        .into_bytes();
+                    if body.len() == len {
+                        Ok(())
+                    } else {
+                        Err(format!("plain GET {name}: {} bytes", body.len()))
+                    }
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                r.map_err(|e| CliError::runtime(e.to_string()))?
+                    .map_err(CliError::runtime)?;
+            }
+            Ok::<(), CliError>(())
+        })?;
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    fn delete_all(&self, names: Vec<String>) {
+        self.rt.block_on(async {
+            let sem = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
+            let mut set = tokio::task::JoinSet::new();
+            for name in names {
+                let Ok(permit) = Arc::clone(&sem).acquire_owned().await else {
+                    return;
+                };
+                let client = self.client.clone();
+                let bucket = self.bucket.clone();
+                set.spawn(async move {
+                    let _permit = permit;
+                    let _ = client.delete_object().bucket(bucket).key(name).send().await;
+                });
+            }
+            while set.join_next().await.is_some() {}
+        });
+    }
+}
+
+/// Runs jobs of one block each, `depth` in flight, through `engine`; blocks come from
+/// `blocks` (cycled). `prepare(job index, block)` fills a block before a store;
+/// `check(job index, block)` verifies one after a load. Returns seconds.
+fn drive(
+    engine: &Engine,
+    kind: JobKind,
+    keys: &[Key],
+    blocks: &[u32],
+    mut prepare: impl FnMut(usize, u32),
+    mut check: impl FnMut(usize, u32) -> Result<(), String>,
+) -> CliResult<f64> {
+    let started = Instant::now();
+    let mut free: VecDeque<u32> = blocks.iter().copied().collect();
+    let mut holder = vec![0u32; keys.len()];
+    let mut next = 0usize;
+    let mut done = 0usize;
+    let mut out = Vec::new();
+    while done < keys.len() {
+        while next < keys.len() {
+            let Some(block) = free.pop_front() else { break };
+            prepare(next, block);
+            let job = Job::new(next as u64, vec![keys[next]], vec![block]);
+            let r = match kind {
+                JobKind::Store => engine.submit_store(job),
+                JobKind::Load => engine.submit_load(job),
+            };
+            if let Err(e) = r {
+                free.push_front(block);
+                if matches!(e, kvtier::Error::Backpressure(_)) {
+                    break;
+                }
+                return Err(e.into());
+            }
+            holder[next] = block;
+            next += 1;
+        }
+        out.clear();
+        engine.wait_finished(&mut out, Duration::from_millis(100));
+        for r in &out {
+            let i = r.id as usize;
+            if !r.success {
+                return Err(CliError::runtime(format!(
+                    "{kind:?} of object {i} failed: {:?}",
+                    r.failure
+                )));
+            }
+            check(i, holder[i]).map_err(CliError::runtime)?;
+            free.push_back(holder[i]);
+            done += 1;
+        }
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+struct Latency {
+    nvme_us: Vec<u64>,
+    s3_bytes: u64,
+    seconds: f64,
+}
+
+/// QD1 loads of `local` keys for `seconds`; with `s3_keys`, also keeps `2 × depth` loads of
+/// those (held only in S3) in flight, so the reactor has `depth` GETs running. Every loaded block
+/// is checked.
+fn latency_phase(
+    engine: &Engine,
+    region: &Region,
+    block_bytes: usize,
+    local: &[(Key, Vec<u8>)],
+    s3_keys: &[(Key, u32)],
+    depth: usize,
+    seconds: f64,
+) -> CliResult<Latency> {
+    const S3_ID: u64 = 1 << 62;
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let started = Instant::now();
+    let mut nvme_us = Vec::new();
+    let mut s3_bytes = 0u64;
+    let mut s3_free: VecDeque<u32> = (1..=2 * depth as u32).collect();
+    let mut s3_next = 0usize;
+    let mut s3_holder = std::collections::HashMap::new();
+    let mut nvme_busy = false;
+    let mut nvme_next = 0usize;
+    let mut out: Vec<JobResult> = Vec::new();
+    loop {
+        let running = Instant::now() < deadline;
+        if running && !nvme_busy {
+            let (k, _) = &local[nvme_next % local.len()];
+            engine.submit_load(Job::new(nvme_next as u64, vec![*k], vec![0]))?;
+            nvme_busy = true;
+        }
+        while running && !s3_keys.is_empty() {
+            let Some(block) = s3_free.pop_front() else {
+                break;
+            };
+            let (k, _) = s3_keys[s3_next % s3_keys.len()];
+            let id = S3_ID | s3_next as u64;
+            if engine
+                .submit_load(Job::new(id, vec![k], vec![block]))
+                .is_err()
+            {
+                s3_free.push_front(block);
+                break;
+            }
+            s3_holder.insert(id, (block, s3_next % s3_keys.len()));
+            s3_next += 1;
+        }
+        if !running && !nvme_busy && s3_holder.is_empty() {
+            break;
+        }
+        out.clear();
+        engine.wait_finished(&mut out, Duration::from_millis(50));
+        for r in &out {
+            if !r.success {
+                return Err(CliError::runtime(format!(
+                    "load {} failed: {:?}",
+                    r.id, r.failure
+                )));
+            }
+            if r.id & S3_ID != 0 {
+                let (block, idx) = s3_holder.remove(&r.id).expect("tracked S3 load");
+                let (_, want) = s3_keys[idx];
+                let crc =
+                    region.with_bytes(block as usize * block_bytes, block_bytes, crc32c::crc32c);
+                if crc != want {
+                    return Err(CliError::runtime(format!("S3 load {idx}: wrong bytes")));
+                }
+                s3_bytes += block_bytes as u64;
+                s3_free.push_back(block);
+            } else {
+                let (_, want) = &local[r.id as usize % local.len()];
+                let ok = region.with_bytes(0, block_bytes, |b| b == want.as_slice());
+                if !ok {
+                    return Err(CliError::runtime("NVMe load: wrong bytes"));
+                }
+                nvme_us.push(r.elapsed.as_micros() as u64);
+                nvme_busy = false;
+                nvme_next += 1;
+            }
+        }
+    }
+    nvme_us.sort_unstable();
+    Ok(Latency {
+        nvme_us,
+        s3_bytes,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliResult<ExitCode> {
+    let s3 = base.s3.clone().ok_or_else(|| {
+        CliError::usage(
+            "--workload cold needs an object store: --s3-endpoint URL --s3-bucket NAME (with \
+             --s3-access-key/--s3-secret-key or the AWS default credentials), or an [s3] section \
+             in --config",
+        )
+    })?;
+    let block_bytes = base.block_size as usize;
+    let depth = s3.max_concurrency;
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64);
+    let mut config = base.clone();
+    config.region_blocks = (2 * depth as u64 + 2).max(16);
+    let mut s3cfg = s3.clone();
+    s3cfg.prefix = if s3.prefix.is_empty() {
+        format!("kvtier-bench-{run:x}")
+    } else {
+        format!("{}/kvtier-bench-{run:x}", s3.prefix)
+    };
+    s3cfg.write = S3Write::Through;
+    s3cfg.write_ack = WriteAck::Both;
+    s3cfg.promote_on_load = false;
+    config.s3 = Some(s3cfg.clone());
+    config.validate()?;
+    let plain = Plain::new(&s3)?;
+    let plain_prefix = format!("{}/plain", s3cfg.prefix);
+    let n_objects = params.objects;
+    let mut engine_names = Vec::new();
+    let mut plain_names = Vec::new();
+
+    // PUT: the engine (write-through stores) and the plain loop, alternating.
+    let region = kvtier::region::allocate(&config)?;
+    let engine = Engine::open(&config, Arc::clone(&region))?;
+    let info = engine.info().clone();
+    let mut put_engine = Vec::new();
+    let mut put_plain = Vec::new();
+    // Twice as many jobs as requests in flight, so the engine keeps `depth` requests busy while
+    // other jobs are in their NVMe half; its S3 concurrency is still `depth`, like the loop's.
+    let blocks: Vec<u32> = (0..2 * depth as u32).collect();
+    for r in 0..params.rounds as u64 {
+        let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
+        engine_names.extend(keys.iter().filter_map(|k| engine.s3_object_name(k)));
+        // Made before the clock starts, as the plain loop's bodies are.
+        let bodies: Vec<Vec<u8>> = (0..n_objects)
+            .map(|i| pattern(run, r, i, block_bytes))
+            .collect();
+        let secs = drive(
+            &engine,
+            JobKind::Store,
+            &keys,
+            &blocks,
+            |i, b| region.write(b as usize * block_bytes, &bodies[i]),
+            |_, _| Ok(()),
+        )?;
+        put_engine.push(output::gib(n_objects * block_bytes as u64) / secs);
+        let objects: Vec<(String, bytes::Bytes)> = (0..n_objects)
+            .map(|i| {
+                let name = format!("{plain_prefix}/{r}/{i}");
+                plain_names.push(name.clone());
+                (name, bytes::Bytes::from(pattern(run, r, i, block_bytes)))
+            })
+            .collect();
+        put_plain.push(output::gib(n_objects * block_bytes as u64) / plain.put_all(objects)?);
+    }
+    let put_stats = engine.stats().s3.unwrap_or_default();
+    engine.shutdown();
+    drop(engine);
+
+    // GET: a second engine on an empty slab, so every key is held only in S3.
+    for d in &mut config.devices {
+        d.path = params.scratch.join("kvtier-cold-get.slab");
+    }
+    if let Some(s) = &mut config.s3 {
+        s.write = S3Write::Off;
+    }
+    let engine = Engine::open(&config, Arc::clone(&region))?;
+    // Loaded blocks are checked against the crc32c of what was stored (computed up front).
+    let crcs: Vec<Vec<u32>> = (0..params.rounds as u64)
+        .map(|r| {
+            (0..n_objects)
+                .map(|i| crc32c::crc32c(&pattern(run, r, i, block_bytes)))
+                .collect()
+        })
+        .collect();
+    let mut get_engine = Vec::new();
+    let mut get_plain = Vec::new();
+    for r in 0..params.rounds as u64 {
+        let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
+        let want = &crcs[r as usize];
+        let secs = drive(
+            &engine,
+            JobKind::Load,
+            &keys,
+            &blocks,
+            |_, b| region.fill(b as usize * block_bytes, 4096, 0xee),
+            |i, b| {
+                let crc = region.with_bytes(b as usize * block_bytes, block_bytes, crc32c::crc32c);
+                if crc == want[i] {
+                    Ok(())
+                } else {
+                    Err(format!("object {i} of round {r}: loaded bytes differ"))
+                }
+            },
+        )?;
+        get_engine.push(output::gib(n_objects * block_bytes as u64) / secs);
+        let names: Vec<String> = (0..n_objects)
+            .map(|i| format!("{plain_prefix}/{r}/{i}"))
+            .collect();
+        get_plain
+            .push(output::gib(n_objects * block_bytes as u64) / plain.get_all(names, block_bytes)?);
+    }
+
+    // NVMe load latency alone, then under an S3 GET stream through the same engine.
+    let local: Vec<(Key, Vec<u8>)> = (0..16u64)
+        .map(|i| {
+            (
+                key_of(run, u64::MAX, i),
+                pattern(run, u64::MAX, i, block_bytes),
+            )
+        })
+        .collect();
+    let local_keys: Vec<Key> = local.iter().map(|(k, _)| *k).collect();
+    drive(
+        &engine,
+        JobKind::Store,
+        &local_keys,
+        &[0],
+        |i, b| region.write(b as usize * block_bytes, &local[i].1),
+        |_, _| Ok(()),
+    )?;
+    let s3_keys: Vec<(Key, u32)> = (0..params.rounds as u64)
+        .flat_map(|r| {
+            let crcs = &crcs;
+            (0..n_objects).map(move |i| (key_of(run, r, i), crcs[r as usize][i as usize]))
+        })
+        .collect();
+    let half = params.latency_seconds;
+    let alone = latency_phase(&engine, &region, block_bytes, &local, &[], depth, half)?;
+    let busy = latency_phase(&engine, &region, block_bytes, &local, &s3_keys, depth, half)?;
+    let get_stats = engine.stats().s3.unwrap_or_default();
+    engine.shutdown();
+    drop(engine);
+    plain.delete_all(engine_names.into_iter().chain(plain_names).collect());
+
+    let (pe, pp) = (median(&mut put_engine), median(&mut put_plain));
+    let (ge, gp) = (median(&mut get_engine), median(&mut get_plain));
+    let q = |l: &Latency, x| quantile_us(&l.nvme_us, x);
+    let busy_s3 = output::gib(busy.s3_bytes) / busy.seconds;
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "S3: bucket {:?} at {}, objects of {}, max_concurrency {depth}, {n_objects} objects per round, \
+         {} rounds (engine and plain aws-sdk-s3 loop alternate); reactor threads {} on cores {:?}\n_objects",
+        s3.bucket,
+        s3.endpoint.as_deref().unwrap_or("AWS"),
+        output::size(block_bytes as u64),
+        params.rounds,
+        info.s3.as_ref().map_or(0, |s| s.reactor_threads),
+        info.s3.as_ref().map(|s| s.reactor_cores.clone()).unwrap_or_default(),
+    );
+    let mut rates = Table::new(&[
+        "op",
+        "engine GiB/s",
+        "plain SDK GiB/s",
+        "ratio",
+        "rounds (engine)",
+    ]);
+    let fmt_rounds = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    rates.row(vec![
+        "PUT (write-through store)".into(),
+        format!("{pe:.3}"),
+        format!("{pp:.3}"),
+        format!("{:.2}", pe / pp.max(f64::MIN_POSITIVE)),
+        fmt_rounds(&put_engine),
+    ]);
+    rates.row(vec![
+        "GET (load of S3-only keys)".into(),
+        format!("{ge:.3}"),
+        format!("{gp:.3}"),
+        format!("{:.2}", ge / gp.max(f64::MIN_POSITIVE)),
+        fmt_rounds(&get_engine),
+    ]);
+    text.push_str(&rates.to_string());
+    let mut lat_table = Table::new(&[
+        "NVMe load latency (QD1)",
+        "loads",
+        "p50 us",
+        "p99 us",
+        "max us",
+    ]);
+    for (name, lat) in [("alone", &alone), ("during S3 GET stream", &busy)] {
+        lat_table.row(vec![
+            name.into(),
+            lat.nvme_us.len().to_string(),
+            q(lat, 0.5).to_string(),
+            q(lat, 0.99).to_string(),
+            lat.nvme_us.last().copied().unwrap_or(0).to_string(),
+        ]);
+    }
+    let _ = writeln!(text);
+    text.push_str(&lat_table.to_string());
+    let _ = writeln!(
+        text,
+        "S3 GET stream during the busy phase: {busy_s3:.3} GiB/s; p99 ratio busy/alone {:.2}\n_objects\
+         S3 requests: PUT {} ({} retries, {} errors), GET {} ({} retries, {} errors), \
+         GET latency p50 {} us p99 {} us",
+        q(&busy, 0.99) as f64 / q(&alone, 0.99).max(1) as f64,
+        put_stats.put.requests,
+        put_stats.put.retries,
+        put_stats.put.errors,
+        get_stats.get.requests,
+        get_stats.get.retries,
+        get_stats.get.errors,
+        get_stats.get.latency_us.quantile(0.5),
+        get_stats.get.latency_us.quantile(0.99),
+    );
+    human.print(&text);
+    if let Some(target) = params.json {
+        let lat = |l: &Latency| {
+            json!({"loads": l.nvme_us.len(), "p50_us": q(l, 0.5), "p99_us": q(l, 0.99),
+                   "max_us": l.nvme_us.last().copied().unwrap_or(0)})
+        };
+        let value = json!({
+            "workload": "cold",
+            "bucket": s3.bucket,
+            "endpoint": s3.endpoint,
+            "object_bytes": block_bytes,
+            "max_concurrency": depth,
+            "objects_per_round": n_objects,
+            "rounds": params.rounds,
+            "put_gib_s": {"engine": pe, "plain_sdk": pp, "engine_rounds": put_engine, "plain_rounds": put_plain},
+            "get_gib_s": {"engine": ge, "plain_sdk": gp, "engine_rounds": get_engine, "plain_rounds": get_plain},
+            "nvme_load_latency": {"alone": lat(&alone), "during_s3": lat(&busy), "s3_gib_s_during": busy_s3},
+        });
+        output::write_json(target, &value)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
