@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
-use common::{content, holds, key, put, region, scratch_dir, wait_results, BLOCK};
+use common::{content, holds, key, load, region, scratch_dir, store, BLOCK};
 use kvtier::files::mapper::{FileMapper, KvCacheGroup, Namespace};
 use kvtier::{Config, Engine, Error, Job, KeyFailure, Lookup, Region, Tier};
 
@@ -86,28 +86,6 @@ fn open(config: &Config) -> (Engine, Arc<Region>) {
     (engine, region)
 }
 
-fn submit_store(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> kvtier::JobResult {
-    let blocks: Vec<u32> = (0..ids.len() as u32).collect();
-    for (b, &id) in blocks.iter().zip(ids) {
-        put(region, *b, id);
-    }
-    engine
-        .submit_store(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks))
-        .expect("submit store");
-    wait_results(engine, 1).pop().expect("one result")
-}
-
-fn submit_load(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> kvtier::JobResult {
-    let blocks: Vec<u32> = (0..ids.len() as u32).collect();
-    for &b in &blocks {
-        region.fill(b as usize * BLOCK as usize, BLOCK as usize, 0xee);
-    }
-    engine
-        .submit_load(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks))
-        .expect("submit load");
-    wait_results(engine, 1).pop().expect("one result")
-}
-
 /// Asks until the answer is no longer Pending (bounded).
 fn settled_lookup(engine: &Engine, id: u64) -> Lookup {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -127,7 +105,7 @@ fn write_through_uploads_exact_bytes_under_vllm_object_names() {
     let dir = scratch_dir();
     let cfg = config(dir.path(), &server, 32, r#"write = "through""#);
     let (engine, region) = open(&cfg);
-    let r = submit_store(&engine, &region, 1, &[10, 11, 12]);
+    let r = store(&engine, &region, 1, &[10, 11, 12]);
     assert!(r.success, "{r:?}");
     // Reported after the upload: the objects are there, byte for byte, under vLLM's names.
     let sdk = server.client();
@@ -190,7 +168,7 @@ fn lookup_is_pending_then_hit_or_miss_and_s3_only_keys_load_and_promote() {
     assert_eq!(settled_lookup(&engine, 1), Lookup::Hit(Tier::S3));
     assert_eq!(settled_lookup(&engine, 99), Lookup::Miss);
 
-    let r = submit_load(&engine, &region, 7, &[1, 2, 3]);
+    let r = load(&engine, &region, 7, &[1, 2, 3]);
     assert!(r.success, "{r:?}");
     assert_eq!(r.bytes, 3 * BLOCK);
     for (b, id) in [(0u32, 1u64), (1, 2), (2, 3)] {
@@ -202,7 +180,7 @@ fn lookup_is_pending_then_hit_or_miss_and_s3_only_keys_load_and_promote() {
     assert_eq!(s3.promotions, 3);
     assert_eq!(s3.get.bytes, 3 * BLOCK);
     drop(server);
-    let r = submit_load(&engine, &region, 8, &[3, 1]);
+    let r = load(&engine, &region, 8, &[3, 1]);
     assert!(r.success, "{r:?}");
     assert!(holds(&region, 0, 3) && holds(&region, 1, 1));
 }
@@ -215,7 +193,7 @@ fn a_missing_object_fails_the_load_as_a_miss_with_the_prefix_reported() {
     let dir = scratch_dir();
     let cfg = config(dir.path(), &server, 32, "promote_on_load = false");
     let (engine, region) = open(&cfg);
-    let r = submit_load(&engine, &region, 1, &[5, 404, 6]);
+    let r = load(&engine, &region, 1, &[5, 404, 6]);
     assert!(!r.success);
     assert_eq!(r.succeeded_prefix, 1);
     assert_eq!(r.successful_keys(), Some(1));
@@ -244,7 +222,7 @@ fn a_failed_load_marks_the_key_missing() {
     let cfg = Config::from_toml_str(&text).expect("config");
     let (engine, region) = open(&cfg);
     assert_eq!(settled_lookup(&engine, 8), Lookup::Hit(Tier::S3));
-    let r = submit_load(&engine, &region, 1, &[8]);
+    let r = load(&engine, &region, 1, &[8]);
     let f = r.failure.expect("wrong-size object fails");
     assert!(
         matches!(f.reason, KeyFailure::ShortIo { done: 1000, wanted } if u64::from(wanted) == BLOCK),
@@ -260,7 +238,7 @@ fn a_corrupted_object_fails_its_checksum() {
     let dir = scratch_dir();
     let cfg = config(dir.path(), &server, 32, r#"write = "through""#);
     let (engine, region) = open(&cfg);
-    assert!(submit_store(&engine, &region, 1, &[21]).success);
+    assert!(store(&engine, &region, 1, &[21]).success);
     drop(engine);
     // Flip a byte in the stored object file (s3s-fs keeps objects as files).
     let file = server
@@ -275,7 +253,7 @@ fn a_corrupted_object_fails_its_checksum() {
     let dir2 = scratch_dir();
     let cfg2 = config(dir2.path(), &server, 32, "promote_on_load = false");
     let (engine, region) = open(&cfg2);
-    let r = submit_load(&engine, &region, 2, &[21]);
+    let r = load(&engine, &region, 2, &[21]);
     let f = r.failure.expect("corrupt object fails");
     assert_eq!(f.reason, KeyFailure::Checksum, "{f:?}");
 }
@@ -291,7 +269,7 @@ fn write_ack_nvme_reports_first_and_uploads_in_the_background() {
         "write = \"through\"\nwrite_ack = \"nvme\"",
     );
     let (engine, region) = open(&cfg);
-    let r = submit_store(&engine, &region, 1, &[31, 32]);
+    let r = store(&engine, &region, 1, &[31, 32]);
     assert!(r.success, "{r:?}");
     // The job's blocks are the caller's again: scribbling over them must not change the upload.
     region.fill(0, 2 * BLOCK as usize, 0x55);
@@ -325,13 +303,13 @@ fn server_killed_mid_run_fails_jobs_within_the_timeout_and_recovers() {
     );
     let (engine, region) = open(&cfg);
     // NVMe keeps working while S3 is down.
-    assert!(submit_store(&engine, &region, 1, &[90]).success);
+    assert!(store(&engine, &region, 1, &[90]).success);
     server.kill();
 
     // Three attempts of at most 1 s, two backoffs of at most 2 s, slack.
     let budget = Duration::from_secs(3 + 2 * 2 + 2);
     let t = Instant::now();
-    let r = submit_load(&engine, &region, 2, &[40, 41]);
+    let r = load(&engine, &region, 2, &[40, 41]);
     assert!(t.elapsed() < budget, "failed after {:?}", t.elapsed());
     let f = r.failure.expect("load fails while the server is down");
     assert_eq!(f.reason, KeyFailure::Remote, "{f:?}");
@@ -341,12 +319,12 @@ fn server_killed_mid_run_fails_jobs_within_the_timeout_and_recovers() {
         f.detail
     );
     // A write-through store: NVMe succeeds, the upload fails, the job says so.
-    let r = submit_store(&engine, &region, 3, &[91]);
+    let r = store(&engine, &region, 3, &[91]);
     let f = r.failure.expect("upload fails while the server is down");
     assert_eq!(f.reason, KeyFailure::Remote);
     assert_eq!(engine.lookup(&[key(91)]), vec![Lookup::Hit(Tier::Nvme)]);
     // NVMe loads are unaffected.
-    let r = submit_load(&engine, &region, 4, &[90, 91]);
+    let r = load(&engine, &region, 4, &[90, 91]);
     assert!(r.success, "{r:?}");
     assert!(holds(&region, 0, 90) && holds(&region, 1, 91));
     // drain() returns: nothing is left hanging.
@@ -356,7 +334,7 @@ fn server_killed_mid_run_fails_jobs_within_the_timeout_and_recovers() {
     assert!(stats.get.retries >= 2 && stats.get.errors >= 1, "{stats:?}");
 
     server.restart();
-    let r = submit_load(&engine, &region, 5, &[42, 43]);
+    let r = load(&engine, &region, 5, &[42, 43]);
     assert!(r.success, "after restart: {r:?}");
     assert!(holds(&region, 0, 42) && holds(&region, 1, 43));
     std::thread::sleep(Duration::from_millis(350)); // the TTL of the failed verdicts
@@ -471,7 +449,7 @@ fn a_silent_endpoint_times_out_and_never_hangs_drain_or_shutdown() {
         }
     });
     let t = Instant::now();
-    let r = submit_load(&engine, &region, 1, &[60]);
+    let r = load(&engine, &region, 1, &[60]);
     let took = t.elapsed();
     let f = r.failure.expect("silent endpoint fails the load");
     assert_eq!(f.reason, KeyFailure::Remote);
@@ -528,7 +506,7 @@ fn on_evict_demotes_evicted_blocks_before_their_slot_is_reused() {
     let slots = engine.stats().slots_total;
     let total = slots + 96;
     for (j, chunk) in (0..total).collect::<Vec<u64>>().chunks(32).enumerate() {
-        let r = submit_store(&engine, &region, j as u64, chunk);
+        let r = store(&engine, &region, j as u64, chunk);
         assert!(r.success, "{r:?}");
     }
     engine.drain();
@@ -571,7 +549,7 @@ fn on_evict_demotes_evicted_blocks_before_their_slot_is_reused() {
     assert_eq!(demoted.len() as u64, s3.demotions);
     // A demoted key loads from S3 now.
     let id = demoted[0];
-    let r = submit_load(&engine, &region, 9999, &[id]);
+    let r = load(&engine, &region, 9999, &[id]);
     assert!(r.success, "{r:?}");
     assert!(holds(&region, 0, id));
     let removed_nvme: usize = engine

@@ -5,8 +5,8 @@
 //! hand it work with `spawn`, and its results come back through the same job states the NVMe
 //! workers resolve. Work is bounded by the engine's admission (`jobs_in_flight_max`), by the
 //! lookup cache's size (one HEAD per key at most) and by `upload_queue_blocks` (block copies
-//! waiting for upload); requests in flight are bounded by `max_concurrency`, of which uploads
-//! get at most three quarters so loads and lookups always have room.
+//! waiting for upload); requests in flight are bounded by `max_concurrency`, and a freed request
+//! slot goes to a waiting GET or HEAD before any waiting PUT (see `permits`).
 //!
 //! Object names are vLLM's object-store tier's (`FileMapper` over the prefix), without its
 //! double slash: `<prefix>/<model>_<digest>_r<rank>/<hhh>/<hh>_g<g>/<hash>.bin`, or with no
@@ -18,6 +18,7 @@
 //! GET when present.
 
 mod client;
+mod permits;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
@@ -38,6 +39,10 @@ use crate::metrics::S3Metrics;
 use crate::Region;
 
 use client::{Failure, ObjectClient};
+use permits::{Class, Permits};
+
+/// The reactor threads' nice value when they share cores with NVMe workers.
+const REACTOR_NICE: i32 = 5;
 
 /// What `Engine::open` set up for the S3 tier.
 #[derive(Clone, Debug)]
@@ -170,10 +175,8 @@ struct Inner {
     router: Arc<Router>,
     metrics: Arc<S3Metrics>,
     cache: Mutex<LookupCache>,
-    /// Every request holds one of these while it runs.
-    requests: Semaphore,
-    /// Uploads also hold one of these: at most three quarters of `max_concurrency`.
-    uploads: Semaphore,
+    /// Every request holds one of these while it runs; reads (GET, HEAD) get freed ones first.
+    permits: Arc<Permits>,
     /// Block copies waiting for (or in) a background upload.
     upload_queue: Semaphore,
     closing: Arc<AtomicBool>,
@@ -214,7 +217,10 @@ impl S3Tier {
             .thread_name("kvtier-s3")
             .enable_all()
             .on_thread_start(move || {
-                if !pin.is_empty() {
+                if pin.is_empty() {
+                    // Sharing cores with the NVMe workers: let them go first.
+                    let _ = kvtier_sys::affinity::set_current_thread_nice(REACTOR_NICE);
+                } else {
                     let i = next.fetch_add(1, Ordering::Relaxed) % pin.len();
                     let _ = kvtier_sys::affinity::pin_current_thread(pin[i]);
                 }
@@ -251,7 +257,6 @@ impl S3Tier {
             &cfg.namespace,
             AgnosticOptIn::Requested,
         );
-        let uploads = (cfg.max_concurrency * 3 / 4).max(1);
         let inner = Arc::new(Inner {
             client,
             mapper,
@@ -265,8 +270,7 @@ impl S3Tier {
                 cfg.lookup_cache_max,
                 Duration::from_millis(cfg.lookup_ttl_ms),
             )),
-            requests: Semaphore::new(cfg.max_concurrency),
-            uploads: Semaphore::new(uploads),
+            permits: Permits::new(cfg.max_concurrency),
             upload_queue: Semaphore::new(cfg.upload_queue_blocks),
             closing,
             outstanding: Outstanding {
@@ -413,8 +417,7 @@ impl S3Tier {
     /// still report: queued requests fail with `Shutdown`, running ones end within the timeout.
     pub fn close(&self) {
         self.inner.closing.store(true, Ordering::Release);
-        self.inner.requests.close();
-        self.inner.uploads.close();
+        self.inner.permits.close();
         self.inner.upload_queue.close();
         self.wait_tasks();
     }
@@ -556,9 +559,9 @@ impl Inner {
         for (key, generation) in batch {
             let me = Arc::clone(&self);
             set.spawn(async move {
-                let verdict = match me.requests.acquire().await {
-                    Err(_) => None,
-                    Ok(_permit) => match me.object_name(&key) {
+                let verdict = match me.permits.acquire(Class::Read).await {
+                    None => None,
+                    Some(_permit) => match me.object_name(&key) {
                         None => Some(Verdict::Absent),
                         // vLLM: a failed lookup is a miss.
                         Some(name) => Some(match me.client.head(&name).await {
@@ -594,9 +597,9 @@ impl Inner {
             );
             return;
         };
-        let outcome = match self.requests.acquire().await {
-            Err(_) => Err(Failure::Closed),
-            Ok(_permit) => {
+        let outcome = match self.permits.acquire(Class::Read).await {
+            None => Err(Failure::Closed),
+            Some(_permit) => {
                 self.client
                     .get_into(
                         &name,
@@ -666,10 +669,10 @@ impl Inner {
         key: Key,
         body: Bytes,
     ) -> std::result::Result<u64, (KeyFailure, String)> {
-        let Ok(_u) = self.uploads.acquire().await else {
+        let Some(permit) = self.permits.acquire(Class::Write).await else {
             return Err((KeyFailure::Shutdown, "the engine shut down".into()));
         };
-        self.upload_after_permit(key, body).await
+        self.upload_with(permit, key, body).await
     }
 
     /// The write-through half of a store job, after its NVMe half reported `nvme`.
@@ -719,11 +722,11 @@ impl Inner {
                     return (i, Ok(0));
                 }
                 // Copy only once a request slot is free, so copies in memory stay bounded.
-                let Ok(_u) = me.uploads.acquire().await else {
+                let Some(permit) = me.permits.acquire(Class::Write).await else {
                     return (i, Err((KeyFailure::Shutdown, String::new())));
                 };
                 let body = me.copy_block(block);
-                (i, me.upload_after_permit(key, body).await)
+                (i, me.upload_with(permit, key, body).await)
             });
         }
         let mut first: Option<JobFailure> = nvme.failure.clone();
@@ -754,9 +757,10 @@ impl Inner {
         });
     }
 
-    /// Uploads one block copy while holding an upload slot; records the verdict and the event.
-    async fn upload_after_permit(
+    /// Uploads one block copy while holding a request slot; records the verdict and the event.
+    async fn upload_with(
         self: &Arc<Self>,
+        permit: permits::Permit,
         key: Key,
         body: Bytes,
     ) -> std::result::Result<u64, (KeyFailure, String)> {
@@ -767,10 +771,8 @@ impl Inner {
             ));
         };
         let len = body.len() as u64;
-        let r = match self.requests.acquire().await {
-            Err(_) => Err(Failure::Closed),
-            Ok(_r) => self.client.put(&name, body).await,
-        };
+        let r = self.client.put(&name, body).await;
+        drop(permit);
         match r {
             Ok(()) => {
                 self.mark(key, Verdict::Present);

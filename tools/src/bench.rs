@@ -259,7 +259,7 @@ pub fn run(args: &BenchArgs) -> CliResult<ExitCode> {
         crate::cold::run(
             &crate::cold::ColdParams {
                 scratch: &scratch_path,
-                objects: args.blocks.unwrap_or(32),
+                objects: args.blocks.unwrap_or(128),
                 rounds: args.rounds as usize,
                 latency_seconds: args.duration / 2.0,
                 json: args.json.as_deref(),

@@ -130,111 +130,96 @@ impl Plain {
         })
     }
 
-    /// PUTs every `(name, body)` with `concurrency` in flight; returns seconds.
+    /// Runs `op` on every item with `concurrency` in flight; returns seconds. The first error
+    /// (a message) fails the whole run.
+    fn each<T, F, Fut>(&self, items: Vec<T>, op: F) -> CliResult<f64>
+    where
+        T: Send + 'static,
+        F: Fn(aws_sdk_s3::Client, String, T) -> Fut,
+        Fut: std::future::Future<Output = Result<(), String>> + Send + 'static,
+    {
+        let started = Instant::now();
+        self.rt.block_on(async {
+            let sem = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
+            let mut set = tokio::task::JoinSet::new();
+            for item in items {
+                let permit = Arc::clone(&sem)
+                    .acquire_owned()
+                    .await
+                    .map_err(|e| CliError::runtime(e.to_string()))?;
+                let fut = op(self.client.clone(), self.bucket.clone(), item);
+                set.spawn(async move {
+                    let _permit = permit;
+                    fut.await
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                r.map_err(|e| CliError::runtime(e.to_string()))?
+                    .map_err(CliError::runtime)?;
+            }
+            Ok::<(), CliError>(())
+        })?;
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    /// PUTs every `(name, body)`; returns seconds.
     fn put_all(&self, objects: Vec<(String, bytes::Bytes)>) -> CliResult<f64> {
-        let started = Instant::now();
-        self.rt.block_on(async {
-            let sem = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
-            let mut set = tokio::task::JoinSet::new();
-            for (name, body) in objects {
-                let permit = Arc::clone(&sem)
-                    .acquire_owned()
-                    .await
-                    .map_err(|e| CliError::runtime(e.to_string()))?;
-                let client = self.client.clone();
-                let bucket = self.bucket.clone();
-                set.spawn(async move {
-                    let _permit = permit;
-                    client
-                        .put_object()
-                        .bucket(bucket)
-                        .key(&name)
-                        .body(body.into())
-                        .send()
-                        .await
-                        .map(|_| ())
-                        .map_err(|e| {
-                            format!(
-                                "plain PUT {name}: {}",
-                                aws_sdk_s3::error::DisplayErrorContext(e)
-                            )
-                        })
-                });
-            }
-            while let Some(r) = set.join_next().await {
-                r.map_err(|e| CliError::runtime(e.to_string()))?
-                    .map_err(CliError::runtime)?;
-            }
-            Ok::<(), CliError>(())
-        })?;
-        Ok(started.elapsed().as_secs_f64())
+        self.each(objects, |client, bucket, (name, body)| async move {
+            client
+                .put_object()
+                .bucket(bucket)
+                .key(&name)
+                .body(body.into())
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|e| {
+                    format!(
+                        "plain PUT {name}: {}",
+                        aws_sdk_s3::error::DisplayErrorContext(e)
+                    )
+                })
+        })
     }
 
-    /// GETs every name (body collected in memory) and checks its length; returns seconds.
-    fn get_all(&self, names: Vec<String>, len: usize) -> CliResult<f64> {
-        let started = Instant::now();
-        self.rt.block_on(async {
-            let sem = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
-            let mut set = tokio::task::JoinSet::new();
-            for name in names {
-                let permit = Arc::clone(&sem)
-                    .acquire_owned()
-                    .await
-                    .map_err(|e| CliError::runtime(e.to_string()))?;
-                let client = self.client.clone();
-                let bucket = self.bucket.clone();
-                set.spawn(async move {
-                    let _permit = permit;
-                    let out = client
-                        .get_object()
-                        .bucket(bucket)
-                        .key(&name)
-                        .send()
-                        .await
-                        .map_err(|e| {
-                            format!(
-                                "plain GET {name}: {}",
-                                aws_sdk_s3::error::DisplayErrorContext(e)
-                            )
-                        })?;
-                    let body = out
-                        .body
-                        .collect()
-                        .await
-                        .map_err(|e| format!("plain GET {name}: {e}"))?
-                        .into_bytes();
-                    if body.len() == len {
-                        Ok(())
-                    } else {
-                        Err(format!("plain GET {name}: {} bytes", body.len()))
-                    }
-                });
+    /// GETs every name (body collected in memory) and checks its length and crc32c, as the
+    /// engine side checks its loads; returns seconds.
+    fn get_all(&self, names: Vec<(String, u32)>, len: usize) -> CliResult<f64> {
+        self.each(names, move |client, bucket, (name, crc)| async move {
+            let out = client
+                .get_object()
+                .bucket(bucket)
+                .key(&name)
+                .send()
+                .await
+                .map_err(|e| {
+                    format!(
+                        "plain GET {name}: {}",
+                        aws_sdk_s3::error::DisplayErrorContext(e)
+                    )
+                })?;
+            let body = out
+                .body
+                .collect()
+                .await
+                .map_err(|e| format!("plain GET {name}: {e}"))?
+                .into_bytes();
+            if body.len() == len && crc32c::crc32c(&body) == crc {
+                Ok(())
+            } else {
+                Err(format!(
+                    "plain GET {name}: {} bytes, wrong content",
+                    body.len()
+                ))
             }
-            while let Some(r) = set.join_next().await {
-                r.map_err(|e| CliError::runtime(e.to_string()))?
-                    .map_err(CliError::runtime)?;
-            }
-            Ok::<(), CliError>(())
-        })?;
-        Ok(started.elapsed().as_secs_f64())
+        })
     }
 
+    /// Deletes every name (best effort: the bench's own objects).
     fn delete_all(&self, names: Vec<String>) {
-        self.rt.block_on(async {
-            let sem = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
-            let mut set = tokio::task::JoinSet::new();
-            for name in names {
-                let Ok(permit) = Arc::clone(&sem).acquire_owned().await else {
-                    return;
-                };
-                let client = self.client.clone();
-                let bucket = self.bucket.clone();
-                set.spawn(async move {
-                    let _permit = permit;
-                    let _ = client.delete_object().bucket(bucket).key(name).send().await;
-                });
-            }
-            while set.join_next().await.is_some() {}
+        let _ = self.each(names, |client, bucket, name| async move {
+            let _ = client.delete_object().bucket(bucket).key(name).send().await;
+            Ok(())
         });
     }
 }
@@ -425,6 +410,10 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
     let info = engine.info().clone();
     let mut put_engine = Vec::new();
     let mut put_plain = Vec::new();
+    // Process CPU seconds spent in each side's phases (engine threads and the driving thread,
+    // or the plain loop's runtime): [put engine, put plain, get engine, get plain].
+    let mut cpu = [0f64; 4];
+    let cpu_now = || kvtier_sys::affinity::process_cpu_time().as_secs_f64();
     // Twice as many jobs as requests in flight, so the engine keeps `depth` requests busy while
     // other jobs are in their NVMe half; its S3 concurrency is still `depth`, like the loop's.
     let blocks: Vec<u32> = (0..2 * depth as u32).collect();
@@ -435,6 +424,7 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
         let bodies: Vec<Vec<u8>> = (0..n_objects)
             .map(|i| pattern(run, r, i, block_bytes))
             .collect();
+        let c0 = cpu_now();
         let secs = drive(
             &engine,
             JobKind::Store,
@@ -443,6 +433,7 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
             |i, b| region.write(b as usize * block_bytes, &bodies[i]),
             |_, _| Ok(()),
         )?;
+        cpu[0] += cpu_now() - c0;
         put_engine.push(output::gib(n_objects * block_bytes as u64) / secs);
         let objects: Vec<(String, bytes::Bytes)> = (0..n_objects)
             .map(|i| {
@@ -451,7 +442,10 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
                 (name, bytes::Bytes::from(pattern(run, r, i, block_bytes)))
             })
             .collect();
-        put_plain.push(output::gib(n_objects * block_bytes as u64) / plain.put_all(objects)?);
+        let c0 = cpu_now();
+        let secs = plain.put_all(objects)?;
+        cpu[1] += cpu_now() - c0;
+        put_plain.push(output::gib(n_objects * block_bytes as u64) / secs);
     }
     let put_stats = engine.stats().s3.unwrap_or_default();
     engine.shutdown();
@@ -478,6 +472,7 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
     for r in 0..params.rounds as u64 {
         let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
         let want = &crcs[r as usize];
+        let c0 = cpu_now();
         let secs = drive(
             &engine,
             JobKind::Load,
@@ -493,12 +488,15 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
                 }
             },
         )?;
+        cpu[2] += cpu_now() - c0;
         get_engine.push(output::gib(n_objects * block_bytes as u64) / secs);
-        let names: Vec<String> = (0..n_objects)
-            .map(|i| format!("{plain_prefix}/{r}/{i}"))
+        let names: Vec<(String, u32)> = (0..n_objects)
+            .map(|i| (format!("{plain_prefix}/{r}/{i}"), want[i as usize]))
             .collect();
-        get_plain
-            .push(output::gib(n_objects * block_bytes as u64) / plain.get_all(names, block_bytes)?);
+        let c0 = cpu_now();
+        let secs = plain.get_all(names, block_bytes)?;
+        cpu[3] += cpu_now() - c0;
+        get_plain.push(output::gib(n_objects * block_bytes as u64) / secs);
     }
 
     // NVMe load latency alone, then under an S3 GET stream through the same engine.
@@ -541,7 +539,7 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
     let _ = writeln!(
         text,
         "S3: bucket {:?} at {}, objects of {}, max_concurrency {depth}, {n_objects} objects per round, \
-         {} rounds (engine and plain aws-sdk-s3 loop alternate); reactor threads {} on cores {:?}\n_objects",
+         {} rounds (engine and plain aws-sdk-s3 loop alternate); reactor threads {} on cores {:?}\n",
         s3.bucket,
         s3.endpoint.as_deref().unwrap_or("AWS"),
         output::size(block_bytes as u64),
@@ -549,11 +547,15 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
         info.s3.as_ref().map_or(0, |s| s.reactor_threads),
         info.s3.as_ref().map(|s| s.reactor_cores.clone()).unwrap_or_default(),
     );
+    let total_gib = output::gib(n_objects * block_bytes as u64) * params.rounds as f64;
+    let per_gib = |c: f64| format!("{:.2}", c / total_gib);
     let mut rates = Table::new(&[
         "op",
         "engine GiB/s",
         "plain SDK GiB/s",
         "ratio",
+        "CPU s/GiB engine",
+        "plain",
         "rounds (engine)",
     ]);
     let fmt_rounds = |v: &[f64]| {
@@ -567,6 +569,8 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
         format!("{pe:.3}"),
         format!("{pp:.3}"),
         format!("{:.2}", pe / pp.max(f64::MIN_POSITIVE)),
+        per_gib(cpu[0]),
+        per_gib(cpu[1]),
         fmt_rounds(&put_engine),
     ]);
     rates.row(vec![
@@ -574,6 +578,8 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
         format!("{ge:.3}"),
         format!("{gp:.3}"),
         format!("{:.2}", ge / gp.max(f64::MIN_POSITIVE)),
+        per_gib(cpu[2]),
+        per_gib(cpu[3]),
         fmt_rounds(&get_engine),
     ]);
     text.push_str(&rates.to_string());
@@ -597,7 +603,7 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
     text.push_str(&lat_table.to_string());
     let _ = writeln!(
         text,
-        "S3 GET stream during the busy phase: {busy_s3:.3} GiB/s; p99 ratio busy/alone {:.2}\n_objects\
+        "S3 GET stream during the busy phase: {busy_s3:.3} GiB/s; p99 ratio busy/alone {:.2}\n\
          S3 requests: PUT {} ({} retries, {} errors), GET {} ({} retries, {} errors), \
          GET latency p50 {} us p99 {} us",
         q(&busy, 0.99) as f64 / q(&alone, 0.99).max(1) as f64,
@@ -626,6 +632,8 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
             "rounds": params.rounds,
             "put_gib_s": {"engine": pe, "plain_sdk": pp, "engine_rounds": put_engine, "plain_rounds": put_plain},
             "get_gib_s": {"engine": ge, "plain_sdk": gp, "engine_rounds": get_engine, "plain_rounds": get_plain},
+            "cpu_seconds_per_gib": {"put_engine": cpu[0] / total_gib, "put_plain": cpu[1] / total_gib,
+                                    "get_engine": cpu[2] / total_gib, "get_plain": cpu[3] / total_gib},
             "nvme_load_latency": {"alone": lat(&alone), "during_s3": lat(&busy), "s3_gib_s_during": busy_s3},
         });
         output::write_json(target, &value)?;
