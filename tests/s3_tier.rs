@@ -167,6 +167,9 @@ fn lookup_is_pending_then_hit_or_miss_and_s3_only_keys_load_and_promote() {
     assert_eq!(first, vec![Lookup::Pending; 3]);
     assert_eq!(settled_lookup(&engine, 1), Lookup::Hit(Tier::S3));
     assert_eq!(settled_lookup(&engine, 99), Lookup::Miss);
+    assert_eq!(settled_lookup(&engine, 2), Lookup::Hit(Tier::S3));
+    // One HEAD per key, however often it was asked while pending.
+    assert_eq!(engine.stats().s3.expect("stats").head.requests, 3);
 
     let r = load(&engine, &region, 7, &[1, 2, 3]);
     assert!(r.success, "{r:?}");
@@ -559,4 +562,61 @@ fn on_evict_demotes_evicted_blocks_before_their_slot_is_reused() {
         .map(|e| e.keys.len())
         .sum();
     assert_eq!(removed_nvme as u64, stats.evictions);
+}
+
+/// The files layout under an S3 tier: write-through uploads and promotions run on the files
+/// worker; the namespace for object names comes from [files.namespace].
+#[test]
+fn files_layout_writes_through_and_promotes_into_vllm_files() {
+    let server = S3Server::start();
+    let dir = scratch_dir();
+    let text = format!(
+        r#"
+block_size = {BLOCK}
+cores = [0]
+region_blocks = 64
+[[devices]]
+path = "{dev}"
+layout = "files"
+capacity_bytes = {cap}
+[files.namespace]
+model_name = "test/model"
+dtype = "float16"
+tokens_per_hash = 16
+blocks_per_file = 1
+[[files.namespace.kv_cache_groups]]
+tokens_per_block = 16
+layer_names = ["layer.0"]
+[s3]
+bucket = "{bucket}"
+endpoint = "{endpoint}"
+force_path_style = true
+access_key_id = "{ACCESS_KEY}"
+secret_access_key = "{SECRET_KEY}"
+prefix = "fleet"
+write = "through"
+"#,
+        dev = dir.path().join("files").display(),
+        cap = 16 << 20,
+        bucket = common::s3::BUCKET,
+        endpoint = server.endpoint(),
+    );
+    let cfg = Config::from_toml_str(&text).expect("files + s3 config");
+    let (engine, region) = open(&cfg);
+    assert!(store(&engine, &region, 1, &[1, 2]).success);
+    let sdk = server.client();
+    assert!(sdk
+        .get(&object_name(1))
+        .is_some_and(|b| b == content(1, BLOCK as usize)));
+    // Another node's block: loaded from S3, then promoted into a vLLM-named file.
+    sdk.put(&object_name(7), content(7, BLOCK as usize));
+    let r = load(&engine, &region, 2, &[7, 2]);
+    assert!(r.success, "{r:?}");
+    assert!(holds(&region, 0, 7) && holds(&region, 1, 2));
+    let file = FileMapper::new(&dir.path().join("files"), &namespace())
+        .key_path(key(7).as_bytes())
+        .expect("path");
+    let bytes = std::fs::read(&file).expect("promoted file exists at the vLLM path");
+    assert!(bytes == content(7, BLOCK as usize));
+    assert_eq!(engine.lookup(&[key(7)]), vec![Lookup::Hit(Tier::Nvme)]);
 }
