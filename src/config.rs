@@ -295,7 +295,8 @@ pub enum WriteAck {
     #[default]
     Both,
     /// After the NVMe store and a copy of the block for the upload; the upload finishes in the
-    /// background (failures are counted and logged, not reported in the job).
+    /// background (failures are counted and logged, not reported in the job). A block finding
+    /// `upload_queue_blocks` copies waiting is not uploaded (counted): stores never wait for S3.
     Nvme,
 }
 

@@ -214,6 +214,8 @@ pub struct S3Metrics {
     pub demotions_dropped: AtomicU64,
     /// Background uploads (`write_ack = "nvme"`, demotions) that failed after retries.
     pub background_upload_failures: AtomicU64,
+    /// `write_ack = "nvme"` blocks not uploaded because the upload queue was full.
+    pub uploads_dropped: AtomicU64,
 }
 
 impl S3Metrics {
@@ -231,6 +233,7 @@ impl S3Metrics {
             demotions: l(&self.demotions),
             demotions_dropped: l(&self.demotions_dropped),
             background_upload_failures: l(&self.background_upload_failures),
+            uploads_dropped: l(&self.uploads_dropped),
         }
     }
 }
@@ -260,6 +263,8 @@ pub struct S3Stats {
     pub demotions: u64,
     pub demotions_dropped: u64,
     pub background_upload_failures: u64,
+    /// `write_ack = "nvme"` blocks not uploaded because the upload queue was full.
+    pub uploads_dropped: u64,
 }
 
 impl Stats {

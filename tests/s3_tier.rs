@@ -620,3 +620,40 @@ write = "through"
     assert!(bytes == content(7, BLOCK as usize));
     assert_eq!(engine.lookup(&[key(7)]), vec![Lookup::Hit(Tier::Nvme)]);
 }
+
+/// With write_ack = "nvme" a dead endpoint never holds up store jobs: they report after the NVMe
+/// store; blocks that find the upload queue full are dropped and counted.
+#[test]
+fn write_ack_nvme_stores_do_not_wait_for_a_dead_endpoint() {
+    let mut server = S3Server::start();
+    let dir = scratch_dir();
+    let cfg = config(
+        dir.path(),
+        &server,
+        64,
+        "write = \"through\"\nwrite_ack = \"nvme\"\nupload_queue_blocks = 2",
+    );
+    let (engine, region) = open(&cfg);
+    server.kill();
+    let hole = std::net::TcpListener::bind(("127.0.0.1", server.port)).expect("same port");
+    let _keep = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in hole.incoming().flatten() {
+            held.push(s); // accepted, never answered: every upload hangs until its timeout
+        }
+    });
+    let t = Instant::now();
+    for j in 0..8u64 {
+        let r = store(&engine, &region, j, &[200 + 2 * j, 201 + 2 * j]);
+        assert!(r.success, "{r:?}");
+    }
+    // Eight jobs, each far quicker than one upload attempt (timeout_ms = 1000).
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        t.elapsed()
+    );
+    let s3 = engine.stats().s3.expect("stats");
+    assert!(s3.uploads_dropped >= 14, "{s3:?}"); // 16 blocks, at most 2 queued
+    assert_eq!(engine.lookup(&[key(215)]), vec![Lookup::Hit(Tier::Nvme)]);
+}

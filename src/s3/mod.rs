@@ -684,11 +684,13 @@ impl Inner {
         submitted: Instant,
     ) {
         if self.cfg.write_ack == WriteAck::Nvme {
-            // Copy first (bounded by upload_queue_blocks), report, then upload in the background.
+            // Copy first, report, then upload in the background. The copies are bounded by
+            // upload_queue_blocks; a block that finds the queue full is not uploaded (counted),
+            // so a slow or dead endpoint never holds up NVMe store jobs.
             let mut copies = Vec::with_capacity(keys.len());
             for (key, block) in keys.iter().zip(&blocks) {
-                let Ok(permit) = self.upload_queue.acquire().await else {
-                    break;
+                let Ok(permit) = self.upload_queue.try_acquire() else {
+                    continue;
                 };
                 permit.forget();
                 copies.push((*key, self.copy_block(*block)));
@@ -709,7 +711,7 @@ impl Inner {
             }
             if n_copied < keys.len() {
                 self.metrics
-                    .background_upload_failures
+                    .uploads_dropped
                     .fetch_add((keys.len() - n_copied) as u64, Ordering::Relaxed);
             }
             return;
