@@ -267,6 +267,7 @@ impl Engine {
                 config.events.max,
                 config.events.locality,
             ),
+            miss_fallback: std::sync::OnceLock::new(),
         });
         let piece_blocks = ((1u64 << 30) / block_bytes).max(1);
         let settings = BackendSettings {
@@ -387,6 +388,7 @@ impl Engine {
                         if let Some(sink) = &demote_sink {
                             let _ = sink.set(tier.demote_sink());
                         }
+                        let _ = engine.shared.miss_fallback.set(tier.miss_fallback());
                         engine.info.s3 = Some(tier.summary().clone());
                         engine.s3 = Some(tier);
                     }

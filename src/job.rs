@@ -6,7 +6,7 @@
 //! order* loaded before the first failure (vLLM's `successful_keys` prefix semantics).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::events::EventSink;
@@ -117,6 +117,10 @@ impl JobResult {
     }
 }
 
+/// Where a load whose key the NVMe tier turned out not to hold goes instead of failing as a
+/// miss (the S3 tier, when configured).
+pub(crate) type MissFallback = Box<dyn Fn(&Arc<JobState>, usize) + Send + Sync>;
+
 /// State shared by the engine handle and every worker.
 pub(crate) struct Shared {
     pub results_tx: crossbeam_channel::Sender<JobResult>,
@@ -124,9 +128,21 @@ pub(crate) struct Shared {
     pub idle_lock: Mutex<()>,
     pub idle: Condvar,
     pub events: EventSink,
+    /// Set once the S3 tier is open.
+    pub miss_fallback: std::sync::OnceLock<MissFallback>,
 }
 
 impl Shared {
+    /// A load's key is not in the NVMe tier: ask the next tier, or fail the key as a miss. This
+    /// catches a key evicted (or removed by another process) between `lookup` or submission
+    /// and the worker reaching it.
+    pub fn load_missed(&self, job: &Arc<JobState>, index: usize, detail: String) {
+        match self.miss_fallback.get() {
+            Some(fallback) if job.kind == JobKind::Load => fallback(job, index),
+            _ => job.fail(self, index, KeyFailure::Miss, detail),
+        }
+    }
+
     pub fn finish(&self, result: JobResult) {
         // The receiver lives in the Engine, which outlives the workers; ignore a closed channel
         // only because there is nobody left to tell.

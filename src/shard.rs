@@ -811,7 +811,7 @@ impl Shard {
                 self.take_queued(JobKind::Load);
                 self.me.metrics.load_misses.fetch_add(1, Ordering::Relaxed);
                 self.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
-                job.fail(&self.shared, item, KeyFailure::Miss, String::new());
+                self.shared.load_missed(&job, item, String::new());
                 any = true;
                 continue;
             };

@@ -619,6 +619,17 @@ write = "through"
     let bytes = std::fs::read(&file).expect("promoted file exists at the vLLM path");
     assert!(bytes == content(7, BLOCK as usize));
     assert_eq!(engine.lookup(&[key(7)]), vec![Lookup::Hit(Tier::Nvme)]);
+    // A block file removed behind the engine's back (another process evicting it): the load
+    // finds no file and falls back to the bucket instead of failing as a miss.
+    let gone = FileMapper::new(&dir.path().join("files"), &namespace())
+        .key_path(key(1).as_bytes())
+        .expect("path");
+    std::fs::remove_file(&gone).expect("remove the block file");
+    let gets = engine.stats().s3.expect("stats").get.requests;
+    let r = load(&engine, &region, 3, &[1]);
+    assert!(r.success, "{r:?}");
+    assert!(holds(&region, 0, 1));
+    assert_eq!(engine.stats().s3.expect("stats").get.requests, gets + 1);
 }
 
 /// With write_ack = "nvme" a dead endpoint never holds up store jobs: they report after the NVMe
@@ -648,11 +659,7 @@ fn write_ack_nvme_stores_do_not_wait_for_a_dead_endpoint() {
         assert!(r.success, "{r:?}");
     }
     // Eight jobs, each far quicker than one upload attempt (timeout_ms = 1000).
-    assert!(
-        t.elapsed() < Duration::from_secs(1),
-        "{:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     let s3 = engine.stats().s3.expect("stats");
     assert!(s3.uploads_dropped >= 14, "{s3:?}"); // 16 blocks, at most 2 queued
     assert_eq!(engine.lookup(&[key(215)]), vec![Lookup::Hit(Tier::Nvme)]);

@@ -728,6 +728,10 @@ impl FilesWorker {
                 self.me.metrics.loads_ok.fetch_add(1, Ordering::Relaxed);
                 job.succeed(&self.shared, item, self.block_bytes);
             }
+            Err((KeyFailure::Miss, detail)) => {
+                self.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
+                self.shared.load_missed(&job, item, detail);
+            }
             Err((reason, detail)) => {
                 self.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
                 job.fail(&self.shared, item, reason, detail);

@@ -359,6 +359,27 @@ impl S3Tier {
         }
     }
 
+    /// For workers: a load whose key the NVMe tier no longer holds is loaded from the bucket.
+    /// Holds the tier weakly (the tier holds the state the workers share).
+    pub fn miss_fallback(&self) -> crate::job::MissFallback {
+        let weak = Arc::downgrade(&self.inner);
+        let shared = Arc::downgrade(&self.inner.shared);
+        Box::new(
+            move |job: &Arc<JobState>, index: usize| match weak.upgrade() {
+                Some(inner) => {
+                    let me = Arc::clone(&inner);
+                    let job = Arc::clone(job);
+                    inner.spawn(async move { me.load_one(job, index).await });
+                }
+                None => {
+                    if let Some(shared) = shared.upgrade() {
+                        job.fail(&shared, index, KeyFailure::Shutdown, String::new());
+                    }
+                }
+            },
+        )
+    }
+
     /// A write-through store: `then` for the NVMe half, which uploads and reports the job.
     pub fn after_store(&self, keys: Vec<Key>, blocks: Vec<u32>) -> crate::job::Then {
         let me = Arc::clone(&self.inner);
