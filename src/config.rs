@@ -280,7 +280,8 @@ impl Serialize for Secret {
 pub enum S3Write {
     /// Every stored block is uploaded after its NVMe store.
     Through,
-    /// Blocks the NVMe tier evicts are uploaded before their slot is reused (slab layout).
+    /// Blocks the NVMe tier evicts are uploaded: read into a staging buffer before their slot is
+    /// reused (slab) or their file removed (files).
     OnEvict,
     /// Nothing is uploaded: the bucket is read-only for this node.
     #[default]
@@ -596,14 +597,6 @@ impl Config {
             "s3.upload_queue_blocks",
             s3.upload_queue_blocks,
             AT_LEAST_ONE,
-        )?;
-        let files_layout = self.devices.iter().any(|d| d.layout == Layout::Files);
-        ensure(
-            !(s3.write == S3Write::OnEvict && files_layout),
-            "s3.write",
-            "\"on_evict\"",
-            "\"through\" or \"off\" with layout = \"files\" (demotion on eviction reads \
-             the evicted slot, which only the slab layout does so far)",
         )
     }
 
@@ -1932,14 +1925,6 @@ mod tests {
             .expect_err("no namespace")
             .to_string();
         assert_mentions(&message, &["s3.namespace", "[files.namespace]"]);
-        // Demotion needs the slab layout.
-        let text = "[[devices]]\npath = \"/d\"\nlayout = \"files\"\n[s3]\nbucket = \"b\"\n\
-             write = \"on_evict\"\n[files.namespace]\nmodel_name = \"f\"\ndtype = \"x\"\n\
-             tokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n";
-        let message = Config::from_toml_str(text)
-            .expect_err("on_evict + files")
-            .to_string();
-        assert_mentions(&message, &["s3.write", "on_evict", "slab"]);
     }
 
     #[test]

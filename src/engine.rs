@@ -282,7 +282,7 @@ impl Engine {
         let demote_sink: Option<shard::DemoteSink> = config
             .s3
             .as_ref()
-            .filter(|s3| s3.write == crate::config::S3Write::OnEvict && !files_layout)
+            .filter(|s3| s3.write == crate::config::S3Write::OnEvict)
             .map(|_| Arc::new(std::sync::OnceLock::new()));
         let mut shards = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
@@ -887,6 +887,7 @@ fn worker_main(ctx: WorkerCtx) {
                 block_bytes: ctx.config.block_size,
                 ring_entries: ctx.config.ring_entries as usize,
                 devices: ctx.files_devices.iter().cloned().collect(),
+                demote,
             },
             ctx.scanned,
         );

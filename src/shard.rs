@@ -44,9 +44,9 @@ pub(crate) struct Demotion {
     pub staging: Arc<Region>,
     pub offset: usize,
     pub len: usize,
-    /// The crc32c the slot table holds for the block: checked before the upload, so a block
-    /// corrupted on NVMe is never demoted.
-    pub crc: u32,
+    /// The crc32c kept with the block (slot table, or the files layout's xattr): checked before
+    /// the upload, so a block corrupted on NVMe is never demoted. `None`: nothing to check.
+    pub crc: Option<u32>,
     slot: u32,
     give_back: crossbeam_channel::Sender<u32>,
     /// The worker, woken when the slot comes back (a store may be waiting for it).
@@ -90,7 +90,7 @@ impl Demote {
         }
     }
 
-    fn take_staging(&mut self) -> Option<u32> {
+    pub(crate) fn take_staging(&mut self) -> Option<u32> {
         self.free.pop().or_else(|| {
             let s = self.returned.try_recv().ok()?;
             self.handed -= 1;
@@ -98,9 +98,53 @@ impl Demote {
         })
     }
 
+    /// A staging slot taken but not used.
+    pub(crate) fn put_back(&mut self, staging: u32) {
+        self.free.push(staging);
+    }
+
+    /// A read into `staging` started.
+    pub(crate) fn started(&mut self) {
+        self.in_flight += 1;
+    }
+
+    /// The read into `staging` ended: hands the block to the S3 tier (`Some(key)`), or takes the
+    /// staging slot back (`None`: the read failed, or the block must not be demoted).
+    pub(crate) fn finished(
+        &mut self,
+        staging: u32,
+        block_bytes: usize,
+        demoted: Option<(Key, Option<u32>)>,
+        worker: &Arc<ShardShared>,
+    ) -> bool {
+        self.in_flight -= 1;
+        if let (Some((key, crc)), Some(sink)) = (demoted, self.sink.get()) {
+            self.handed += 1;
+            sink(Demotion {
+                key,
+                staging: Arc::clone(&self.staging),
+                offset: staging as usize * block_bytes,
+                len: block_bytes,
+                crc,
+                slot: staging,
+                give_back: self.give_back.clone(),
+                worker: Arc::clone(worker),
+            });
+            true
+        } else {
+            self.free.push(staging);
+            false
+        }
+    }
+
+    /// The staging slots' receiver, for the worker's sleep check.
+    pub(crate) fn returned(&self) -> &crossbeam_channel::Receiver<u32> {
+        &self.returned
+    }
+
     /// Whether a staging slot will become free without this worker doing anything: read in
     /// flight, or handed to the S3 tier, which gives it back right after copying it out.
-    fn will_free(&self) -> bool {
+    pub(crate) fn will_free(&self) -> bool {
         self.in_flight > 0 || self.handed > 0
     }
 }
@@ -704,7 +748,7 @@ impl Shard {
             if self.stopping && self.idle() {
                 break;
             }
-            let returned = self.demote.as_ref().map(|d| &d.returned);
+            let returned = self.demote.as_ref().map(Demote::returned);
             let r = submit_or_sleep(self.backend.as_mut(), &self.me, &self.rx, progress, || {
                 returned.is_some_and(|r| !r.is_empty())
             });
@@ -1308,7 +1352,7 @@ impl Shard {
         op.slot = victim;
         self.devs[d].slots[victim as usize].pins += 1;
         if let Some(m) = self.demote.as_mut() {
-            m.in_flight += 1;
+            m.started();
         }
         None
     }
@@ -1317,46 +1361,34 @@ impl Shard {
         let op = &self.ops.ops[idx as usize];
         let (d, local) = (op.dev as usize, op.slot);
         self.ops.release(idx);
-        let Some(m) = self.demote.as_mut() else {
-            return;
-        };
-        m.in_flight -= 1;
         let slot = &mut self.devs[d].slots[local as usize];
         slot.pins -= 1;
         let read_ok = result == self.block_bytes as i32;
         let still_valid = slot.state == SlotState::Valid && slot.pins == 0;
-        match (read_ok, slot.key, m.sink.get()) {
-            (true, Some(key), Some(sink)) if still_valid => {
-                self.me.metrics.demotions.fetch_add(1, Ordering::Relaxed);
-                m.handed += 1;
-                sink(Demotion {
-                    key,
-                    staging: Arc::clone(&m.staging),
-                    offset: staging as usize * self.block_bytes as usize,
-                    len: self.block_bytes as usize,
-                    crc: slot.crc,
-                    slot: staging,
-                    give_back: m.give_back.clone(),
-                    worker: Arc::clone(&self.me),
-                });
-            }
-            _ => {
-                m.free.push(staging);
-                if !read_ok {
-                    self.me
-                        .metrics
-                        .demotions_dropped
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.log_error(&format!(
-                        "reading evicted slot {local} of device {d} for demotion: {}",
-                        if result < 0 {
-                            Errno::from_raw(-result).desc().to_owned()
-                        } else {
-                            format!("{result} bytes")
-                        }
-                    ));
+        let demoted = slot
+            .key
+            .filter(|_| read_ok && still_valid)
+            .map(|k| (k, Some(slot.crc)));
+        let block_bytes = self.block_bytes as usize;
+        let me = Arc::clone(&self.me);
+        let Some(m) = self.demote.as_mut() else {
+            return;
+        };
+        if m.finished(staging, block_bytes, demoted, &me) {
+            self.me.metrics.demotions.fetch_add(1, Ordering::Relaxed);
+        } else if !read_ok {
+            self.me
+                .metrics
+                .demotions_dropped
+                .fetch_add(1, Ordering::Relaxed);
+            self.log_error(&format!(
+                "reading evicted slot {local} of device {d} for demotion: {}",
+                if result < 0 {
+                    Errno::from_raw(-result).desc().to_owned()
+                } else {
+                    format!("{result} bytes")
                 }
-            }
+            ));
         }
         let slot = self.devs[d].slots[local as usize];
         if slot.state == SlotState::Valid && slot.pins == 0 {

@@ -506,10 +506,32 @@ fn on_evict_demotes_evicted_blocks_before_their_slot_is_reused() {
         "write = \"on_evict\"\nupload_queue_blocks = 1024\npromote_on_load = false",
     );
     let (engine, region) = open(&cfg);
-    let slots = engine.stats().slots_total;
-    let total = slots + 96;
+    let total = engine.stats().slots_total + 96;
+    check_demotion(&engine, &region, &server, total);
+}
+
+/// The same through the files layout: an evicted file is read into staging before it is
+/// removed, and uploaded.
+#[test]
+fn on_evict_demotes_evicted_files_before_they_are_removed() {
+    let server = S3Server::start();
+    let dir = scratch_dir();
+    let text = files_config_text(
+        dir.path(),
+        &server,
+        "write = \"on_evict\"\nupload_queue_blocks = 1024\npromote_on_load = false",
+    );
+    let cfg = Config::from_toml_str(&text).expect("files + s3 config");
+    let (engine, region) = open(&cfg);
+    check_demotion(&engine, &region, &server, (16 << 20) / BLOCK + 96);
+}
+
+/// Stores `total` keys in jobs of 32 (evicting once the device is full), then checks that every
+/// eviction was demoted or counted, that every object holds its block's bytes, and that only
+/// evicted keys were uploaded.
+fn check_demotion(engine: &Engine, region: &Region, server: &S3Server, total: u64) {
     for (j, chunk) in (0..total).collect::<Vec<u64>>().chunks(32).enumerate() {
-        let r = store(&engine, &region, j as u64, chunk);
+        let r = store(engine, region, j as u64, chunk);
         assert!(r.success, "{r:?}");
     }
     engine.drain();
@@ -552,9 +574,9 @@ fn on_evict_demotes_evicted_blocks_before_their_slot_is_reused() {
     assert_eq!(demoted.len() as u64, s3.demotions);
     // A demoted key loads from S3 now.
     let id = demoted[0];
-    let r = load(&engine, &region, 9999, &[id]);
+    let r = load(engine, region, 9999, &[id]);
     assert!(r.success, "{r:?}");
-    assert!(holds(&region, 0, id));
+    assert!(holds(region, 0, id));
     let removed_nvme: usize = engine
         .take_events()
         .iter()
@@ -570,37 +592,7 @@ fn on_evict_demotes_evicted_blocks_before_their_slot_is_reused() {
 fn files_layout_writes_through_and_promotes_into_vllm_files() {
     let server = S3Server::start();
     let dir = scratch_dir();
-    let text = format!(
-        r#"
-block_size = {BLOCK}
-cores = [0]
-region_blocks = 64
-[[devices]]
-path = "{dev}"
-layout = "files"
-capacity_bytes = {cap}
-[files.namespace]
-model_name = "test/model"
-dtype = "float16"
-tokens_per_hash = 16
-blocks_per_file = 1
-[[files.namespace.kv_cache_groups]]
-tokens_per_block = 16
-layer_names = ["layer.0"]
-[s3]
-bucket = "{bucket}"
-endpoint = "{endpoint}"
-force_path_style = true
-access_key_id = "{ACCESS_KEY}"
-secret_access_key = "{SECRET_KEY}"
-prefix = "fleet"
-write = "through"
-"#,
-        dev = dir.path().join("files").display(),
-        cap = 16 << 20,
-        bucket = common::s3::BUCKET,
-        endpoint = server.endpoint(),
-    );
+    let text = files_config_text(dir.path(), &server, "write = \"through\"");
     let cfg = Config::from_toml_str(&text).expect("files + s3 config");
     let (engine, region) = open(&cfg);
     assert!(store(&engine, &region, 1, &[1, 2]).success);
@@ -630,6 +622,43 @@ write = "through"
     assert!(r.success, "{r:?}");
     assert!(holds(&region, 0, 1));
     assert_eq!(engine.stats().s3.expect("stats").get.requests, gets + 1);
+}
+
+/// A files-layout device of 16 MiB under an S3 tier whose namespace comes from [files].
+fn files_config_text(dir: &Path, server: &S3Server, s3_extra: &str) -> String {
+    format!(
+        r#"
+block_size = {BLOCK}
+cores = [0]
+region_blocks = 64
+[events]
+enabled = true
+[[devices]]
+path = "{dev}"
+layout = "files"
+capacity_bytes = {cap}
+[files.namespace]
+model_name = "test/model"
+dtype = "float16"
+tokens_per_hash = 16
+blocks_per_file = 1
+[[files.namespace.kv_cache_groups]]
+tokens_per_block = 16
+layer_names = ["layer.0"]
+[s3]
+bucket = "{bucket}"
+endpoint = "{endpoint}"
+force_path_style = true
+access_key_id = "{ACCESS_KEY}"
+secret_access_key = "{SECRET_KEY}"
+prefix = "fleet"
+{s3_extra}
+"#,
+        dev = dir.join("files").display(),
+        cap = 16 << 20,
+        bucket = common::s3::BUCKET,
+        endpoint = server.endpoint(),
+    )
 }
 
 /// With write_ack = "nvme" a dead endpoint never holds up store jobs: they report after the NVMe

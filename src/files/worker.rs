@@ -33,8 +33,8 @@ use crate::io::{BufRef, Completion, FileOp, IoBackend, IoClass, Region};
 use crate::job::{JobKind, JobState, KeyFailure, Shared};
 use crate::key::{Key, KeyMap};
 use crate::shard::{
-    decode_user_data, encode_user_data, region_crc, submit_or_sleep, Msg, ShardShared, WorkQueue,
-    BUF_REGION,
+    decode_user_data, encode_user_data, region_crc, submit_or_sleep, Demote, Msg, ShardShared,
+    WorkQueue, BUF_REGION, BUF_STAGING,
 };
 use crate::Errno;
 
@@ -106,6 +106,8 @@ struct Op {
     retried: bool,
     /// The temp file exists on disk (created, not yet renamed or removed).
     tmp_exists: bool,
+    /// A removal that first reads the file into this staging slot (demotion to S3).
+    staging: Option<u32>,
     started: Instant,
 }
 
@@ -134,6 +136,7 @@ impl Op {
             mkdir_tried: false,
             retried: false,
             tmp_exists: false,
+            staging: None,
             started: Instant::now(),
         }
     }
@@ -150,6 +153,8 @@ pub(crate) struct FilesParams {
     pub block_bytes: u64,
     pub ring_entries: usize,
     pub devices: Vec<Arc<FilesDevice>>,
+    /// `s3.write = "on_evict"`: evicted files are read into staging before they are removed.
+    pub demote: Option<Demote>,
 }
 
 pub(crate) struct FilesWorker {
@@ -183,6 +188,7 @@ pub(crate) struct FilesWorker {
     completions: Vec<Completion>,
     rng: u64,
     error_logs: u32,
+    demote: Option<Demote>,
 }
 
 impl FilesWorker {
@@ -226,6 +232,7 @@ impl FilesWorker {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(7, |d| d.as_nanos() as u64),
             error_logs: 0,
+            demote: p.demote,
         };
         // Seed the LRU from file times: oldest first.
         let mut scanned = scanned;
@@ -321,10 +328,17 @@ impl FilesWorker {
         let user_data = self.user_data(idx, 0);
         let dest = c_path(&op.dest);
         let tmp = c_path(&op.tmp);
-        let block_buf = BufRef {
-            region: BUF_REGION,
-            offset: op.block as usize * self.block_bytes as usize,
-            len: self.block_bytes as u32,
+        let block_buf = match op.staging {
+            Some(slot) => BufRef {
+                region: BUF_STAGING,
+                offset: slot as usize * self.block_bytes as usize,
+                len: self.block_bytes as u32,
+            },
+            None => BufRef {
+                region: BUF_REGION,
+                offset: op.block as usize * self.block_bytes as usize,
+                len: self.block_bytes as u32,
+            },
         };
         let file_op = match op.step {
             Step::Open => FileOp::OpenAt {
@@ -451,8 +465,9 @@ impl FilesWorker {
             if self.stopping && self.idle() {
                 break;
             }
+            let returned = self.demote.as_ref().map(Demote::returned);
             let r = submit_or_sleep(self.backend.as_mut(), &self.me, &self.rx, progress, || {
-                false
+                returned.is_some_and(|r| !r.is_empty())
             });
             if let Err(e) = r {
                 self.log_error(&format!("submit failed: {e}"));
@@ -592,6 +607,10 @@ impl FilesWorker {
     }
 
     fn on_open(&mut self, idx: u32, result: i32) {
+        if self.ops[idx as usize].kind == Kind::Remove {
+            self.on_demote_open(idx, result);
+            return;
+        }
         if result < 0 {
             let e = Errno::from_raw(-result);
             let key = self.ops[idx as usize].key.expect("load has a key");
@@ -629,6 +648,10 @@ impl FilesWorker {
     }
 
     fn on_read(&mut self, idx: u32, result: i32) {
+        if self.ops[idx as usize].kind == Kind::Remove {
+            self.on_demote_read(idx, result);
+            return;
+        }
         let m = &self.me.metrics;
         m.read_ops.fetch_add(1, Ordering::Relaxed);
         let wanted = self.block_bytes as u32;
@@ -842,7 +865,7 @@ impl FilesWorker {
                 if self.removals_in_flight > 0 {
                     return Start::Blocked;
                 }
-                if self.evict(d, EVICT_BATCH) > 0 {
+                if self.evict(d, EVICT_BATCH) > 0 || self.demotion_pending() {
                     return Start::Blocked;
                 }
                 self.take_store(retried);
@@ -1193,14 +1216,39 @@ impl FilesWorker {
             let Some(dest) = self.devs[d].path_of(&key) else {
                 continue;
             };
+            // With demotion, a victim is read into a staging slot first; with none free, wait
+            // for one to come back rather than evict without demoting (the S3 tier gives them
+            // back as soon as it has copied them, however slow the upload).
+            let staging = match self.demote.as_mut() {
+                None => None,
+                Some(m) => match m.take_staging() {
+                    Some(s) => Some(s),
+                    None if m.will_free() => break,
+                    None => {
+                        self.me
+                            .metrics
+                            .demotions_dropped
+                            .fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
+                },
+            };
             let Some(idx) = self.alloc(Kind::Remove) else {
+                if let (Some(s), Some(m)) = (staging, self.demote.as_mut()) {
+                    m.put_back(s);
+                }
                 break;
             };
             let entry = self.unindex(&key);
             self.shared.events.push(vec![key], true);
             self.me.metrics.evictions.fetch_add(1, Ordering::Relaxed);
             let op = &mut self.ops[idx as usize];
-            op.step = Step::Unlink;
+            op.step = if staging.is_some() {
+                Step::Open
+            } else {
+                Step::Unlink
+            };
+            op.staging = staging;
             op.key = Some(key);
             op.dev = d as u16;
             op.dest = dest;
@@ -1210,11 +1258,81 @@ impl FilesWorker {
                 0
             };
             op.resolved = true;
+            if let Some(m) = self.demote.as_mut().filter(|_| staging.is_some()) {
+                m.started();
+            }
             self.removals_in_flight += 1;
             self.push_step(idx);
             started += 1;
         }
         started
+    }
+
+    /// Whether a demotion will free a staging slot (then a store waiting for space waits).
+    fn demotion_pending(&self) -> bool {
+        self.demote.as_ref().is_some_and(Demote::will_free)
+    }
+
+    /// A demotion opened the evicted file: read it (with its crc), or give the staging slot
+    /// back and remove it anyway.
+    fn on_demote_open(&mut self, idx: u32, result: i32) {
+        if result < 0 {
+            self.end_demotion(idx, None);
+            self.ops[idx as usize].step = Step::Unlink;
+            self.push_step(idx);
+            return;
+        }
+        let dev = Arc::clone(&self.devs[self.ops[idx as usize].dev as usize]);
+        let crc = if dev.checksums {
+            read_crc(result, &dev)
+        } else {
+            None
+        };
+        let op = &mut self.ops[idx as usize];
+        op.fd = result;
+        op.crc = crc;
+        op.step = Step::Read;
+        self.push_step(idx);
+    }
+
+    /// The evicted file is in its staging slot: hand it to the S3 tier, close, remove.
+    fn on_demote_read(&mut self, idx: u32, result: i32) {
+        let op = &self.ops[idx as usize];
+        let demoted = (result == self.block_bytes as i32)
+            .then_some(op.key)
+            .flatten()
+            .map(|k| (k, op.crc));
+        if demoted.is_none() {
+            self.log_error(&format!(
+                "reading evicted {} for demotion: {}",
+                self.ops[idx as usize].dest.display(),
+                if result < 0 {
+                    Errno::from_raw(-result).desc().to_owned()
+                } else {
+                    format!("{result} bytes")
+                }
+            ));
+        }
+        self.end_demotion(idx, demoted);
+        self.ops[idx as usize].step = Step::Close;
+        self.push_step(idx);
+    }
+
+    fn end_demotion(&mut self, idx: u32, demoted: Option<(Key, Option<u32>)>) {
+        let Some(staging) = self.ops[idx as usize].staging.take() else {
+            return;
+        };
+        let block_bytes = self.block_bytes as usize;
+        let me = Arc::clone(&self.me);
+        let Some(m) = self.demote.as_mut() else {
+            return;
+        };
+        let counter = if m.finished(staging, block_bytes, demoted, &me) {
+            &self.me.metrics.demotions
+        } else {
+            &self.me.metrics.demotions_dropped
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 
     fn on_unlink(&mut self, idx: u32, result: i32) {
