@@ -86,6 +86,16 @@ fn open(config: &Config) -> (Engine, Arc<Region>) {
     (engine, region)
 }
 
+/// Shuts the engine down, checking it takes less than `limit`; returns every result.
+fn shutdown_within(engine: &Engine, limit: Duration) -> Vec<kvtier::JobResult> {
+    let t = Instant::now();
+    engine.shutdown();
+    assert!(t.elapsed() < limit, "shutdown took {:?}", t.elapsed());
+    let mut out = Vec::new();
+    engine.poll_finished(&mut out);
+    out
+}
+
 /// Asks until the answer is no longer Pending (bounded).
 fn settled_lookup(engine: &Engine, id: u64) -> Lookup {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -356,15 +366,7 @@ fn shutdown_with_the_server_down_reports_every_job_within_the_timeout() {
             .submit_load(Job::new(j, vec![key(100 + j)], vec![j as u32]))
             .expect("submit");
     }
-    let t = Instant::now();
-    engine.shutdown();
-    assert!(
-        t.elapsed() < Duration::from_secs(6),
-        "shutdown took {:?}",
-        t.elapsed()
-    );
-    let mut out = Vec::new();
-    engine.poll_finished(&mut out);
+    let out = shutdown_within(&engine, Duration::from_secs(6));
     assert_eq!(out.len(), 8, "every job reported once: {out:?}");
     assert!(out.iter().all(|r| !r.success));
     drop(region);
@@ -482,15 +484,7 @@ fn a_silent_endpoint_times_out_and_never_hangs_drain_or_shutdown() {
     engine
         .submit_load(Job::new(20, vec![key(80)], vec![5]))
         .expect("submit");
-    let t = Instant::now();
-    engine.shutdown();
-    assert!(
-        t.elapsed() < Duration::from_secs(4),
-        "shutdown took {:?}",
-        t.elapsed()
-    );
-    let mut out = Vec::new();
-    engine.poll_finished(&mut out);
+    let out = shutdown_within(&engine, Duration::from_secs(4));
     assert_eq!(out.len(), 5, "{out:?}");
     assert!(out.iter().all(|r| !r.success));
 }
