@@ -618,41 +618,18 @@ fn files_layout_writes_through_and_promotes_into_vllm_files() {
     assert_eq!(engine.stats().s3.expect("stats").get.requests, gets + 1);
 }
 
-/// A files-layout device of 16 MiB under an S3 tier whose namespace comes from [files].
+/// A files-layout device of 16 MiB under an S3 tier whose namespace comes from [files]: the
+/// slab config with its device and namespace moved.
 fn files_config_text(dir: &Path, server: &S3Server, s3_extra: &str) -> String {
-    format!(
-        r#"
-block_size = {BLOCK}
-cores = [0]
-region_blocks = 64
-[events]
-enabled = true
-[[devices]]
-path = "{dev}"
-layout = "files"
-capacity_bytes = {cap}
-[files.namespace]
-model_name = "test/model"
-dtype = "float16"
-tokens_per_hash = 16
-blocks_per_file = 1
-[[files.namespace.kv_cache_groups]]
-tokens_per_block = 16
-layer_names = ["layer.0"]
-[s3]
-bucket = "{bucket}"
-endpoint = "{endpoint}"
-force_path_style = true
-access_key_id = "{ACCESS_KEY}"
-secret_access_key = "{SECRET_KEY}"
-prefix = "fleet"
-{s3_extra}
-"#,
-        dev = dir.join("files").display(),
-        cap = 16 << 20,
-        bucket = common::s3::BUCKET,
-        endpoint = server.endpoint(),
-    )
+    let slab = format!("path = \"{}\"", dir.join("slab").display());
+    let files = format!(
+        "path = \"{}\"\nlayout = \"files\"",
+        dir.join("files").display()
+    );
+    config_text(dir, &server.endpoint(), 0, s3_extra)
+        .replace(&slab, &files)
+        .replace("[s3.namespace]", "[files.namespace]")
+        .replace("[[s3.namespace.", "[[files.namespace.")
 }
 
 /// With write_ack = "nvme" a dead endpoint never holds up store jobs: they report after the NVMe

@@ -4,16 +4,12 @@
 //! exit with the wrong code. Scratch data goes under /var/tmp (not /tmp, which may be tmpfs and
 //! refuse `O_DIRECT`); each test uses its own temporary directory.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("the kvtier binary runs")
-}
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use common::kvtier;
 
 fn scratch() -> tempfile::TempDir {
     tempfile::Builder::new()

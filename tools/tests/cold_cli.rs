@@ -2,20 +2,12 @@
 //! `.ci/run`): it must run every phase, verify every loaded block, report the engine next to the
 //! plain SDK loop, and leave the bucket as it found it.
 
+mod common;
 #[path = "../../tests/common/s3.rs"]
 mod s3;
 
-use std::process::{Command, Output};
-
+use common::kvtier;
 use s3::{S3Server, ACCESS_KEY, BUCKET, SECRET_KEY};
-
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("the kvtier binary runs")
-}
 
 #[test]
 fn cold_bench_reports_engine_and_plain_sdk_and_cleans_up() {

@@ -6,22 +6,18 @@
 //! whose keys inspect cannot list, a block written without a checksum (as vLLM writes them)
 //! reported as verified or as bad, and a corrupt file that inspect does not flag.
 
+mod common;
+
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+use common::kvtier;
 
 use kvtier::files::mapper::FileMapper;
 use kvtier::{Config, Key};
 
 const BLOCK: usize = 64 * 1024;
-
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("the kvtier binary runs")
-}
 
 fn scratch() -> tempfile::TempDir {
     tempfile::Builder::new()

@@ -4,7 +4,11 @@
 //! negative), fio jobs that no longer use the kernel path the comparison promises, and a
 //! scratch directory left behind. Each test skips with a message when fio is not installed.
 
+mod common;
+
 use std::process::{Command, Output};
+
+use common::kvtier;
 
 fn have_fio() -> bool {
     let found = Command::new("fio")
@@ -15,14 +19,6 @@ fn have_fio() -> bool {
         println!("skipping: fio is not on PATH (install fio: apt-get install -y fio)");
     }
     found
-}
-
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("the kvtier binary runs")
 }
 
 fn scratch() -> tempfile::TempDir {
