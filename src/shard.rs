@@ -277,8 +277,6 @@ enum OpKind {
 }
 
 struct Op {
-    gen: u32,
-    live: bool,
     kind: OpKind,
     job: Option<Arc<JobState>>,
     item: u32,
@@ -294,76 +292,103 @@ struct Op {
     started: Instant,
 }
 
-/// Fixed table of in-flight ops addressed by index + generation (never by pointer).
-struct Ops {
-    ops: Vec<Op>,
+impl Op {
+    fn new(kind: OpKind) -> Op {
+        Op {
+            kind,
+            job: None,
+            item: 0,
+            dev: 0,
+            slot: 0,
+            block: 0,
+            chunks_total: 1,
+            chunks_issued: 0,
+            chunks_done: 0,
+            chunk_bytes: 0,
+            failure: None,
+            started: Instant::now(),
+        }
+    }
+}
+
+impl TableOp for Op {
+    fn clear(&mut self) {
+        self.job = None;
+    }
+}
+
+/// What a worker's op must offer its [`OpTable`].
+pub(crate) trait TableOp {
+    /// Drops what a finished op still holds (its job), so the job is freed when it is done
+    /// rather than when the slot is reused.
+    fn clear(&mut self);
+}
+
+/// A fixed table of in-flight ops addressed by index + generation (never by pointer), shared by
+/// the slab and the files workers. `user_data` carries both, and a completion for a released or
+/// reused slot is a bug caught by [`OpTable::decode`].
+pub(crate) struct OpTable<T> {
+    ops: Vec<T>,
+    gens: Vec<u32>,
+    live: Vec<bool>,
     free: Vec<u32>,
 }
 
-impl Ops {
-    fn new(capacity: usize) -> Ops {
-        let now = Instant::now();
-        let ops = (0..capacity)
-            .map(|_| Op {
-                gen: 0,
-                live: false,
-                kind: OpKind::Load,
-                job: None,
-                item: 0,
-                dev: 0,
-                slot: 0,
-                block: 0,
-                chunks_total: 0,
-                chunks_issued: 0,
-                chunks_done: 0,
-                chunk_bytes: 0,
-                failure: None,
-                started: now,
-            })
-            .collect();
-        Ops {
-            ops,
+impl<T: TableOp> OpTable<T> {
+    pub fn new(capacity: usize, make: impl FnMut() -> T) -> OpTable<T> {
+        OpTable {
+            ops: std::iter::repeat_with(make).take(capacity).collect(),
+            gens: vec![0; capacity],
+            live: vec![false; capacity],
             free: (0..capacity as u32).rev().collect(),
         }
     }
 
-    fn alloc(&mut self, kind: OpKind) -> Option<u32> {
+    /// Takes a free slot, puts `op` in it and returns its index; `None` when all are in use.
+    pub fn alloc(&mut self, op: T) -> Option<u32> {
         let idx = self.free.pop()?;
-        let op = &mut self.ops[idx as usize];
-        debug_assert!(!op.live);
-        op.live = true;
-        op.kind = kind;
-        op.gen = op.gen.wrapping_add(1);
-        op.job = None;
-        op.chunks_total = 1;
-        op.chunks_issued = 0;
-        op.chunks_done = 0;
-        op.failure = None;
-        op.started = Instant::now();
+        let i = idx as usize;
+        debug_assert!(!self.live[i]);
+        self.live[i] = true;
+        self.gens[i] = self.gens[i].wrapping_add(1);
+        self.ops[i] = op;
         Some(idx)
     }
 
-    fn release(&mut self, idx: u32) {
-        let op = &mut self.ops[idx as usize];
-        assert!(op.live, "op {idx} released twice");
-        op.live = false;
-        op.job = None;
+    pub fn release(&mut self, idx: u32) {
+        let i = idx as usize;
+        assert!(self.live[i], "op {idx} released twice");
+        self.live[i] = false;
+        self.ops[i].clear();
         self.free.push(idx);
     }
 
-    fn user_data(&self, idx: u32, chunk: u16) -> u64 {
-        encode_user_data(idx, self.ops[idx as usize].gen, chunk)
+    pub fn user_data(&self, idx: u32, chunk: u16) -> u64 {
+        encode_user_data(idx, self.gens[idx as usize], chunk)
     }
 
     /// Decodes `user_data`, asserting that it names a live op of the current generation.
-    fn decode(&self, user_data: u64) -> (u32, u16) {
+    pub fn decode(&self, user_data: u64) -> (u32, u16) {
         let (idx, chunk, gen) = decode_user_data(user_data);
-        let op = &self.ops[idx as usize];
+        let i = idx as usize;
         assert!(
-            op.live && op.gen == gen,
+            self.live[i] && self.gens[i] == gen,
             "completion for a stale op {idx} gen {gen}"
         );
         (idx, chunk)
+    }
+}
+
+impl<T> std::ops::Index<usize> for OpTable<T> {
+    type Output = T;
+    fn index(&self, i: usize) -> &T {
+        &self.ops[i]
+    }
+}
+
+impl<T> std::ops::IndexMut<usize> for OpTable<T> {
+    fn index_mut(&mut self, i: usize) -> &mut T {
+        &mut self.ops[i]
     }
 }
 
@@ -458,7 +483,7 @@ pub(crate) struct Shard {
     chunk_bytes: u64,
     devs: Vec<Dev>,
     index: KeyMap<(u16, u32)>,
-    ops: Ops,
+    ops: OpTable<Op>,
     loads: WorkQueue,
     stores: WorkQueue,
     /// Store ops with chunks still to issue, oldest first.
@@ -555,7 +580,7 @@ impl Shard {
             chunk_bytes,
             devs,
             index,
-            ops: Ops::new(ops_capacity),
+            ops: OpTable::new(ops_capacity, || Op::new(OpKind::Load)),
             loads: WorkQueue::default(),
             stores: WorkQueue::default(),
             store_issuing: VecDeque::new(),
@@ -594,9 +619,9 @@ impl Shard {
                 let len = (total - done).min(RECOVER_READ_BYTES);
                 let idx = self
                     .ops
-                    .alloc(OpKind::Recover)
+                    .alloc(Op::new(OpKind::Recover))
                     .ok_or("op table exhausted")?;
-                self.ops.ops[idx as usize].dev = d as u16;
+                self.ops[idx as usize].dev = d as u16;
                 let req = IoRequest {
                     user_data: self.ops.user_data(idx, 0),
                     kind: IoKind::Read,
@@ -647,7 +672,7 @@ impl Shard {
             if c.result < 0 {
                 err = Some(format!(
                     "reading the slot table of device {}: {}",
-                    self.ops.ops[idx as usize].dev,
+                    self.ops[idx as usize].dev,
                     Errno::from_raw(-c.result).desc()
                 ));
             }
@@ -825,14 +850,14 @@ impl Shard {
         // Store ops with unissued chunks stop issuing; they fail once issued chunks complete.
         for i in 0..self.store_issuing.len() {
             let idx = self.store_issuing[i];
-            let op = &mut self.ops.ops[idx as usize];
+            let op = &mut self.ops[idx as usize];
             op.failure
                 .get_or_insert((KeyFailure::Shutdown, String::new()));
             op.chunks_total = op.chunks_issued;
         }
         let issuing: Vec<u32> = self.store_issuing.drain(..).collect();
         for idx in issuing {
-            let op = &self.ops.ops[idx as usize];
+            let op = &self.ops[idx as usize];
             if op.chunks_done == op.chunks_issued {
                 self.finish_store(idx);
             }
@@ -867,7 +892,7 @@ impl Shard {
                 any = true;
                 continue;
             }
-            let Some(idx) = self.ops.alloc(OpKind::Load) else {
+            let Some(idx) = self.ops.alloc(Op::new(OpKind::Load)) else {
                 break;
             };
             let dev = &self.devs[d as usize];
@@ -883,7 +908,7 @@ impl Shard {
                 self.ops.release(idx);
                 break;
             }
-            let op = &mut self.ops.ops[idx as usize];
+            let op = &mut self.ops[idx as usize];
             op.job = Some(job);
             op.item = item as u32;
             op.dev = d;
@@ -917,7 +942,7 @@ impl Shard {
 
     fn on_load_done(&mut self, idx: u32, result: i32) {
         self.loads_in_flight -= 1;
-        let op = &self.ops.ops[idx as usize];
+        let op = &self.ops[idx as usize];
         let (d, local, block, item) = (
             op.dev as usize,
             op.slot as usize,
@@ -1086,7 +1111,7 @@ impl Shard {
             job.fail(&self.shared, item, KeyFailure::NoSpace, detail);
             return StoreStart::Resolved;
         };
-        let Some(idx) = self.ops.alloc(OpKind::Store) else {
+        let Some(idx) = self.ops.alloc(Op::new(OpKind::Store)) else {
             self.free_slot(d, local);
             return StoreStart::Blocked;
         };
@@ -1103,7 +1128,7 @@ impl Shard {
             crc,
         };
         self.index.insert(key, (d as u16, local));
-        let op = &mut self.ops.ops[idx as usize];
+        let op = &mut self.ops[idx as usize];
         op.job = Some(job);
         op.item = item as u32;
         op.dev = d as u16;
@@ -1126,9 +1151,9 @@ impl Shard {
 
     /// Issues the next chunk of store op `idx`; false if the ring is full.
     fn issue_chunk(&mut self, idx: u32) -> bool {
-        let op = &self.ops.ops[idx as usize];
+        let op = &self.ops[idx as usize];
         let chunk = op.chunks_issued;
-        let chunk_bytes = self.ops.ops[idx as usize].chunk_bytes;
+        let chunk_bytes = self.ops[idx as usize].chunk_bytes;
         let start = u64::from(chunk) * chunk_bytes;
         let len = chunk_bytes.min(self.block_bytes - start);
         let dev = &self.devs[op.dev as usize];
@@ -1147,7 +1172,7 @@ impl Shard {
         if !self.backend.push(&req) {
             return false;
         }
-        let op = &mut self.ops.ops[idx as usize];
+        let op = &mut self.ops[idx as usize];
         op.chunks_issued += 1;
         self.store_bytes_in_flight += len;
         if op.chunks_issued == op.chunks_total {
@@ -1158,7 +1183,7 @@ impl Shard {
     }
 
     fn on_store_chunk_done(&mut self, idx: u32, chunk: u16, result: i32) {
-        let chunk_bytes = self.ops.ops[idx as usize].chunk_bytes;
+        let chunk_bytes = self.ops[idx as usize].chunk_bytes;
         let start = u64::from(chunk) * chunk_bytes;
         let len = chunk_bytes.min(self.block_bytes - start);
         self.store_bytes_in_flight -= len;
@@ -1180,7 +1205,7 @@ impl Shard {
             m.bytes_written.fetch_add(len, Ordering::Relaxed);
             None
         };
-        let op = &mut self.ops.ops[idx as usize];
+        let op = &mut self.ops[idx as usize];
         op.chunks_done += 1;
         if let Some(f) = failure {
             if op.failure.is_none() {
@@ -1192,7 +1217,7 @@ impl Shard {
                 self.store_issuing.retain(|&i| i != idx);
             }
         }
-        let op = &self.ops.ops[idx as usize];
+        let op = &self.ops[idx as usize];
         if op.chunks_done == op.chunks_total && op.chunks_issued == op.chunks_total {
             self.finish_store(idx);
         }
@@ -1200,7 +1225,7 @@ impl Shard {
 
     fn finish_store(&mut self, idx: u32) {
         self.store_ops -= 1;
-        let op = &self.ops.ops[idx as usize];
+        let op = &self.ops[idx as usize];
         let (d, local, item) = (op.dev as usize, op.slot, op.item as usize);
         let job = op.job.clone().expect("store op has a job");
         let failure = op.failure.clone();
@@ -1325,7 +1350,7 @@ impl Shard {
             give_back(self);
             return None;
         };
-        let Some(idx) = self.ops.alloc(OpKind::Demote { staging }) else {
+        let Some(idx) = self.ops.alloc(Op::new(OpKind::Demote { staging })) else {
             give_back(self);
             return None;
         };
@@ -1347,7 +1372,7 @@ impl Shard {
             give_back(self);
             return None;
         }
-        let op = &mut self.ops.ops[idx as usize];
+        let op = &mut self.ops[idx as usize];
         op.dev = d as u16;
         op.slot = victim;
         self.devs[d].slots[victim as usize].pins += 1;
@@ -1358,7 +1383,7 @@ impl Shard {
     }
 
     fn on_demote_done(&mut self, idx: u32, staging: u32, result: i32) {
-        let op = &self.ops.ops[idx as usize];
+        let op = &self.ops[idx as usize];
         let (d, local) = (op.dev as usize, op.slot);
         self.ops.release(idx);
         let slot = &mut self.devs[d].slots[local as usize];
@@ -1495,7 +1520,7 @@ impl Shard {
                 i += 1;
                 continue;
             }
-            let Some(idx) = self.ops.alloc(OpKind::Table { page }) else {
+            let Some(idx) = self.ops.alloc(Op::new(OpKind::Table { page })) else {
                 break;
             };
             let dev = &self.devs[d as usize];
@@ -1517,7 +1542,7 @@ impl Shard {
                 self.ops.release(idx);
                 break;
             }
-            self.ops.ops[idx as usize].dev = d;
+            self.ops[idx as usize].dev = d;
             self.dirty_pages.remove(i);
             let p = &mut self.devs[d as usize].pages[page as usize];
             p.dirty = false;
@@ -1530,7 +1555,7 @@ impl Shard {
     }
 
     fn on_table_done(&mut self, idx: u32, page: u32, result: i32) {
-        let d = self.ops.ops[idx as usize].dev;
+        let d = self.ops[idx as usize].dev;
         self.ops.release(idx);
         self.table_in_flight -= 1;
         self.me.metrics.table_writes.fetch_add(1, Ordering::Relaxed);
@@ -1560,7 +1585,7 @@ impl Shard {
         let any = !out.is_empty();
         for c in &out {
             let (idx, chunk) = self.ops.decode(c.user_data);
-            match self.ops.ops[idx as usize].kind {
+            match self.ops[idx as usize].kind {
                 OpKind::Load => self.on_load_done(idx, c.result),
                 OpKind::Store => self.on_store_chunk_done(idx, chunk, c.result),
                 OpKind::Table { page } => self.on_table_done(idx, page, c.result),

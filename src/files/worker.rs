@@ -33,8 +33,8 @@ use crate::io::{BufRef, Completion, FileOp, IoBackend, IoClass, Region};
 use crate::job::{JobKind, JobState, KeyFailure, Shared};
 use crate::key::{Key, KeyMap};
 use crate::shard::{
-    decode_user_data, encode_user_data, region_crc, submit_or_sleep, Demote, Msg, ShardShared,
-    WorkQueue, BUF_REGION, BUF_STAGING,
+    region_crc, submit_or_sleep, Demote, Msg, OpTable, ShardShared, TableOp, WorkQueue, BUF_REGION,
+    BUF_STAGING,
 };
 use crate::Errno;
 
@@ -81,8 +81,6 @@ enum Kind {
 }
 
 struct Op {
-    gen: u32,
-    live: bool,
     kind: Kind,
     step: Step,
     job: Option<Arc<JobState>>,
@@ -111,11 +109,15 @@ struct Op {
     started: Instant,
 }
 
+impl TableOp for Op {
+    fn clear(&mut self) {
+        self.job = None;
+    }
+}
+
 impl Op {
     fn empty() -> Op {
         Op {
-            gen: 0,
-            live: false,
             kind: Kind::Load,
             step: Step::Open,
             job: None,
@@ -172,8 +174,7 @@ pub(crate) struct FilesWorker {
     /// LRU order: tick → key, oldest first.
     lru: BTreeMap<u64, Key>,
     tick: u64,
-    ops: Vec<Op>,
-    free_ops: Vec<u32>,
+    ops: OpTable<Op>,
     loads: WorkQueue,
     stores: WorkQueue,
     /// Stores to try once more after evicting (ENOSPC).
@@ -214,8 +215,7 @@ impl FilesWorker {
             index: KeyMap::default(),
             lru: BTreeMap::new(),
             tick: 0,
-            ops: (0..capacity).map(|_| Op::empty()).collect(),
-            free_ops: (0..capacity as u32).rev().collect(),
+            ops: OpTable::new(capacity, Op::empty),
             loads: WorkQueue::default(),
             stores: WorkQueue::default(),
             retry: VecDeque::new(),
@@ -278,36 +278,14 @@ impl FilesWorker {
     // Ops table
 
     fn alloc(&mut self, kind: Kind) -> Option<u32> {
-        let idx = self.free_ops.pop()?;
-        let gen = self.ops[idx as usize].gen.wrapping_add(1);
-        let op = &mut self.ops[idx as usize];
-        *op = Op::empty();
-        op.gen = gen;
-        op.live = true;
-        op.kind = kind;
-        Some(idx)
+        self.ops.alloc(Op {
+            kind,
+            ..Op::empty()
+        })
     }
 
     fn release(&mut self, idx: u32) {
-        let op = &mut self.ops[idx as usize];
-        assert!(op.live, "files op {idx} released twice");
-        op.live = false;
-        op.job = None;
-        self.free_ops.push(idx);
-    }
-
-    fn user_data(&self, idx: u32, chunk: u16) -> u64 {
-        encode_user_data(idx, self.ops[idx as usize].gen, chunk)
-    }
-
-    fn decode(&self, user_data: u64) -> (u32, u16) {
-        let (idx, chunk, gen) = decode_user_data(user_data);
-        let op = &self.ops[idx as usize];
-        assert!(
-            op.live && op.gen == gen,
-            "completion for a stale files op {idx} gen {gen}"
-        );
-        (idx, chunk)
+        self.ops.release(idx);
     }
 
     /// Pushes the SQE for `idx`'s current step; on a full SQ parks the op in `stalled`.
@@ -325,7 +303,7 @@ impl FilesWorker {
             Kind::Load => IoClass::Load,
             Kind::Store | Kind::Remove => IoClass::Store,
         };
-        let user_data = self.user_data(idx, 0);
+        let user_data = self.ops.user_data(idx, 0);
         let dest = c_path(&op.dest);
         let tmp = c_path(&op.tmp);
         let block_buf = match op.staging {
@@ -527,7 +505,7 @@ impl FilesWorker {
         self.backend.complete(&mut out);
         let any = !out.is_empty();
         for c in &out {
-            let (idx, chunk) = self.decode(c.user_data);
+            let (idx, chunk) = self.ops.decode(c.user_data);
             let step = self.ops[idx as usize].step;
             match step {
                 Step::Open => self.on_open(idx, c.result),
@@ -997,7 +975,7 @@ impl FilesWorker {
         };
         if !self
             .backend
-            .push_file(self.user_data(idx, chunk), &file_op, IoClass::Store)
+            .push_file(self.ops.user_data(idx, chunk), &file_op, IoClass::Store)
         {
             return false;
         }
