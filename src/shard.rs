@@ -428,7 +428,9 @@ impl WorkQueue {
         Some((&part.job, part.items[self.cursor] as usize))
     }
 
-    pub fn advance(&mut self) {
+    /// Moves past the peeked item, which the worker has taken up, and gives back its queue room.
+    pub fn take(&mut self, me: &ShardShared) {
+        me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
         self.cursor += 1;
         self.blocks -= 1;
         if let Some(part) = self.parts.front() {
@@ -877,7 +879,7 @@ impl Shard {
             let key = job.job.keys[item];
             let block = job.job.blocks[item];
             let Some(&(d, local)) = self.index.get(&key) else {
-                self.take_queued(JobKind::Load);
+                self.loads.take(&self.me);
                 self.me.metrics.load_misses.fetch_add(1, Ordering::Relaxed);
                 self.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
                 self.shared.load_missed(&job, item, String::new());
@@ -886,7 +888,7 @@ impl Shard {
             };
             let slot = self.devs[d as usize].slots[local as usize];
             if slot.state != SlotState::Valid {
-                self.take_queued(JobKind::Load);
+                self.loads.take(&self.me);
                 self.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
                 job.fail(&self.shared, item, KeyFailure::NotReady, String::new());
                 any = true;
@@ -918,18 +920,10 @@ impl Shard {
             s.pins += 1;
             s.referenced = true;
             self.loads_in_flight += 1;
-            self.take_queued(JobKind::Load);
+            self.loads.take(&self.me);
             any = true;
         }
         any
-    }
-
-    fn take_queued(&mut self, kind: JobKind) {
-        match kind {
-            JobKind::Load => self.loads.advance(),
-            JobKind::Store => self.stores.advance(),
-        }
-        self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
     }
 
     fn block_buf(&self, block: u32) -> BufRef {
@@ -1082,7 +1076,7 @@ impl Shard {
         let block = job.job.blocks[item];
         if self.index.contains_key(&key) {
             // Already stored (or being stored): a cheap no-op success.
-            self.take_queued(JobKind::Store);
+            self.stores.take(&self.me);
             self.me
                 .metrics
                 .stores_skipped_present
@@ -1098,7 +1092,7 @@ impl Shard {
                 // A completion may free or unpin a slot, or a demotion give back its staging.
                 return StoreStart::Blocked;
             }
-            self.take_queued(JobKind::Store);
+            self.stores.take(&self.me);
             self.me
                 .metrics
                 .stores_failed
@@ -1143,7 +1137,7 @@ impl Shard {
         };
         op.chunk_bytes = chunk;
         op.chunks_total = self.block_bytes.div_ceil(chunk) as u16;
-        self.take_queued(JobKind::Store);
+        self.stores.take(&self.me);
         self.store_issuing.push_back(idx);
         self.store_ops += 1;
         StoreStart::Op(idx)

@@ -539,7 +539,7 @@ impl FilesWorker {
             let dest = self.devs[d].path_of(&key);
             let entry = self.index.get(&key).copied();
             if dest.is_none() || entry.is_some_and(|e| e.state == State::Writing) {
-                self.take(JobKind::Load);
+                self.loads.take(&self.me);
                 let reason = if dest.is_none() {
                     KeyFailure::Miss
                 } else {
@@ -570,18 +570,10 @@ impl FilesWorker {
             }
             self.touch(key);
             self.loads_in_flight += 1;
-            self.take(JobKind::Load);
+            self.loads.take(&self.me);
             any = true;
         }
         any
-    }
-
-    fn take(&mut self, kind: JobKind) {
-        match kind {
-            JobKind::Load => self.loads.advance(),
-            JobKind::Store => self.stores.advance(),
-        }
-        self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
     }
 
     fn on_open(&mut self, idx: u32, result: i32) {
@@ -797,7 +789,7 @@ impl FilesWorker {
         if retried {
             self.retry.pop_front();
         } else {
-            self.take(JobKind::Store);
+            self.stores.take(&self.me);
         }
     }
 

@@ -324,11 +324,11 @@ impl S3Tier {
                     Some(Verdict::Present) => Lookup::Hit(Tier::S3),
                     Some(Verdict::Absent) => Lookup::Miss,
                     Some(Verdict::Pending) => Lookup::Pending,
-                    None if inner.object_name(k).is_none() => Lookup::Miss,
+                    // No block hash, no object name: nothing to ask.
+                    None if split_key(k.as_bytes()).is_none() => Lookup::Miss,
+                    // Now pending: a repeat of `k` in this call finds it so and asks nothing.
                     None => {
-                        if !batch.iter().any(|(b, _)| b == k) {
-                            batch.push((*k, cache.begin(*k)));
-                        }
+                        batch.push((*k, cache.begin(*k)));
                         Lookup::Pending
                     }
                 })
