@@ -224,20 +224,7 @@ pub(crate) fn parse_seconds(text: &str) -> Result<f64, String> {
 
 pub fn run(args: &BenchArgs) -> CliResult<ExitCode> {
     interrupt::install();
-    if let Some(target) = args.json.as_deref().filter(|t| *t != "-") {
-        // Fail now rather than after the run if the results cannot be written (without
-        // truncating an earlier result yet).
-        std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(target)
-            .map_err(|e| CliError::usage(format!("--json {target}: {e}")))?;
-    }
-    let human = if args.json.as_deref() == Some("-") {
-        Human::Stderr
-    } else {
-        Human::Stdout
-    };
+    let human = Human::for_json(args.json.as_deref())?;
     let scratch = scratch_dir(args)?;
     let config = effective_config(args, scratch.as_ref().map(tempfile::TempDir::path))?;
     if let Some(dir) = &scratch {

@@ -214,18 +214,7 @@ fn kinds(arg: WorkloadArg) -> Vec<Kind> {
 
 pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
     interrupt::install();
-    if let Some(target) = args.json.as_deref().filter(|t| *t != "-") {
-        std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(target)
-            .map_err(|e| CliError::usage(format!("--json {target}: {e}")))?;
-    }
-    let human = if args.json.as_deref() == Some("-") {
-        Human::Stderr
-    } else {
-        Human::Stdout
-    };
+    let human = Human::for_json(args.json.as_deref())?;
     let fio_version = fio_version()?;
     let target = Target::resolve(args)?;
     let workdir = tempfile::Builder::new()

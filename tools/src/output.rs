@@ -92,6 +92,24 @@ pub enum Human {
 }
 
 impl Human {
+    /// For a command with `--json PATH|-`: checks now that PATH can be written (without
+    /// truncating an earlier result yet), so a long run does not fail at its end; returns where
+    /// the human-readable output goes (stderr when the JSON takes stdout).
+    pub fn for_json(json: Option<&str>) -> CliResult<Human> {
+        match json {
+            Some("-") => Ok(Human::Stderr),
+            Some(target) => {
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .open(target)
+                    .map_err(|e| CliError::usage(format!("--json {target}: {e}")))?;
+                Ok(Human::Stdout)
+            }
+            None => Ok(Human::Stdout),
+        }
+    }
+
     /// Writes `text` as is; a closed pipe or full disk is not worth failing a finished run for,
     /// so write errors are ignored (the JSON path reports its own).
     pub fn print(self, text: &str) {
