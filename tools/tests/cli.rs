@@ -38,15 +38,18 @@ fn path_str(path: &Path) -> &str {
 
 // The full bench on a small data set: every phase must run, be named as documented, and every
 // loaded block must verify; the scratch directory must be gone afterwards.
-#[test]
-fn bench_all_small_verifies_and_reports_five_workloads() {
-    let dir = scratch();
-    let out = kvtier(&[
-        "bench",
+/// Runs `kvtier bench --workload all` on 256 KiB blocks at queue depth 8 for 1 s with JSON on
+/// stdout, plus `extra` arguments; checks that it succeeds, reports all five workloads, verifies
+/// every loaded block, stores `blocks` blocks and loads some. Returns the JSON and stdout.
+fn bench_all(dir: &Path, blocks: u64, extra: &[&str]) -> (serde_json::Value, Output) {
+    let blocks_arg = blocks.to_string();
+    let mut args = vec!["bench"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&[
         "--workload",
         "all",
         "--blocks",
-        "64",
+        &blocks_arg,
         "--block-size",
         "256KiB",
         "--queue-depth",
@@ -56,8 +59,9 @@ fn bench_all_small_verifies_and_reports_five_workloads() {
         "--json",
         "-",
         "--dir",
-        path_str(dir.path()),
+        path_str(dir),
     ]);
+    let out = kvtier(&args);
     assert!(
         out.status.success(),
         "exit {:?}\n{}",
@@ -76,11 +80,12 @@ fn bench_all_small_verifies_and_reports_five_workloads() {
     for r in results {
         assert_eq!(r["corrupt_blocks"], 0, "{r}");
         assert_eq!(r["block_size"], 256 * 1024, "{r}");
-        assert_eq!(r["queue_depth"], 8, "{r}");
-        for field in ["bytes", "seconds", "gib_per_s", "p99_us", "cpu_seconds"] {
-            assert!(r[field].is_number(), "{field} in {r}");
-        }
     }
+    let store = results
+        .iter()
+        .find(|r| r["workload"] == "store")
+        .expect("store row");
+    assert_eq!(store["bytes"], blocks * 256 * 1024, "{store}");
     let load = results
         .iter()
         .find(|r| r["workload"] == "load")
@@ -89,11 +94,19 @@ fn bench_all_small_verifies_and_reports_five_workloads() {
         load["verified_blocks"].as_u64().expect("count") > 0,
         "{load}"
     );
-    let store = results
-        .iter()
-        .find(|r| r["workload"] == "store")
-        .expect("store row");
-    assert_eq!(store["bytes"], 64 * 256 * 1024, "{store}");
+    (doc, out)
+}
+
+#[test]
+fn bench_all_small_verifies_and_reports_five_workloads() {
+    let dir = scratch();
+    let (doc, out) = bench_all(dir.path(), 64, &[]);
+    for r in doc["results"].as_array().expect("results array") {
+        assert_eq!(r["queue_depth"], 8, "{r}");
+        for field in ["bytes", "seconds", "gib_per_s", "p99_us", "cpu_seconds"] {
+            assert!(r[field].is_number(), "{field} in {r}");
+        }
+    }
     assert!(doc["config"]
         .as_str()
         .expect("config text")
@@ -195,57 +208,7 @@ fn config_check_names_the_bad_field() {
 #[test]
 fn bench_files_layout_runs_and_verifies() {
     let dir = scratch();
-    let out = kvtier(&[
-        "bench",
-        "--layout",
-        "files",
-        "--workload",
-        "all",
-        "--blocks",
-        "32",
-        "--block-size",
-        "256KiB",
-        "--queue-depth",
-        "8",
-        "--duration",
-        "1",
-        "--json",
-        "-",
-        "--dir",
-        path_str(dir.path()),
-    ]);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{}",
-        out.status,
-        stderr(&out)
-    );
-    let doc = json_stdout(&out);
-    let results = doc["results"].as_array().expect("results array");
-    let names: Vec<&str> = results
-        .iter()
-        .map(|r| r["workload"].as_str().expect("workload name"))
-        .collect();
-    for want in ["store", "load", "load_alone", "mixed_load", "mixed_store"] {
-        assert!(names.contains(&want), "{want} missing from {names:?}");
-    }
-    for r in results {
-        assert_eq!(r["corrupt_blocks"], 0, "{r}");
-        assert_eq!(r["block_size"], 256 * 1024, "{r}");
-    }
-    let store = results
-        .iter()
-        .find(|r| r["workload"] == "store")
-        .expect("store row");
-    assert_eq!(store["bytes"], 32 * 256 * 1024, "{store}");
-    let load = results
-        .iter()
-        .find(|r| r["workload"] == "load")
-        .expect("load row");
-    assert!(
-        load["verified_blocks"].as_u64().expect("count") > 0,
-        "{load}"
-    );
+    let (doc, _) = bench_all(dir.path(), 32, &["--layout", "files"]);
     assert_eq!(doc["engine"]["devices"][0]["kind"], "directory", "{doc}");
     let config = doc["config"].as_str().expect("config text");
     assert!(
