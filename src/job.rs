@@ -99,7 +99,10 @@ pub struct JobResult {
     pub keys_total: usize,
     /// Keys, in job order, that succeeded before the first failure (all of them on success).
     pub succeeded_prefix: usize,
+    /// The first failure by key position (`failures[0]`), if any.
     pub failure: Option<JobFailure>,
+    /// Every failed key, in key order (one entry per key at most).
+    pub failures: Vec<JobFailure>,
     /// Bytes moved between the region and the device.
     pub bytes: u64,
     /// From submission to the last key's resolution.
@@ -166,7 +169,8 @@ pub(crate) struct JobState {
     pub job: Job,
     pub submitted: Instant,
     remaining: AtomicUsize,
-    first_failure: Mutex<Option<JobFailure>>,
+    /// Every key failure so far (at most one per key; bounded by the job's length).
+    failures: Mutex<Vec<JobFailure>>,
     bytes: AtomicU64,
     /// Set for the engine's own jobs (a promotion's store, the NVMe half of a write-through
     /// store): their result goes here, not to `poll_finished`, and they are not counted in
@@ -182,7 +186,7 @@ impl JobState {
             job,
             submitted: Instant::now(),
             remaining: AtomicUsize::new(n),
-            first_failure: Mutex::new(None),
+            failures: Mutex::new(Vec::new()),
             bytes: AtomicU64::new(0),
             then: Mutex::new(None),
         }
@@ -209,32 +213,27 @@ impl JobState {
 
     /// Records that key `index` failed.
     pub fn fail(&self, shared: &Shared, index: usize, reason: KeyFailure, detail: String) {
-        {
-            let mut first = self
-                .first_failure
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if first.as_ref().is_none_or(|f| index < f.key_index) {
-                *first = Some(JobFailure {
-                    key_index: index,
-                    reason,
-                    detail,
-                });
-            }
-        }
+        self.failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(JobFailure {
+                key_index: index,
+                reason,
+                detail,
+            });
         self.resolve(shared);
     }
 
     /// Fails the whole job before any of it was queued (a malformed job).
     pub fn fail_whole(&self, shared: &Shared, index: usize, reason: KeyFailure, detail: String) {
         *self
-            .first_failure
+            .failures
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(JobFailure {
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = vec![JobFailure {
             key_index: index,
             reason,
             detail,
-        });
+        }];
         self.publish(shared);
     }
 
@@ -246,11 +245,14 @@ impl JobState {
 
     /// Publishes the result of a job with no keys left to resolve (also used for empty jobs).
     pub fn publish(&self, shared: &Shared) {
-        let failure = self
-            .first_failure
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
+        let mut failures = std::mem::take(
+            &mut *self
+                .failures
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        failures.sort_by_key(|f| f.key_index);
+        let failure = failures.first().cloned();
         let total = self.job.keys.len();
         let success = failure.is_none();
         if success && self.kind == JobKind::Store && shared.events.enabled() {
@@ -263,6 +265,7 @@ impl JobState {
             keys_total: total,
             succeeded_prefix: failure.as_ref().map_or(total, |f| f.key_index),
             failure,
+            failures,
             bytes: self.bytes.load(Ordering::Relaxed),
             elapsed: self.submitted.elapsed(),
         };

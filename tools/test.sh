@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The full test suite: formatting, lints, then every test of the workspace (unit, integration,
-# real-kernel, CLI end to end, and the criterion benches in quick test mode).
+# real-kernel, CLI end to end, and the criterion benches in quick test mode), then the Python
+# package's tests (the binding, and the vLLM tier against vLLM 0.33.0's real tiering code).
 # Real-kernel tests that need root (ramfs mount, loop devices) skip with a message elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +17,33 @@ s3s-fs --version
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo build --release --workspace --locked
+# The Python package, installed the way the README says (`pip install ./python`), into a venv
+# of its own; the build reuses the release artifacts above. vLLM's wheel (about 340 MB, no
+# dependencies installed) is downloaded once per machine: the tests extract its tiering modules.
+venv="${KVTIER_VENV:-$PWD/target/python-venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+# numpy and typing_extensions are what the vLLM tiering modules import besides the standard
+# library.
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "numpy>=1.26" "pytest>=8" \
+  typing_extensions
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps ./python
+export KVTIER_VLLM_WHEEL_DIR="${KVTIER_VLLM_WHEEL_DIR:-$HOME/.cache/kvtier/vllm-wheel}"
+if ! ls "$KVTIER_VLLM_WHEEL_DIR"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
+  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps vllm==0.33.0 \
+    -d "$KVTIER_VLLM_WHEEL_DIR"
+fi
 : > /tmp/kvtier-test.log
-cargo test --workspace --all-targets --locked 2>&1 | tee -a /tmp/kvtier-test.log
+# Every suite runs even when one fails, so the summary below covers them all.
+rc=0
+cargo test --workspace --all-targets --locked 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
 # Doc tests too (--all-targets skips them).
-cargo test --workspace --doc --locked 2>&1 | tee -a /tmp/kvtier-test.log
-# One summary line over all test binaries.
-awk '/^test result:/ { p += $4; f += $6; s += $8 } END { printf "%d passed, %d failed, %d skipped\n", p, f, s }' /tmp/kvtier-test.log
+cargo test --workspace --doc --locked 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
+# The Python tests (from outside python/, so `import kvtier` is the installed package).
+(cd python/tests && "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs .) 2>&1 \
+  | tee /tmp/kvtier-pytest.log || rc=1
+# One summary line over all test binaries and pytest.
+py_count() { grep -Eo "[0-9]+ $1" /tmp/kvtier-pytest.log | tail -1 | grep -Eo "[0-9]+" || echo 0; }
+awk -v pp="$(py_count passed)" -v pf="$(py_count failed)" -v pe="$(py_count error)" -v ps="$(py_count skipped)" \
+  '/^test result:/ { p += $4; f += $6; s += $8 } END { printf "%d passed, %d failed, %d skipped\n", p + pp, f + pf + pe, s + ps }' \
+  /tmp/kvtier-test.log
+exit "$rc"

@@ -752,28 +752,31 @@ impl Inner {
                 (i, me.upload_with(permit, key, body).await)
             });
         }
-        let mut first: Option<JobFailure> = nvme.failure.clone();
+        let mut failures: Vec<JobFailure> = nvme.failures.clone();
         let mut bytes = nvme.bytes;
         while let Some(joined) = set.join_next().await {
             let Ok((i, r)) = joined else { continue };
             match r {
                 Ok(n) => bytes += n,
-                Err((reason, detail)) => {
-                    if first.as_ref().is_none_or(|f| i < f.key_index) {
-                        first = Some(JobFailure {
-                            key_index: i,
-                            reason,
-                            detail,
-                        });
-                    }
+                // One failure per key: the NVMe half's, if it failed too, comes first.
+                Err((reason, detail)) if !failures.iter().any(|f| f.key_index == i) => {
+                    failures.push(JobFailure {
+                        key_index: i,
+                        reason,
+                        detail,
+                    });
                 }
+                Err(_) => {}
             }
         }
+        failures.sort_by_key(|f| f.key_index);
+        let first = failures.first().cloned();
         let total = keys.len();
         self.shared.finish(JobResult {
             success: first.is_none(),
             succeeded_prefix: first.as_ref().map_or(total, |f| f.key_index),
             failure: first,
+            failures,
             bytes,
             elapsed: submitted.elapsed(),
             ..nvme

@@ -1,0 +1,243 @@
+"""kvtier: a KV-cache block storage engine for LLM inference nodes.
+
+``kvtier.Engine`` moves fixed-size blocks between a memory region you own (used in place, never
+copied) and local NVMe (io_uring, O_DIRECT) or an S3-compatible object store. Jobs never block
+the caller; results are polled. ``kvtier.vllm.KvtierTierManager`` plugs the engine into vLLM's
+tiered KV offload.
+
+    import mmap, kvtier
+    region = kvtier.allocate_region(num_blocks=64, block_size=2 << 20)
+    with kvtier.Engine({"block_size": "2 MiB",
+                        "devices": [{"path": "/var/tmp/kv.slab", "capacity_bytes": "1 GiB"}]},
+                       region) as engine:
+        region[0:4] = b"abcd"
+        engine.submit_store(1, [b"key-0"], [0])
+        engine.drain()
+        [result] = engine.poll_finished()
+        assert result.success
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Union
+
+from kvtier import _native
+from kvtier._native import (
+    BackpressureError,
+    ConfigError,
+    Error,
+    ShutdownError,
+)
+
+__all__ = [
+    "BackpressureError",
+    "ConfigError",
+    "Engine",
+    "Error",
+    "Event",
+    "JobResult",
+    "ShutdownError",
+    "allocate_region",
+    "check_config",
+]
+
+JobResult = _native.JobOutcome
+Event = _native.EventOut
+REGION_ALIGN_BYTES: int = _native.REGION_ALIGN_BYTES
+
+ConfigLike = Union[str, "os.PathLike[str]", Mapping[str, Any]]
+LookupAnswer = Literal["nvme", "s3", "miss", "pending"]
+
+
+def _config_arg(config: ConfigLike) -> tuple[str, str]:
+    """(text, kind) for the native parser: a path, TOML text, or the JSON of a dict."""
+    if isinstance(config, Mapping):
+        try:
+            return json.dumps(config), "json"
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config: the dict holds a value TOML cannot hold: {e}") from None
+    if isinstance(config, os.PathLike):
+        return os.fspath(config), "path"
+    if isinstance(config, str):
+        # TOML text has a "=" or a "[table]" header on some line; a path has neither.
+        if "\n" in config or "=" in config or config.lstrip().startswith("["):
+            return config, "toml"
+        return config, "path"
+    raise TypeError(
+        f"config: expected a TOML path, TOML text or a dict, got {type(config).__name__}"
+    )
+
+
+def check_config(config: ConfigLike) -> str:
+    """Validates a config (path, TOML text or dict); returns it as TOML with defaults filled in.
+
+    Raises ConfigError naming the field, the value and what is accepted.
+    """
+    text, kind = _config_arg(config)
+    return _native.check_config(text, kind)
+
+
+def allocate_region(num_blocks: int, block_size: int) -> mmap.mmap:
+    """A zeroed, page-aligned, writable anonymous mapping of num_blocks * block_size bytes.
+
+    Any writable C-contiguous page-aligned buffer works as a region (a numpy array over an mmap,
+    a shared-memory mapping, a CPU torch tensor); this is the simplest one.
+    """
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(
+            f"num_blocks = {num_blocks}, block_size = {block_size}: both must be at least 1"
+        )
+    return mmap.mmap(-1, num_blocks * block_size)
+
+
+def _region_arg(region: Any) -> dict[str, Any]:
+    """Keyword arguments describing `region` for the native engine."""
+    try:
+        view = memoryview(region)
+    except TypeError:
+        view = None
+    if view is not None:
+        if view.readonly:
+            raise ValueError("region: the buffer is read-only; kvtier loads write into it")
+        if not view.c_contiguous:
+            raise ValueError(
+                "region: the buffer is not C-contiguous; pass one contiguous block of memory"
+            )
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        return {"region": view}
+    iface = getattr(region, "__array_interface__", None)
+    if iface is None and hasattr(region, "numpy") and not getattr(region, "is_cuda", False):
+        # A CPU torch tensor: .numpy() shares its memory.
+        return _region_arg(region.numpy())
+    if not isinstance(iface, Mapping):
+        raise TypeError(
+            f"region: {type(region).__name__} is neither a buffer nor has __array_interface__; "
+            "pass a writable buffer such as kvtier.allocate_region(), an mmap or a numpy array"
+        )
+    address, readonly = iface["data"]
+    if readonly:
+        raise ValueError("region: the array is read-only; kvtier loads write into it")
+    shape = tuple(iface["shape"])
+    typestr = iface["typestr"]
+    itemsize = int(typestr[2:])
+    strides = iface.get("strides")
+    length = itemsize
+    for n in shape:
+        length *= n
+    if strides is not None:
+        expect, want = itemsize, []
+        for n in reversed(shape):
+            want.append(expect)
+            expect *= n
+        if tuple(reversed(want)) != tuple(strides):
+            raise ValueError(
+                "region: the array is not C-contiguous; pass one contiguous block of memory"
+            )
+    return {"address": int(address), "length": length, "owner": region}
+
+
+class Engine:
+    """The kvtier engine over `region`, configured by `config`.
+
+    config: a TOML path, TOML text, or a dict with the same structure (validated by the same
+        code as the Rust config; errors raise ConfigError naming the field).
+    region: a writable, C-contiguous, page-aligned buffer whose length is a multiple of
+        `block_size`; used in place (registered as the rings' fixed buffers) and kept alive by
+        the engine until `shutdown` has reaped every I/O. Block i is bytes
+        [i * block_size, (i + 1) * block_size).
+
+    Every method may be called from several threads at once. Calls that wait (the constructor,
+    `drain`, `wait_finished`, `shutdown`) release the GIL.
+    """
+
+    def __init__(self, config: ConfigLike, region: Any) -> None:
+        text, kind = _config_arg(config)
+        self._native = _native.Engine(text, kind, **_region_arg(region))
+        self._closed = threading.Event()
+
+    @property
+    def block_size(self) -> int:
+        return self._native.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._native.num_blocks
+
+    @property
+    def region_address(self) -> int:
+        return self._native.region_address
+
+    def submit_store(
+        self, job_id: int, keys: Sequence[bytes], blocks: Sequence[int] | Any
+    ) -> None:
+        """Stores region block blocks[i] under keys[i]. Never blocks.
+
+        Raises BackpressureError (nothing queued), ShutdownError, ValueError for a malformed
+        job (lengths differ, block out of range, key too long, job_id already in flight).
+        """
+        self._native.submit_store(job_id, keys, blocks)
+
+    def submit_load(
+        self, job_id: int, keys: Sequence[bytes], blocks: Sequence[int] | Any
+    ) -> None:
+        """Loads keys[i] into region block blocks[i]. Never blocks; see submit_store."""
+        self._native.submit_load(job_id, keys, blocks)
+
+    def poll_finished(self) -> list[JobResult]:
+        """Every job finished since the last call (each job exactly once). Never blocks."""
+        return self._native.poll_finished()
+
+    def wait_finished(self, timeout: float) -> list[JobResult]:
+        """Waits up to `timeout` seconds for a result; returns all there are (maybe none)."""
+        return self._native.wait_finished(float(timeout))
+
+    def lookup(self, keys: Sequence[bytes]) -> list[LookupAnswer]:
+        """Per key: "nvme" / "s3" (held there), "miss", or "pending" (an S3 HEAD is running)."""
+        return self._native.lookup(keys)
+
+    def jobs_in_flight(self) -> int:
+        return self._native.jobs_in_flight()
+
+    def drain(self) -> None:
+        """Waits until every submitted job has a result (they stay in poll_finished)."""
+        self._native.drain()
+
+    def shutdown(self) -> None:
+        """Stops the engine and releases the region. Idempotent.
+
+        Queued jobs fail (reason "shutdown"); I/O in flight completes first. Results stay
+        available to poll_finished; later submits raise ShutdownError.
+        """
+        self._native.shutdown()
+        self._closed.set()
+
+    def take_events(self) -> list[Event]:
+        """Stored/removed events since the last call (config: [events] enabled = true)."""
+        return self._native.take_events()
+
+    def stats(self) -> dict[str, Any]:
+        return self._native.stats()
+
+    def info(self) -> dict[str, Any]:
+        return self._native.info()
+
+    def s3_object_name(self, key: bytes) -> str | None:
+        return self._native.s3_object_name(key)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed.is_set() else "open"
+        return (
+            f"<kvtier.Engine {state}: {self.num_blocks} blocks of {self.block_size} bytes>"
+        )

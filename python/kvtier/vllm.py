@@ -1,0 +1,486 @@
+"""kvtier as a vLLM 0.33 secondary KV-offload tier: ``KvtierTierManager``.
+
+A drop-in for vLLM's file-system tier (``"type": "fs"``): the same directory layout, file names
+and ``config.json`` (a directory written by either one is read by the other), with kvtier's
+engine underneath (io_uring with O_DIRECT into the primary region itself, a capacity bound with
+eviction, checksums, an in-memory index, and optionally the S3 tier with vLLM's object names).
+Turn it on by naming this class in the offloading config::
+
+    "secondary_tiers": [{"type": "KvtierTierManager", "module_path": "kvtier.vllm",
+                         "root_dir": "/mnt/kv"}]
+
+Keyword arguments (from the tier's JSON entry): either ``config`` (a kvtier TOML path, TOML
+text or an inline table; ``block_size`` and the files namespace are filled in from vLLM when
+left out) or the short form:
+
+* ``root_dir`` (required): the cache directory, as for vLLM's fs tier.
+* ``layout``: ``"files"`` (default; vLLM's layout, shareable with vLLM) or ``"slab"`` (kvtier's
+  own: one preallocated file ``<root_dir>/kvtier.slab``; needs ``capacity_bytes``).
+* ``capacity_bytes``: bound on the bytes kept (files: unset means unbounded, like vLLM).
+* ``cores``: ``"auto"`` (default: one pinned worker per CPU this process may use) or a list.
+* ``s3``: an inline ``[s3]`` table (bucket, endpoint, prefix, ...; see kvtier.example.toml).
+* ``enable_kv_events``, ``locality``: as for vLLM's fs tier.
+* ``n_read_threads``, ``n_write_threads``: accepted so an ``fs`` entry works unchanged, and
+  ignored: kvtier keeps a whole job in flight on its io_uring workers, no thread pool needed.
+* ``direct_io``: ``"auto"`` (default), ``"required"`` or ``"off"``.
+
+Every method runs on vLLM's scheduler thread and never waits for a device or the network:
+lookups read kvtier's in-memory index (a HIT at once, no extra scheduler step), submissions
+only queue, and a refused submission (backpressure, shutdown, a malformed job) is reported as a
+failed job by the next ``get_finished_jobs`` so vLLM's backpressure detector sees it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, ClassVar
+
+try:
+    from vllm.v1.kv_offload.base import (
+        Locality,
+        LookupResult,
+        Medium,
+        OffloadingCounterMetadata,
+        OffloadingEvent,
+        OffloadingGaugeMetadata,
+        OffloadingHistogramMetadata,
+        OffloadingMetricMetadata,
+        ReqContext,
+        RequestOffloadingContext,
+        ScheduleEndContext,
+    )
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+    from vllm.v1.kv_offload.tiering.base import (
+        JobResult,
+        SecondaryTierManager,
+        TransferJob,
+    )
+except ImportError as _e:  # pragma: no cover - exercised by a test without vLLM
+    raise ImportError(
+        "kvtier.vllm needs vLLM 0.33 (pip install vllm==0.33.0); "
+        f"`import kvtier` works without it ({_e})"
+    ) from _e
+
+import kvtier
+
+logger = logging.getLogger("kvtier.vllm")
+
+_LAYOUTS = ("files", "slab")
+_SLAB_FILE = "kvtier.slab"
+# A key whose load failed is a MISS for this long (vLLM's promotion-livelock fix, #49328):
+# long enough for the scheduler to recompute instead of retrying, short enough that a
+# transient device error does not hide a good block for long. A later store clears it.
+_FAILED_KEY_TTL_S = 30.0
+_FAILED_KEYS_MAX = 65536
+
+_PREFIX = "vllm:kv_offload_kvtier_"
+_LABELS = ("tier",)
+_COUNTERS = {
+    "loaded_bytes": ("Bytes loaded from kvtier into the primary tier.", "bytes_read"),
+    "stored_bytes": ("Bytes stored from the primary tier into kvtier.", "bytes_written"),
+    "loads_ok": ("Blocks loaded.", "loads_ok"),
+    "loads_failed": ("Blocks whose load failed (misses included).", "loads_failed"),
+    "load_misses": ("Blocks asked for that kvtier no longer held.", "load_misses"),
+    "stores_ok": ("Blocks stored.", "stores_ok"),
+    "stores_failed": ("Blocks whose store failed.", "stores_failed"),
+    "stores_skipped_present": ("Stores skipped: the block was already held.",
+                               "stores_skipped_present"),
+    "evictions": ("Blocks evicted to make room.", "evictions"),
+    "checksum_failures": ("Blocks dropped: their crc32c did not match.", "checksum_failures"),
+    "io_errors": ("Device I/O errors.", "io_errors"),
+}
+_GAUGES = {
+    "blocks_stored": ("Blocks kvtier holds.", "blocks_stored"),
+    "slots_total": ("Blocks kvtier can hold (0: unbounded files layout).", "slots_total"),
+    "jobs_in_flight": ("Jobs submitted and not yet finished.", "jobs_in_flight"),
+}
+_HISTOGRAMS = {
+    "load_job_seconds": "Load job time, submission to completion, seconds.",
+    "store_job_seconds": "Store job time, submission to completion, seconds.",
+}
+_INFO_KEYS = ("kvtier_layout", "kvtier_workers", "kvtier_devices", "kvtier_s3")
+
+
+def _namespace(spec: Any, file_mapper: FileMapper) -> dict[str, Any]:
+    """kvtier's [files.namespace] from vLLM's spec, read as FileMapper.from_offloading_spec reads
+    it (the caller checks that both produce the same directory)."""
+    config = spec.config
+    parallel = config.parallel
+    ns: dict[str, Any] = {
+        "model_name": config.model.name,
+        "dtype": str(config.model.dtype),
+        "tokens_per_hash": int(config.cache.tokens_per_hash),
+        "blocks_per_file": int(spec.blocks_per_chunk),
+        "tp_size": int(parallel.tp_size),
+        "pp_size": int(parallel.pp_size),
+        "pcp_size": int(parallel.pcp_size),
+        "dcp_size": int(parallel.dcp_size),
+        "rank": int(parallel.rank),
+        "parallel_agnostic": bool(parallel.is_parallelism_agnostic),
+        "replicated_layout": bool(config.replicated_layout),
+        "kv_cache_groups": [
+            {"tokens_per_block": int(g.tokens_per_block), "layer_names": list(g.layer_names)}
+            for g in config.groups
+        ],
+    }
+    canonical = file_mapper.get_run_config().get("canonical_format")
+    if canonical is not None:
+        ns["canonical_format"] = canonical
+    return ns
+
+
+def _load_config(config: Any) -> dict[str, Any]:
+    """The `config` kwarg as a dict: an inline table, TOML text or a TOML path."""
+    import tomllib
+
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        text, kind = kvtier._config_arg(config)
+        if kind == "path":
+            try:
+                with open(text, "rb") as f:
+                    return tomllib.load(f)
+            except OSError as e:
+                raise kvtier.ConfigError(f"reading config {text}: {e}") from None
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise kvtier.ConfigError(f"config: {e}") from None
+    raise TypeError(
+        f"config: expected a kvtier TOML path, TOML text or a table, got {type(config).__name__}"
+    )
+
+
+class KvtierTierManager(SecondaryTierManager):
+    """vLLM secondary tier backed by the kvtier engine; see the module docstring."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        root_dir: str | None = None,
+        config: Any = None,
+        layout: str = "files",
+        capacity_bytes: int | str | None = None,
+        cores: Any = "auto",
+        s3: Mapping[str, Any] | None = None,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        direct_io: str = "auto",
+        n_read_threads: int | None = None,
+        n_write_threads: int | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        # Validated exactly as vLLM's tiers do: "LOCAL" / "REMOTE" or a ValueError.
+        self.locality = Locality(locality) if locality is not None else None
+        del n_read_threads, n_write_threads  # accepted for fs compatibility; not needed
+        events_enabled = False
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                events_enabled = True
+            else:
+                logger.warning(
+                    "enable_kv_events is set on secondary tier '%s' but KV cache events are "
+                    "disabled globally; the tier will not emit events.",
+                    tier_type,
+                )
+
+        if config is not None:
+            cfg = _load_config(config)
+        else:
+            if root_dir is None:
+                raise TypeError(
+                    f"tier '{tier_type}': give root_dir (the cache directory) or config "
+                    "(a kvtier TOML path or table)"
+                )
+            if layout not in _LAYOUTS:
+                raise ValueError(
+                    f"tier '{tier_type}': layout = {layout!r}: expected one of {_LAYOUTS}"
+                )
+            device: dict[str, Any] = {"layout": layout}
+            if layout == "slab":
+                if capacity_bytes is None:
+                    raise ValueError(
+                        f"tier '{tier_type}': layout = 'slab' needs capacity_bytes (the size "
+                        f"of {os.path.join(root_dir, _SLAB_FILE)}, e.g. '512 GiB')"
+                    )
+                device["path"] = os.path.join(root_dir, _SLAB_FILE)
+            else:
+                device["path"] = root_dir
+            if capacity_bytes is not None:
+                device["capacity_bytes"] = capacity_bytes
+            cfg = {"cores": cores, "direct_io": direct_io, "devices": [device]}
+            if s3 is not None:
+                cfg["s3"] = dict(s3)
+        cfg.setdefault("block_size", self.block_size_bytes)
+        if _size(cfg["block_size"]) != self.block_size_bytes:
+            raise kvtier.ConfigError(
+                f"config field `block_size` = {cfg['block_size']!r}: must equal vLLM's primary "
+                f"row stride, {self.block_size_bytes} bytes"
+            )
+        devices = cfg.get("devices") or []
+        files_layout = bool(devices) and devices[0].get("layout", "slab") == "files"
+
+        # vLLM's own FileMapper for the namespace: the attribute vLLM's tools and tests use to
+        # find a block's file, and the reference kvtier's directory is checked against.
+        mapper_root = devices[0]["path"] if files_layout else (root_dir or "")
+        self.file_mapper = FileMapper.from_offloading_spec(
+            root_dir=str(mapper_root),
+            offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True,
+        )
+        namespace = _namespace(offloading_spec, self.file_mapper)
+        if files_layout:
+            files = dict(cfg.get("files") or {})
+            files.setdefault("namespace", namespace)
+            cfg["files"] = files
+        if "s3" in cfg:
+            s3cfg = dict(cfg["s3"])
+            if "namespace" not in s3cfg and not files_layout:
+                s3cfg["namespace"] = namespace
+            cfg["s3"] = s3cfg
+        if events_enabled:
+            events = dict(cfg.get("events") or {})
+            events["enabled"] = True
+            if self.locality is not None:
+                events["locality"] = self.locality.value
+            cfg["events"] = events
+        elif "events" in cfg:
+            cfg["events"] = {**cfg["events"], "enabled": False}
+        self._events_enabled = events_enabled
+
+        for dev in devices:
+            path = str(dev.get("path", ""))
+            # As vLLM's fs tier: a root that cannot be created is an OSError at construction.
+            os.makedirs(path if dev.get("layout", "slab") == "files" else os.path.dirname(path)
+                        or ".", exist_ok=True)
+
+        self._engine = kvtier.Engine(cfg, primary_kv_view)
+        info = self._engine.info()
+        if files_layout:
+            expected = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
+            got = info["devices"][0]["path"]
+            if os.path.normpath(got) != os.path.normpath(expected):
+                self._engine.shutdown()
+                raise RuntimeError(
+                    f"kvtier's files directory {got} differs from vLLM's {expected}: the "
+                    "namespace was not derived as vLLM derives it (please report this)"
+                )
+        self._config_info = {
+            "kvtier_layout": "files" if files_layout else "slab",
+            "kvtier_workers": len(info["workers"]),
+            "kvtier_devices": len(info["devices"]),
+            "kvtier_s3": info["s3"] is not None,
+        }
+        self._label = (tier_type,)
+        # Keys of in-flight jobs, by job id (results name keys by index).
+        self._job_keys: dict[int, list[bytes]] = {}
+        # Jobs refused at submission, reported failed by the next get_finished_jobs.
+        self._refused: list[JobResult] = []
+        # Keys whose load failed: MISS until the deadline (or a store of the key).
+        self._failed: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._last_stats: dict[str, Any] = {}
+        self._job_seconds: dict[str, list[float]] = {"load": [], "store": []}
+        self._shut = False
+        logger.info(
+            "kvtier tier '%s': %s layout, %d workers, %d blocks of %d bytes, opened in %.3f s",
+            tier_type,
+            self._config_info["kvtier_layout"],
+            len(info["workers"]),
+            info["num_blocks"],
+            info["block_size"],
+            info["open_seconds"],
+        )
+
+    # -- the kvtier engine, for callers who want more than vLLM's interface ------------------
+
+    @property
+    def engine(self) -> kvtier.Engine:
+        return self._engine
+
+    # -- SecondaryTierManager ---------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        if self._failed:
+            deadline = self._failed.get(key)
+            if deadline is not None:
+                if time.monotonic() < deadline:
+                    return LookupResult.MISS
+                del self._failed[key]
+        answer = self._engine.lookup((key,))[0]
+        if answer == "miss":
+            return LookupResult.MISS
+        if answer == "pending":
+            return LookupResult.RETRY
+        return LookupResult.HIT
+
+    def _submit(self, job: TransferJob, store: bool) -> None:
+        keys = list(job.keys)
+        try:
+            if store:
+                self._engine.submit_store(job.job_id, keys, job.chunk_ids)
+            else:
+                self._engine.submit_load(job.job_id, keys, job.chunk_ids)
+        except (kvtier.Error, ValueError, TypeError) as e:
+            # Never raise into vLLM: report the job failed at the next poll.
+            logger.debug("kvtier tier '%s': job %s refused: %s", self.tier_type, job.job_id, e)
+            self._refused.append(
+                JobResult(job_id=job.job_id, success=False, transfer_time=0.0,
+                          transfer_bytes=0)
+            )
+            return
+        self._job_keys[job.job_id] = keys
+        if store and self._failed:
+            for k in keys:
+                self._failed.pop(k, None)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, store=True)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, store=False)
+
+    def _mark_failed(self, keys: Iterable[bytes]) -> None:
+        deadline = time.monotonic() + _FAILED_KEY_TTL_S
+        for k in keys:
+            self._failed[k] = deadline
+            self._failed.move_to_end(k)
+        while len(self._failed) > _FAILED_KEYS_MAX:
+            self._failed.popitem(last=False)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out, self._refused = self._refused, []
+        for r in self._engine.poll_finished():
+            keys = self._job_keys.pop(r.job_id, None)
+            self._job_seconds[r.kind].append(r.transfer_seconds)
+            successful = None
+            if r.kind == "load" and not r.success:
+                if r.successful_keys:
+                    successful = tuple(r.successful_keys)
+                # Failed keys stop being HITs, or the scheduler would promote them again at
+                # every step (vLLM issue #49176).
+                self._mark_failed(k for (_, k, _, _) in r.failures if k is not None)
+                logger.debug(
+                    "kvtier tier '%s': load job %s failed: %s",
+                    self.tier_type, r.job_id, r.failures[:3],
+                )
+            elif r.kind == "store" and not r.success:
+                logger.debug(
+                    "kvtier tier '%s': store job %s failed: %s",
+                    self.tier_type, r.job_id, r.failures[:3],
+                )
+            del keys
+            out.append(
+                JobResult(
+                    job_id=r.job_id,
+                    success=r.success,
+                    successful_keys=successful,
+                    transfer_time=r.transfer_seconds,
+                    transfer_bytes=r.transfer_bytes,
+                )
+            )
+        return out
+
+    def has_pending_work(self) -> bool:
+        return bool(self._refused) or self._engine.jobs_in_flight() > 0
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events_enabled:
+            return []
+        return [
+            OffloadingEvent(
+                keys=list(e.keys),
+                medium=self.medium,
+                removed=e.removed,
+                locality=self.locality,
+            )
+            for e in self._engine.take_events()
+        ]
+
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        # kvtier keeps recency from its own loads and stores (LRU for files, CLOCK for the
+        # slab); a touch from vLLM's primary-tier hits does not reach its workers yet.
+        return
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # Lookups answer from the index at once: there is no per-step batch to flush.
+        return
+
+    def drain_jobs(self) -> None:
+        self._engine.drain()
+
+    def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        self._engine.shutdown()
+
+    # -- metrics (vLLM's /metrics) ----------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        metrics: dict[str, OffloadingMetricMetadata] = {}
+        for name, (doc, _) in _COUNTERS.items():
+            metrics[_PREFIX + name] = OffloadingCounterMetadata(documentation=doc,
+                                                                labelnames=_LABELS)
+        for name, (doc, _) in _GAUGES.items():
+            metrics[_PREFIX + name] = OffloadingGaugeMetadata(documentation=doc,
+                                                              labelnames=_LABELS)
+        for name, doc in _HISTOGRAMS.items():
+            metrics[_PREFIX + name] = OffloadingHistogramMetadata(
+                documentation=doc,
+                labelnames=_LABELS,
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                         5, 10),
+            )
+        return metrics
+
+    def get_stats(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        now = self._engine.stats()
+        for name, (_, field) in _COUNTERS.items():
+            delta = now[field] - self._last_stats.get(field, 0)
+            if delta:
+                stats.increase_counter(_PREFIX + name, delta, self._label)
+        for name, (_, field) in _GAUGES.items():
+            stats.set_gauge(_PREFIX + name, now[field], self._label)
+        for kind in ("load", "store"):
+            samples, self._job_seconds[kind] = self._job_seconds[kind], []
+            for s in samples:
+                stats.observe_histogram(_PREFIX + f"{kind}_job_seconds", s, self._label)
+        self._last_stats = now
+        return stats
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return _INFO_KEYS
+
+    def config_info(self) -> Mapping[str, str | int | float | bool]:
+        return dict(self._config_info)
+
+
+def _size(value: Any) -> int:
+    """A kvtier size (an int, or a string such as "2 MiB") in bytes."""
+    if isinstance(value, int):
+        return value
+    return kvtier._native.parse_size(str(value))

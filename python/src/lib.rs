@@ -1,0 +1,773 @@
+//! `kvtier._native`: the engine for Python. The pure-Python package (`python/kvtier/`) wraps it;
+//! this module converts at the boundary and nothing more.
+//!
+//! Invariants:
+//! * The region is the caller's buffer, used in place: its pages are registered as the rings'
+//!   fixed buffers. The engine holds the buffer export (or, for `__array_interface__` memory,
+//!   the owning object) until `shutdown` has joined every worker, and releases it only then, so
+//!   the memory cannot be freed, resized or unmapped while the kernel may still touch it.
+//! * Every call that waits (open, drain, wait_finished, shutdown) releases the GIL; no engine
+//!   thread ever takes it (results are converted on the caller's thread).
+//! * A job id is in flight at most once; its keys are kept here until its result is polled, so
+//!   results can name the keys that loaded.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use kvtier::{
+    Config, ConfigError as RustConfigError, Engine, Error as RustError, Event, Job, JobKind,
+    JobResult, Key, KeyFailure, Lookup, Region, Stats, Tier,
+};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyException, PyOverflowError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+pyo3::create_exception!(
+    _native,
+    Error,
+    PyException,
+    "Base class of every error kvtier raises."
+);
+pyo3::create_exception!(
+    _native,
+    ConfigError,
+    Error,
+    "The configuration is invalid; the message names the field, the value and what is accepted."
+);
+pyo3::create_exception!(
+    _native,
+    BackpressureError,
+    Error,
+    "A queue is full: nothing was queued; retry later."
+);
+pyo3::create_exception!(
+    _native,
+    ShutdownError,
+    Error,
+    "The engine has been shut down."
+);
+
+/// Page alignment the region must have: O_DIRECT and registered buffers need it.
+const REGION_ALIGN_BYTES: usize = 4096;
+
+fn to_py(err: RustError) -> PyErr {
+    match err {
+        RustError::Config(e) => ConfigError::new_err(e.to_string()),
+        RustError::Backpressure(m) => BackpressureError::new_err(format!("backpressure: {m}")),
+        RustError::Shutdown => ShutdownError::new_err("the engine is shut down"),
+        RustError::InvalidKey(m) => PyValueError::new_err(format!("invalid key: {m}")),
+        other => Error::new_err(other.to_string()),
+    }
+}
+
+#[allow(clippy::needless_pass_by_value)] // used as `map_err(config_err)`
+fn config_err(err: RustConfigError) -> PyErr {
+    ConfigError::new_err(err.to_string())
+}
+
+/// JSON (what Python's `json.dumps` makes of a dict) to TOML, so a dict config goes through the
+/// same parser and validation as a file. `null` means "not set" and is left out.
+fn json_to_toml(field: &str, value: serde_json::Value) -> Result<Option<toml::Value>, PyErr> {
+    use serde_json::Value as J;
+    Ok(match value {
+        J::Null => None,
+        J::Bool(b) => Some(toml::Value::Boolean(b)),
+        J::Number(n) => Some(if let Some(i) = n.as_i64() {
+            toml::Value::Integer(i)
+        } else if let Some(f) = n.as_f64().filter(|_| !n.is_u64()) {
+            toml::Value::Float(f)
+        } else {
+            return Err(ConfigError::new_err(format!(
+                "config field `{field}` = {n}: a number TOML can hold (at most {})",
+                i64::MAX
+            )));
+        }),
+        J::String(s) => Some(toml::Value::String(s)),
+        J::Array(items) => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.into_iter().enumerate() {
+                let name = format!("{field}[{i}]");
+                let Some(v) = json_to_toml(&name, item)? else {
+                    return Err(ConfigError::new_err(format!(
+                        "config field `{name}` = None: a list may not hold None"
+                    )));
+                };
+                out.push(v);
+            }
+            Some(toml::Value::Array(out))
+        }
+        J::Object(map) => {
+            let mut table = toml::map::Map::new();
+            for (k, v) in map {
+                let name = if field.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{field}.{k}")
+                };
+                if let Some(v) = json_to_toml(&name, v)? {
+                    table.insert(k, v);
+                }
+            }
+            Some(toml::Value::Table(table))
+        }
+    })
+}
+
+/// Parses a config given as `kind` = "path", "toml" or "json" (a dict serialized by Python).
+fn parse_config(config: &str, kind: &str) -> PyResult<Config> {
+    match kind {
+        "path" => Config::from_file(std::path::Path::new(config)).map_err(config_err),
+        "toml" => Config::from_toml_str(config).map_err(config_err),
+        "json" => {
+            let value: serde_json::Value = serde_json::from_str(config)
+                .map_err(|e| ConfigError::new_err(format!("config: not a JSON table: {e}")))?;
+            if !value.is_object() {
+                return Err(ConfigError::new_err("config: the dict must be a table"));
+            }
+            let table =
+                json_to_toml("", value)?.unwrap_or(toml::Value::Table(toml::map::Map::new()));
+            let text = toml::to_string(&table)
+                .map_err(|e| ConfigError::new_err(format!("config: {e}")))?;
+            Config::from_toml_str(&text).map_err(config_err)
+        }
+        other => Err(PyValueError::new_err(format!(
+            "config kind {other:?}: expected \"path\", \"toml\" or \"json\""
+        ))),
+    }
+}
+
+/// Validates a config (path, TOML text or JSON of a dict) and returns it as TOML, defaults
+/// filled in.
+#[pyfunction]
+#[pyo3(signature = (config, kind))]
+fn check_config(config: &str, kind: &str) -> PyResult<String> {
+    Ok(parse_config(config, kind)?.to_toml_string())
+}
+
+/// A size such as `"2 MiB"` or `"4096"` in bytes, parsed as the config parses sizes.
+#[pyfunction]
+fn parse_size(text: &str) -> PyResult<u64> {
+    kvtier::config::parse_size(text)
+        .map_err(|e| ConfigError::new_err(format!("size {text:?}: {e}")))
+}
+
+/// What keeps the region's memory alive; held only for its `Drop`.
+#[allow(dead_code)] // the fields are never read: holding them is the point
+enum Keep {
+    /// A buffer export: the exporter cannot resize, close or free it while this lives.
+    Buffer(PyBuffer<u8>),
+    /// An object exposing `__array_interface__` (it owns the memory).
+    Owner(Py<PyAny>),
+}
+
+/// One finished job.
+#[pyclass(frozen, get_all, module = "kvtier._native")]
+struct JobOutcome {
+    job_id: u64,
+    /// "load" or "store".
+    kind: &'static str,
+    success: bool,
+    /// Keys, in job order, that succeeded before the first failure.
+    succeeded_prefix: usize,
+    /// vLLM's `successful_keys`: the keys of that prefix on a partial failure, else None.
+    successful_keys: Option<Py<PyList>>,
+    /// `(key_index, key, reason, detail)` per failed key, in key order.
+    failures: Py<PyList>,
+    transfer_bytes: u64,
+    /// Submission to result, seconds.
+    transfer_seconds: f64,
+}
+
+#[pymethods]
+impl JobOutcome {
+    fn __repr__(&self) -> String {
+        format!(
+            "JobResult(job_id={}, kind='{}', success={}, succeeded_prefix={}, transfer_bytes={}, transfer_seconds={:.6})",
+            self.job_id,
+            self.kind,
+            if self.success { "True" } else { "False" },
+            self.succeeded_prefix,
+            self.transfer_bytes,
+            self.transfer_seconds
+        )
+    }
+}
+
+/// One stored or removed event.
+#[pyclass(frozen, get_all, module = "kvtier._native")]
+struct EventOut {
+    keys: Py<PyList>,
+    /// Always "STORAGE" (vLLM's medium for both of kvtier's tiers).
+    medium: &'static str,
+    /// "nvme" or "s3".
+    tier: &'static str,
+    removed: bool,
+    /// "LOCAL", "REMOTE" or None.
+    locality: Option<&'static str>,
+}
+
+fn reason_name(r: KeyFailure) -> &'static str {
+    match r {
+        KeyFailure::Miss => "miss",
+        KeyFailure::NotReady => "not_ready",
+        KeyFailure::Io(_) => "io",
+        KeyFailure::ShortIo { .. } => "short_io",
+        KeyFailure::Checksum => "checksum",
+        KeyFailure::NoSpace => "no_space",
+        KeyFailure::Shutdown => "shutdown",
+        KeyFailure::InvalidJob => "invalid_job",
+        KeyFailure::Remote => "remote",
+    }
+}
+
+fn tier_name(t: Tier) -> &'static str {
+    match t {
+        Tier::S3 => "s3",
+        Tier::Nvme => "nvme",
+    }
+}
+
+#[pyclass(frozen, module = "kvtier._native", name = "Engine")]
+struct PyEngine {
+    engine: Engine,
+    region: Arc<Region>,
+    block_bytes: u64,
+    region_blocks: u64,
+    /// The keys of every job in flight, by job id.
+    jobs: Mutex<HashMap<u64, Vec<Key>>>,
+    keep: Mutex<Option<Keep>>,
+}
+
+fn extract_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
+    let mut out = Vec::new();
+    for (i, item) in keys.try_iter()?.enumerate() {
+        let item = item?;
+        let bytes = item.cast::<PyBytes>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "keys[{i}]: expected bytes, got {}",
+                item.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?;
+        out.push(
+            Key::new(bytes.as_bytes())
+                .map_err(|e| PyValueError::new_err(format!("keys[{i}]: {e}")))?,
+        );
+    }
+    Ok(out)
+}
+
+fn block_id(i: usize, v: i64) -> PyResult<u32> {
+    u32::try_from(v).map_err(|_| {
+        PyValueError::new_err(format!(
+            "blocks[{i}] = {v}: a block index from 0 to {}",
+            u32::MAX
+        ))
+    })
+}
+
+/// Block indexes from a list/tuple of ints or an int32/int64/uint32 array (buffer protocol).
+fn extract_blocks(py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if let Ok(buf) = PyBuffer::<i64>::get(blocks) {
+        let v = buf.to_vec(py)?;
+        return v
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| block_id(i, b))
+            .collect();
+    }
+    if let Ok(buf) = PyBuffer::<i32>::get(blocks) {
+        let v = buf.to_vec(py)?;
+        return v
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| block_id(i, i64::from(b)))
+            .collect();
+    }
+    if let Ok(buf) = PyBuffer::<u32>::get(blocks) {
+        return buf.to_vec(py);
+    }
+    let mut out = Vec::new();
+    for (i, item) in blocks.try_iter()?.enumerate() {
+        let v: i64 = item?.extract().map_err(|e: PyErr| {
+            if e.is_instance_of::<PyOverflowError>(py) {
+                PyValueError::new_err(format!("blocks[{i}]: out of range"))
+            } else {
+                PyTypeError::new_err(format!("blocks[{i}]: expected an int"))
+            }
+        })?;
+        out.push(block_id(i, v)?);
+    }
+    Ok(out)
+}
+
+impl PyEngine {
+    fn submit(
+        &self,
+        py: Python<'_>,
+        kind: JobKind,
+        job_id: u64,
+        keys: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let keys = extract_keys(keys)?;
+        let blocks = extract_blocks(py, blocks)?;
+        if keys.len() != blocks.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} keys but {} blocks: one block per key",
+                keys.len(),
+                blocks.len()
+            )));
+        }
+        if let Some((i, &b)) = blocks
+            .iter()
+            .enumerate()
+            .find(|(_, &b)| u64::from(b) >= self.region_blocks)
+        {
+            return Err(PyValueError::new_err(format!(
+                "blocks[{i}] = {b}: the region has {} blocks (0 to {})",
+                self.region_blocks,
+                self.region_blocks - 1
+            )));
+        }
+        {
+            let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+            if jobs.contains_key(&job_id) {
+                return Err(PyValueError::new_err(format!(
+                    "job_id {job_id} is already in flight: job ids must be unique until reported"
+                )));
+            }
+            jobs.insert(job_id, keys.clone());
+        }
+        let job = Job::new(job_id, keys, blocks);
+        let r = match kind {
+            JobKind::Load => self.engine.submit_load(job),
+            JobKind::Store => self.engine.submit_store(job),
+        };
+        if let Err(e) = r {
+            self.jobs
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&job_id);
+            return Err(to_py(e));
+        }
+        Ok(())
+    }
+
+    fn convert(&self, py: Python<'_>, results: Vec<JobResult>) -> PyResult<Vec<JobOutcome>> {
+        let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out = Vec::with_capacity(results.len());
+        for r in results {
+            let keys = jobs.remove(&r.id).unwrap_or_default();
+            let key_bytes = |i: usize| -> Option<Bound<'_, PyBytes>> {
+                keys.get(i).map(|k| PyBytes::new(py, k.as_bytes()))
+            };
+            let successful_keys = match r.successful_keys() {
+                Some(n) => {
+                    Some(PyList::new(py, (0..n.min(keys.len())).filter_map(key_bytes))?.unbind())
+                }
+                None => None,
+            };
+            let failures = PyList::empty(py);
+            for f in &r.failures {
+                let detail = if f.detail.is_empty() {
+                    f.reason.to_string()
+                } else {
+                    format!("{}: {}", f.reason, f.detail)
+                };
+                failures.append((
+                    f.key_index,
+                    key_bytes(f.key_index),
+                    reason_name(f.reason),
+                    detail,
+                ))?;
+            }
+            out.push(JobOutcome {
+                job_id: r.id,
+                kind: match r.kind {
+                    JobKind::Load => "load",
+                    JobKind::Store => "store",
+                },
+                success: r.success,
+                succeeded_prefix: r.succeeded_prefix,
+                successful_keys,
+                failures: failures.unbind(),
+                transfer_bytes: r.bytes,
+                transfer_seconds: r.elapsed.as_secs_f64(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    /// `config` is a path, TOML text or the JSON of a dict (`kind` says which); `region` is a
+    /// writable, C-contiguous byte buffer (a `memoryview` cast to "B"), or None with `address`,
+    /// `length` and `owner` for memory described by `__array_interface__`.
+    #[new]
+    #[pyo3(signature = (config, kind, region=None, address=0, length=0, owner=None))]
+    fn new(
+        py: Python<'_>,
+        config: &str,
+        kind: &str,
+        region: Option<&Bound<'_, PyAny>>,
+        address: usize,
+        length: usize,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<PyEngine> {
+        let config = parse_config(config, kind)?;
+        let (ptr, len, keep) = match (region, owner) {
+            (Some(obj), _) => {
+                let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
+                    PyTypeError::new_err(format!("region: not a byte buffer ({e})"))
+                })?;
+                if buf.readonly() {
+                    return Err(PyValueError::new_err(
+                        "region: the buffer is read-only; kvtier loads write into it",
+                    ));
+                }
+                if !buf.is_c_contiguous() {
+                    return Err(PyValueError::new_err(
+                        "region: the buffer is not C-contiguous; pass one contiguous block of memory",
+                    ));
+                }
+                (
+                    buf.buf_ptr().cast::<u8>(),
+                    buf.len_bytes(),
+                    Keep::Buffer(buf),
+                )
+            }
+            (None, Some(owner)) => (address as *mut u8, length, Keep::Owner(owner)),
+            (None, None) => {
+                return Err(PyTypeError::new_err("region: a buffer is required"));
+            }
+        };
+        let block = usize::try_from(config.block_size).unwrap_or(usize::MAX);
+        if len == 0 || len % block != 0 {
+            return Err(PyValueError::new_err(format!(
+                "region: {len} bytes is not a whole number of blocks of block_size = {block} bytes \
+                 (a multiple of block_size is accepted)"
+            )));
+        }
+        if (ptr as usize) % REGION_ALIGN_BYTES != 0 {
+            return Err(PyValueError::new_err(format!(
+                "region: the buffer starts at {ptr:p}, which is not {REGION_ALIGN_BYTES}-byte \
+                 aligned; O_DIRECT and registered buffers need page-aligned memory: allocate it \
+                 with kvtier.allocate_region() or mmap.mmap(-1, size)"
+            )));
+        }
+        // SAFETY: `ptr..ptr + len` is the memory of a live buffer export (or of `owner`'s
+        // array interface): valid and writable while `keep` lives. `keep` is held by the
+        // returned engine and released only after `Engine::shutdown` has joined every worker
+        // and stopped the S3 reactor (see `release`), so the memory outlives every ring that
+        // registered it and every I/O on it. Rust never forms references into it (the Region
+        // copies through raw pointers).
+        let region = unsafe { Region::from_raw_parts(ptr, len) }
+            .map_err(|e| PyValueError::new_err(format!("region: {}", e.desc())))?;
+        let region = Arc::new(region);
+        let engine = py
+            .detach(|| Engine::open(&config, Arc::clone(&region)))
+            .map_err(to_py)?;
+        Ok(PyEngine {
+            block_bytes: config.block_size,
+            region_blocks: (len / block) as u64,
+            engine,
+            region,
+            jobs: Mutex::new(HashMap::new()),
+            keep: Mutex::new(Some(keep)),
+        })
+    }
+
+    #[getter]
+    fn block_size(&self) -> u64 {
+        self.block_bytes
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> u64 {
+        self.region_blocks
+    }
+
+    /// Address of the region's first byte (for checks that the region is used in place).
+    #[getter]
+    fn region_address(&self) -> usize {
+        self.region.addr()
+    }
+
+    /// Queues a store of `blocks[i]` under `keys[i]`. Never blocks.
+    fn submit_store(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.submit(py, JobKind::Store, job_id, keys, blocks)
+    }
+
+    /// Queues a load of `keys[i]` into `blocks[i]`. Never blocks.
+    fn submit_load(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.submit(py, JobKind::Load, job_id, keys, blocks)
+    }
+
+    /// Every result since the last call; never blocks.
+    fn poll_finished(&self, py: Python<'_>) -> PyResult<Vec<JobOutcome>> {
+        let mut out = Vec::new();
+        self.engine.poll_finished(&mut out);
+        self.convert(py, out)
+    }
+
+    /// Waits up to `timeout` seconds for a result (GIL released), then returns every result.
+    fn wait_finished(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<JobOutcome>> {
+        if !(timeout.is_finite() && timeout >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "timeout = {timeout}: a finite number of seconds >= 0"
+            )));
+        }
+        let mut out = Vec::new();
+        py.detach(|| {
+            self.engine
+                .wait_finished(&mut out, Duration::from_secs_f64(timeout))
+        });
+        self.convert(py, out)
+    }
+
+    /// Per key: "nvme" or "s3" (a hit in that tier), "miss", or "pending" (ask again).
+    fn lookup(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
+        let keys = extract_keys(keys)?;
+        Ok(self
+            .engine
+            .lookup(&keys)
+            .into_iter()
+            .map(|l| match l {
+                Lookup::Hit(t) => tier_name(t),
+                Lookup::Miss => "miss",
+                Lookup::Pending => "pending",
+            })
+            .collect())
+    }
+
+    /// Jobs submitted whose result has not been published yet.
+    fn jobs_in_flight(&self) -> usize {
+        self.engine.jobs_in_flight()
+    }
+
+    /// Waits (GIL released) until every submitted job has a result.
+    fn drain(&self, py: Python<'_>) {
+        py.detach(|| self.engine.drain());
+    }
+
+    /// Stops the engine (GIL released); idempotent. Queued jobs fail with reason "shutdown";
+    /// results stay available to `poll_finished`. Then releases the region.
+    fn shutdown(&self, py: Python<'_>) {
+        py.detach(|| self.engine.shutdown());
+        // Every worker has been joined: nothing can touch the region any more.
+        let keep = self
+            .keep
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(keep);
+    }
+
+    /// Whether `shutdown` has released the region.
+    #[getter]
+    fn is_shut_down(&self) -> bool {
+        self.keep
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+    }
+
+    /// Stored and removed events since the last call.
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<EventOut>> {
+        self.engine
+            .take_events()
+            .into_iter()
+            .map(|e: Event| {
+                Ok(EventOut {
+                    keys: PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))?
+                        .unbind(),
+                    medium: "STORAGE",
+                    tier: tier_name(e.tier),
+                    removed: e.removed,
+                    locality: e.locality.map(|l| match l {
+                        kvtier::config::Locality::Local => "LOCAL",
+                        kvtier::config::Locality::Remote => "REMOTE",
+                    }),
+                })
+            })
+            .collect()
+    }
+
+    /// The engine's counters as a dict (see `Stats` in the Rust docs).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, &self.engine.stats())
+    }
+
+    /// What `open` set up, as a dict.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let info = self.engine.info();
+        let d = PyDict::new(py);
+        d.set_item("block_size", info.block_bytes)?;
+        d.set_item("num_blocks", info.region_blocks)?;
+        d.set_item("region_backing", info.region_backing)?;
+        d.set_item("open_seconds", info.open_seconds)?;
+        let devices = PyList::empty(py);
+        for dev in &info.devices {
+            let dd = PyDict::new(py);
+            dd.set_item("path", dev.path.to_string_lossy().into_owned())?;
+            dd.set_item("kind", dev.kind)?;
+            dd.set_item("direct", dev.direct)?;
+            dd.set_item("size_bytes", dev.size_bytes)?;
+            dd.set_item("slots", dev.geometry.slot_count)?;
+            dd.set_item("formatted", dev.formatted)?;
+            if let Some(f) = &dev.files {
+                dd.set_item("files", format!("{f:?}"))?;
+            }
+            devices.append(dd)?;
+        }
+        d.set_item("devices", devices)?;
+        let workers = PyList::empty(py);
+        for w in &info.workers {
+            let wd = PyDict::new(py);
+            wd.set_item("core", w.core)?;
+            wd.set_item("pinned", w.pinned)?;
+            wd.set_item("backend", &w.backend)?;
+            wd.set_item("recovered_blocks", w.recovered_blocks)?;
+            workers.append(wd)?;
+        }
+        d.set_item("workers", workers)?;
+        if let Some(s3) = &info.s3 {
+            let sd = PyDict::new(py);
+            sd.set_item("bucket", &s3.bucket)?;
+            sd.set_item("endpoint", &s3.endpoint)?;
+            sd.set_item("prefix", &s3.prefix)?;
+            sd.set_item("reactor_threads", s3.reactor_threads)?;
+            sd.set_item("probe_seconds", s3.probe_seconds)?;
+            d.set_item("s3", sd)?;
+        } else {
+            d.set_item("s3", py.None())?;
+        }
+        Ok(d)
+    }
+
+    /// The object name `key` has in the S3 tier, or None without one.
+    fn s3_object_name(&self, key: &Bound<'_, PyBytes>) -> PyResult<Option<String>> {
+        let key = Key::new(key.as_bytes()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(self.engine.s3_object_name(&key))
+    }
+}
+
+impl Drop for PyEngine {
+    fn drop(&mut self) {
+        // Dropped by Python's garbage collector without `shutdown`: stop the workers before
+        // the buffer export is released (fields drop after this), without holding the GIL
+        // while they finish their I/O.
+        Python::attach(|py| py.detach(|| self.engine.shutdown()));
+    }
+}
+
+fn hist_dict<'py>(
+    py: Python<'py>,
+    h: &kvtier::metrics::HistogramSnapshot,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("count", h.count())?;
+    d.set_item("p50_us", h.quantile(0.5))?;
+    d.set_item("p99_us", h.quantile(0.99))?;
+    d.set_item("p999_us", h.quantile(0.999))?;
+    Ok(d)
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    macro_rules! put {
+        ($($f:ident),* $(,)?) => { $( d.set_item(stringify!($f), s.$f)?; )* };
+    }
+    put!(
+        loads_ok,
+        loads_failed,
+        load_misses,
+        stores_ok,
+        stores_failed,
+        stores_skipped_present,
+        bytes_read,
+        bytes_written,
+        read_ops,
+        write_ops,
+        table_writes,
+        evictions,
+        checksum_failures,
+        io_errors,
+        queued_loads,
+        queued_stores,
+        inflight_ops,
+        submits,
+        wakeups,
+        blocks_stored,
+        slots_total,
+        recovered_blocks,
+        torn_entries,
+        unroutable_entries,
+        demotions,
+        demotions_dropped,
+        jobs_in_flight,
+        events_dropped,
+        worker_cpu_seconds,
+    );
+    d.set_item("load_latency", hist_dict(py, &s.load_latency_us)?)?;
+    d.set_item("store_latency", hist_dict(py, &s.store_latency_us)?)?;
+    match &s.s3 {
+        None => d.set_item("s3", py.None())?,
+        Some(s3) => {
+            let sd = PyDict::new(py);
+            for (name, op) in [("head", &s3.head), ("get", &s3.get), ("put", &s3.put)] {
+                let od = PyDict::new(py);
+                od.set_item("requests", op.requests)?;
+                od.set_item("errors", op.errors)?;
+                od.set_item("retries", op.retries)?;
+                od.set_item("bytes", op.bytes)?;
+                od.set_item("latency", hist_dict(py, &op.latency_us)?)?;
+                sd.set_item(name, od)?;
+            }
+            sd.set_item("lookup_hits", s3.lookup_hits)?;
+            sd.set_item("lookup_misses", s3.lookup_misses)?;
+            sd.set_item("lookup_pending", s3.lookup_pending)?;
+            sd.set_item("promotions", s3.promotions)?;
+            sd.set_item("promotions_failed", s3.promotions_failed)?;
+            sd.set_item("demotions", s3.demotions)?;
+            sd.set_item("demotions_dropped", s3.demotions_dropped)?;
+            sd.set_item("background_upload_failures", s3.background_upload_failures)?;
+            sd.set_item("uploads_dropped", s3.uploads_dropped)?;
+            d.set_item("s3", sd)?;
+        }
+    }
+    Ok(d)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyEngine>()?;
+    m.add_class::<JobOutcome>()?;
+    m.add_class::<EventOut>()?;
+    m.add_function(wrap_pyfunction!(check_config, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("BackpressureError", py.get_type::<BackpressureError>())?;
+    m.add("ShutdownError", py.get_type::<ShutdownError>())?;
+    m.add("REGION_ALIGN_BYTES", REGION_ALIGN_BYTES)?;
+    Ok(())
+}

@@ -1,0 +1,346 @@
+"""The Python binding (kvtier.Engine) against the real engine on this machine's kernel.
+
+Each test opens an engine over a numpy region (an mmap, so page-aligned) on a slab file or a
+files directory under pytest's tmp_path, moves blocks and checks bytes, results, errors and
+states. What would break: the zero-copy region (bytes would not arrive where the caller looks),
+result conversion (partial loads, per-key failures), error mapping, the region's lifetime
+(a freed buffer under in-flight I/O), or the GIL (threads would serialize or deadlock).
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+import kvtier
+
+BLOCK = 64 * 1024
+BLOCKS = 32
+
+
+def slab_config(tmp_path, **extra):
+    cfg = {
+        "block_size": BLOCK,
+        "cores": [0],
+        "devices": [{"path": str(tmp_path / "kv.slab"), "capacity_bytes": "16 MiB"}],
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def files_config(tmp_path, **extra):
+    cfg = {
+        "block_size": BLOCK,
+        "cores": [0],
+        "devices": [{"path": str(tmp_path / "kvdir"), "layout": "files"}],
+        "files": {
+            "namespace": {
+                "model_name": "test/model",
+                "dtype": "bfloat16",
+                "tokens_per_hash": 16,
+                "blocks_per_file": 1,
+                "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": ["l0"]}],
+            }
+        },
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def region(blocks=BLOCKS):
+    return np.frombuffer(kvtier.allocate_region(blocks, BLOCK), dtype=np.uint8).reshape(
+        blocks, BLOCK
+    )
+
+
+def pattern(seed, n=1):
+    return np.random.default_rng(seed).integers(0, 256, size=(n, BLOCK), dtype=np.uint8)
+
+
+def vkey(i, group=0):
+    """A vLLM offload key: a 32-byte hash and the group index, 4 bytes big-endian."""
+    return i.to_bytes(32, "big") + group.to_bytes(4, "big")
+
+
+def run(engine, submit, job_id, keys, blocks):
+    submit(job_id, keys, blocks)
+    engine.drain()
+    (result,) = engine.poll_finished()
+    assert result.job_id == job_id
+    return result
+
+
+@pytest.mark.parametrize("layout", ["slab", "files"])
+def test_round_trip_is_byte_exact_and_in_place(tmp_path, layout):
+    cfg = slab_config(tmp_path) if layout == "slab" else files_config(tmp_path)
+    arr = region()
+    data = pattern(1, 4)
+    arr[[3, 5, 7, 9]] = data
+    with kvtier.Engine(cfg, arr) as e:
+        assert e.region_address == arr.ctypes.data  # the caller's memory, not a copy
+        assert (e.block_size, e.num_blocks) == (BLOCK, BLOCKS)
+        keys = [vkey(i) for i in range(4)]
+        r = run(e, e.submit_store, 1, keys, np.array([3, 5, 7, 9], dtype=np.int64))
+        assert (r.kind, r.success, r.succeeded_prefix, r.failures) == ("store", True, 4, [])
+        assert r.successful_keys is None and r.transfer_bytes == 4 * BLOCK
+        assert r.transfer_seconds > 0
+        assert e.lookup(keys + [vkey(99)]) == ["nvme"] * 4 + ["miss"]
+        arr[:] = 0
+        r = run(e, e.submit_load, 2, keys, np.array([20, 21, 22, 23], dtype=np.int32))
+        assert r.success and r.transfer_bytes == 4 * BLOCK
+        np.testing.assert_array_equal(arr[20:24], data)
+        assert not arr[:20].any()  # nothing else was written
+        # A store of keys already held is a skipped success.
+        r = run(e, e.submit_store, 3, keys[:2], [0, 1])
+        assert r.success and r.transfer_bytes == 0
+        s = e.stats()
+        assert s["stores_ok"] == 4 and s["loads_ok"] == 4 and s["stores_skipped_present"] == 2
+        assert s["blocks_stored"] == 4 and s["bytes_read"] == 4 * BLOCK
+    if layout == "files":
+        # The files are vLLM's: <dir>/<model>_<digest>_r0/<hhh>/<hh>_g0/<hash>.bin, block bytes.
+        h = vkey(2)[:32].hex()
+        (ns,) = [d for d in os.listdir(tmp_path / "kvdir") if d.endswith("_r0")]
+        path = tmp_path / "kvdir" / ns / h[:3] / f"{h[3:5]}_g0" / f"{h}.bin"
+        assert path.read_bytes() == data[2].tobytes()
+
+
+def test_partial_load_reports_prefix_and_every_failed_key(tmp_path):
+    arr = region()
+    arr[0:2] = pattern(2, 2)
+    with kvtier.Engine(slab_config(tmp_path), arr) as e:
+        assert run(e, e.submit_store, 1, [b"a", b"c"], [0, 1]).success
+        arr[10:14] = 0
+        r = run(e, e.submit_load, 2, [b"a", b"missing-1", b"c", b"missing-2"], [10, 11, 12, 13])
+        assert (r.success, r.succeeded_prefix) == (False, 1)
+        assert r.successful_keys == [b"a"]
+        assert [(i, k, reason) for (i, k, reason, _) in r.failures] == [
+            (1, b"missing-1", "miss"),
+            (3, b"missing-2", "miss"),
+        ]
+        assert "not stored" in r.failures[0][3]
+        np.testing.assert_array_equal(arr[10], arr[0])
+        np.testing.assert_array_equal(arr[12], arr[1])  # loaded even after the failure
+        assert not arr[11].any() and not arr[13].any()
+        # A load whose first key fails has no successful prefix.
+        r = run(e, e.submit_load, 3, [b"nope", b"a"], [4, 5])
+        assert (r.success, r.succeeded_prefix, r.successful_keys) == (False, 0, None)
+
+
+def test_events_carry_keys_medium_tier_and_locality(tmp_path):
+    cfg = slab_config(tmp_path, events={"enabled": True, "locality": "LOCAL"})
+    arr = region()
+    with kvtier.Engine(cfg, arr) as e:
+        assert run(e, e.submit_store, 1, [b"k1", b"k2"], [0, 1]).success
+        assert not run(e, e.submit_load, 2, [b"zz"], [3]).success
+        (ev,) = e.take_events()  # one stored event; loads emit none
+        assert (ev.keys, ev.medium, ev.tier, ev.removed, ev.locality) == (
+            [b"k1", b"k2"], "STORAGE", "nvme", False, "LOCAL")
+        assert e.take_events() == []
+
+
+def test_config_forms_and_errors(tmp_path):
+    arr = region()
+    toml = (
+        f"block_size = {BLOCK}\ncores = [0]\n[[devices]]\npath = \"{tmp_path / 'a.slab'}\"\n"
+        "capacity_bytes = \"16 MiB\"\n"
+    )
+    path = tmp_path / "kvtier.toml"
+    path.write_text(toml)
+    for cfg in (toml, str(path), path):
+        with kvtier.Engine(cfg, arr) as e:
+            assert e.block_size == BLOCK
+    assert "block_size = \"64 KiB\"" in kvtier.check_config(toml)
+    with pytest.raises(kvtier.ConfigError, match=r"`block_size` = \"3 KiB\".*multiple of 4096"):
+        kvtier.Engine(slab_config(tmp_path, block_size="3 KiB"), arr)
+    with pytest.raises(kvtier.ConfigError, match=r"ring_entries.*power of two"):
+        kvtier.Engine(slab_config(tmp_path, ring_entries=100), arr)
+    with pytest.raises(kvtier.ConfigError, match="unknown field `bogus`"):
+        kvtier.Engine(slab_config(tmp_path, bogus=1), arr)
+    with pytest.raises(kvtier.ConfigError, match="reading config .*nope.toml"):
+        kvtier.Engine(str(tmp_path / "nope.toml"), arr)
+    with pytest.raises(TypeError, match="config: expected"):
+        kvtier.Engine(42, arr)
+    assert issubclass(kvtier.ConfigError, kvtier.Error)
+
+
+def test_region_errors(tmp_path):
+    cfg = slab_config(tmp_path)
+    with pytest.raises(ValueError, match="not a whole number of blocks"):
+        kvtier.Engine(cfg, kvtier.allocate_region(1, BLOCK + 4096))
+    with pytest.raises(ValueError, match="read-only"):
+        kvtier.Engine(cfg, bytes(BLOCK))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        kvtier.Engine(cfg, region(4)[:, ::2])
+    raw = np.frombuffer(kvtier.allocate_region(3, BLOCK), dtype=np.uint8)
+    with pytest.raises(ValueError, match="not 4096-byte aligned.*allocate_region"):
+        kvtier.Engine(cfg, raw[16 : 16 + 2 * BLOCK])
+    with pytest.raises(TypeError, match="neither a buffer nor has __array_interface__"):
+        kvtier.Engine(cfg, object())
+
+
+def test_job_errors_backpressure_and_shutdown(tmp_path):
+    arr = region()
+    e = kvtier.Engine(slab_config(tmp_path, queue_blocks_max=2), arr)
+    with pytest.raises(kvtier.BackpressureError, match="queue_blocks_max = 2"):
+        e.submit_store(1, [b"a", b"b", b"c"], [0, 1, 2])
+    assert e.poll_finished() == [] and e.jobs_in_flight() == 0  # nothing was queued
+    with pytest.raises(ValueError, match=r"blocks\[1\] = 32: the region has 32 blocks"):
+        e.submit_store(2, [b"a", b"b"], [0, BLOCKS])
+    with pytest.raises(ValueError, match=r"blocks\[0\] = -1"):
+        e.submit_load(2, [b"a"], [-1])
+    with pytest.raises(ValueError, match="2 keys but 1 blocks"):
+        e.submit_store(2, [b"a", b"b"], [0])
+    with pytest.raises(TypeError, match=r"keys\[0\]: expected bytes, got str"):
+        e.submit_store(2, ["a"], [0])
+    with pytest.raises(ValueError, match=r"keys\[0\]:.*64"):
+        e.submit_store(2, [b"x" * 65], [0])
+    e.submit_store(5, [b"a"], [0])
+    e.drain()
+    with pytest.raises(ValueError, match="job_id 5 is already in flight"):
+        e.submit_store(5, [b"b"], [1])  # its result has not been polled yet
+    assert [r.job_id for r in e.poll_finished()] == [5]
+    e.submit_store(5, [b"b"], [1])  # reported: the id is free again
+    e.shutdown()
+    e.shutdown()  # idempotent
+    assert [r.job_id for r in e.poll_finished()] == [5]
+    with pytest.raises(kvtier.ShutdownError):
+        e.submit_load(6, [b"a"], [0])
+    assert issubclass(kvtier.BackpressureError, kvtier.Error)
+
+
+def test_region_kept_alive_until_shutdown(tmp_path):
+    arr = region()
+    arr[0] = pattern(3)[0]
+    expect = arr[0].copy()
+    ref = weakref.ref(arr)
+    e = kvtier.Engine(slab_config(tmp_path), arr)
+    del arr
+    gc.collect()
+    assert ref() is not None  # the engine holds the caller's buffer
+    assert run(e, e.submit_store, 1, [b"k"], [0]).success
+    assert run(e, e.submit_load, 2, [b"k"], [9]).success
+    np.testing.assert_array_equal(ref()[9], expect)
+    e.shutdown()
+    gc.collect()
+    assert ref() is None  # released once every I/O was reaped
+
+
+def test_mmap_cannot_close_under_the_engine(tmp_path):
+    m = kvtier.allocate_region(BLOCKS, BLOCK)
+    e = kvtier.Engine(slab_config(tmp_path), m)
+    with pytest.raises(BufferError):
+        m.close()  # the engine's export pins it
+    e.shutdown()
+    m.close()
+
+
+def test_array_interface_region(tmp_path):
+    backing = region()
+
+    class Foreign:
+        """Memory described only by __array_interface__ (as some tensor libraries do)."""
+
+        __array_interface__ = backing.__array_interface__
+
+    obj = Foreign()
+    backing[2] = pattern(4)[0]
+    with kvtier.Engine(slab_config(tmp_path), obj) as e:
+        assert e.region_address == backing.ctypes.data
+        assert run(e, e.submit_store, 1, [b"k"], [2]).success
+        assert run(e, e.submit_load, 2, [b"k"], [3]).success
+    np.testing.assert_array_equal(backing[3], backing[2])
+
+
+def test_threads_submit_while_another_drains(tmp_path):
+    arr = region(64)
+    arr[:] = pattern(5, 64)
+    threads_n, jobs_per_thread = 4, 25
+    results = []
+    lock = threading.Lock()
+    with kvtier.Engine(slab_config(tmp_path, cores="auto"), arr) as e:
+        stop = threading.Event()
+
+        def submitter(t):
+            for j in range(jobs_per_thread):
+                job_id = t * 1000 + j
+                key = f"t{t}-j{j}".encode()
+                while True:
+                    try:
+                        e.submit_store(job_id, [key], [(t * jobs_per_thread + j) % 64])
+                        break
+                    except kvtier.BackpressureError:
+                        time.sleep(0.001)
+
+        def drainer():
+            while not stop.is_set():
+                e.drain()
+                got = e.poll_finished()
+                with lock:
+                    results.extend(got)
+
+        d = threading.Thread(target=drainer)
+        d.start()
+        ts = [threading.Thread(target=submitter, args=(t,)) for t in range(threads_n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        e.drain()
+        stop.set()
+        d.join()
+        results.extend(e.poll_finished())
+        ids = sorted(r.job_id for r in results)
+        assert ids == sorted(t * 1000 + j for t in range(threads_n) for j in range(jobs_per_thread))
+        assert all(r.success for r in results)
+        keys = [f"t{t}-j{j}".encode() for t in range(threads_n) for j in range(jobs_per_thread)]
+        assert set(e.lookup(keys)) == {"nvme"}
+
+
+def test_waiting_releases_the_gil(tmp_path):
+    with kvtier.Engine(slab_config(tmp_path), region()) as e:
+        ticks = 0
+        done = threading.Event()
+
+        def spin():
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+
+        t = threading.Thread(target=spin)
+        t.start()
+        started = time.monotonic()
+        assert e.wait_finished(0.3) == []  # nothing submitted: times out
+        waited = time.monotonic() - started
+        done.set()
+        t.join()
+        assert waited >= 0.29
+        assert ticks > 1000  # the other thread ran while this one waited
+        with pytest.raises(ValueError, match="timeout"):
+            e.wait_finished(-1)
+
+
+def test_info_and_stats_shapes(tmp_path):
+    with kvtier.Engine(files_config(tmp_path), region()) as e:
+        info = e.info()
+        assert info["block_size"] == BLOCK and info["num_blocks"] == BLOCKS
+        assert info["region_backing"] == "foreign" and info["s3"] is None
+        (dev,) = info["devices"]
+        assert dev["kind"] == "directory" and dev["path"].endswith("_r0")
+        assert len(info["workers"]) == 1 and info["workers"][0]["core"] == 0
+        s = e.stats()
+        assert s["jobs_in_flight"] == 0 and s["s3"] is None
+        assert set(s["load_latency"]) == {"count", "p50_us", "p99_us", "p999_us"}
+
+
+def test_allocate_region():
+    m = kvtier.allocate_region(2, 4096)
+    assert isinstance(m, mmap.mmap) and len(m) == 8192
+    with pytest.raises(ValueError, match="at least 1"):
+        kvtier.allocate_region(0, 4096)

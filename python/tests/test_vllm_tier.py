@@ -1,0 +1,410 @@
+"""kvtier.vllm.KvtierTierManager driven by vLLM 0.33.0's real tiering code.
+
+Real vLLM (extracted unmodified from the 0.33.0 wheel by vllm_harness): the OffloadingConfig
+dataclasses and TieringOffloadingSpec, SecondaryTierFactory (loading kvtier's class by
+module_path), TieringOffloadingManager with its CPU primary tier (CPUOffloadingManager, LRU),
+FileMapper, the fs tier (FileSystemTierManager, Python I/O fallback), backpressure detectors,
+OffloadingConnectorStats. Stood in (vllm_harness.STANDIN_REASONS): torch (import only), vllm's
+logger, platforms and config modules, the connector Prometheus module, kv_cache_interface, the
+SharedOffloadRegion (an anonymous mmap instead of /dev/shm) and the GPU worker: the GPU->CPU
+copy is simulated by writing bytes into the rows prepare_store() allocated.
+
+What would break: the namespace (kvtier and vLLM would not share a directory), the zero-copy
+view, job/lookup semantics the orchestrator relies on (exactly-once results, partial loads,
+failed keys turning into misses), or the constructor contract (backpressure_detector, fs kwargs,
+locality and root errors).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import vllm_harness as H
+
+BLOCK = 256 * 1024
+KVTIER = {"type": "KvtierTierManager", "module_path": "kvtier.vllm"}
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    try:
+        return H.load_vllm()
+    except H.WheelNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def tiermod(vllm):
+    import kvtier.vllm
+
+    return kvtier.vllm
+
+
+@pytest.fixture
+def spec(vllm):
+    return H.make_spec(vllm, num_blocks=8, block_bytes=BLOCK, enable_kv_cache_events=True)
+
+
+def rows(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, size=(n, BLOCK), dtype=np.uint8)
+
+
+def make_tier(vllm, spec, primary, **kwargs):
+    cfg = {**KVTIER, "cores": [0], **kwargs}
+    return vllm.SecondaryTierFactory.create_secondary_tier(cfg, primary.view, spec)
+
+
+def test_factory_loads_kvtier_by_module_path(vllm, tiermod, spec, tmp_path):
+    primary = H.make_primary(8, BLOCK, dtype=np.int8)  # vLLM's region is int8 ('b')
+    tier = vllm.SecondaryTierFactory.create_secondary_tier(
+        {**KVTIER, "root_dir": str(tmp_path), "backpressure": {
+            "backpressure_cls": "EMABackpressureDetector"}},
+        primary.view,
+        spec,
+    )
+    try:
+        assert type(tier) is tiermod.KvtierTierManager
+        assert isinstance(tier, vllm.SecondaryTierManager)
+        assert isinstance(tier.bp_detector, vllm.EMABackpressureDetector)
+        assert tier.medium is vllm.Medium.STORAGE
+        assert tier.cache_hit_source is vllm.CacheHitSource.DISK
+        assert tier.block_size_bytes == BLOCK and tier.engine.block_size == BLOCK
+        # Zero-copy: the engine's region is vLLM's primary buffer itself.
+        assert tier.engine.region_address == np.asarray(primary.view).ctypes.data
+        assert isinstance(tier.file_mapper, vllm.FileMapper)
+    finally:
+        tier.shutdown()
+        tier.shutdown()  # idempotent
+
+
+def test_fs_entry_works_unchanged(vllm, tiermod, spec, tmp_path):
+    """An existing fs entry, with only type and module_path changed."""
+    primary = H.make_primary(8, BLOCK)
+    entry = {"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 32,
+             "n_write_threads": 16, "enable_kv_events": True, "locality": "LOCAL"}
+    entry.update(KVTIER)
+    tier = vllm.SecondaryTierFactory.create_secondary_tier(entry, primary.view, spec)
+    try:
+        assert tier.locality is vllm.Locality.LOCAL
+        keys = [H.make_key(f"fs-{i}") for i in range(3)]
+        data = rows(3, 1)
+        primary.array[[1, 4, 6]] = data
+        ctx = vllm.ReqContext(req_id="r")
+        tier.on_new_request(ctx)
+        # A first lookup of a key kvtier does not hold is a MISS at once (no RETRY step).
+        assert tier.lookup(keys[0], ctx) is vllm.LookupResult.MISS
+        tier.submit_store(H.make_job(keys, [1, 4, 6], 7, ctx, is_promotion=False))
+        (res,) = H.drain(tier)
+        assert (res.job_id, res.success, res.transfer_bytes) == (7, True, 3 * BLOCK)
+        assert not tier.has_pending_work()
+        # Files where vLLM's FileMapper puts them, holding exactly the block.
+        for key, row in zip(keys, data):
+            with open(tier.file_mapper.get_file_name(key), "rb") as f:
+                assert f.read() == row.tobytes()
+            assert tier.lookup(key, ctx) is vllm.LookupResult.HIT  # HIT at once
+        with open(tier.file_mapper.get_config_file_path()) as f:
+            import json
+
+            assert json.load(f) == tier.file_mapper.get_run_config()
+        (ev,) = tier.take_events()
+        assert isinstance(ev, vllm.OffloadingEvent)
+        assert (ev.keys, ev.medium, ev.removed, ev.locality) == (
+            keys, vllm.Medium.STORAGE, False, vllm.Locality.LOCAL)
+        assert list(tier.take_events()) == []
+        # Loads emit no event; a partial load reports the prefix.
+        primary.array[:] = 0
+        missing = H.make_key("never")
+        tier.submit_load(H.make_job([keys[2], keys[0], missing, keys[1]], [0, 2, 3, 5], 8, ctx,
+                                    is_promotion=True))
+        (res,) = H.drain(tier)
+        assert res.success is False and res.successful_keys == (keys[2], keys[0])
+        np.testing.assert_array_equal(primary.array[0], data[2])
+        np.testing.assert_array_equal(primary.array[2], data[0])
+        assert list(tier.take_events()) == []
+        assert tier.lookup(missing, ctx) is vllm.LookupResult.MISS
+        tier.on_request_finished(ctx)
+    finally:
+        tier.shutdown()
+
+
+def test_constructor_errors_match_vllm(vllm, spec, tmp_path):
+    primary = H.make_primary(2, BLOCK)
+    for bad in ("local", ""):
+        with pytest.raises(ValueError, match="is not a valid Locality"):
+            make_tier(vllm, spec, primary, root_dir=str(tmp_path), locality=bad)
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(OSError):
+        make_tier(vllm, spec, primary, root_dir=str(blocker / "kv"))
+    with pytest.raises(ValueError, match="layout = 'slab' needs capacity_bytes"):
+        make_tier(vllm, spec, primary, root_dir=str(tmp_path), layout="slab")
+    with pytest.raises(ValueError, match="layout = 'bogus'"):
+        make_tier(vllm, spec, primary, root_dir=str(tmp_path), layout="bogus")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rootdir'"):
+        make_tier(vllm, spec, primary, rootdir=str(tmp_path))
+    import kvtier
+
+    with pytest.raises(kvtier.ConfigError, match="must equal vLLM's primary row stride"):
+        make_tier(vllm, spec, primary, config={
+            "block_size": "1 MiB", "devices": [{"path": str(tmp_path / "x"),
+                                                "layout": "files"}]})
+    with pytest.raises(kvtier.ConfigError, match="ring_entries"):
+        make_tier(vllm, spec, primary, config={
+            "ring_entries": 3, "devices": [{"path": str(tmp_path / "x"), "layout": "files"}]})
+
+
+def test_full_config_form_and_slab_layout(vllm, spec, tmp_path):
+    primary = H.make_primary(8, BLOCK)
+    toml_path = tmp_path / "kvtier.toml"
+    toml_path.write_text(
+        f'cores = [0]\n[[devices]]\npath = "{tmp_path / "kv.slab"}"\n'
+        'capacity_bytes = "32 MiB"\n'
+    )
+    tier = make_tier(vllm, spec, primary, config=str(toml_path))
+    try:
+        assert tier.config_info()["kvtier_layout"] == "slab"
+        keys = [H.make_key(f"slab-{i}") for i in range(4)]
+        data = rows(4, 2)
+        primary.array[:4] = data
+        ctx = vllm.ReqContext(req_id="s")
+        tier.submit_store(H.make_job(keys, [0, 1, 2, 3], 1, ctx, is_promotion=False))
+        assert [r.success for r in H.drain(tier)] == [True]
+        primary.array[:] = 0
+        tier.submit_load(H.make_job(keys, [7, 6, 5, 4], 2, ctx, is_promotion=True))
+        assert [r.success for r in H.drain(tier)] == [True]
+        np.testing.assert_array_equal(primary.array[[7, 6, 5, 4]], data)
+    finally:
+        tier.shutdown()
+    # The short form: slab in root_dir.
+    tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path / "short"), layout="slab",
+                     capacity_bytes="32 MiB")
+    try:
+        assert os.path.getsize(tmp_path / "short" / "kvtier.slab") == 32 << 20
+    finally:
+        tier.shutdown()
+
+
+def test_refused_jobs_are_reported_failed_not_raised(vllm, spec, tmp_path):
+    primary = H.make_primary(8, BLOCK)
+    tier = make_tier(vllm, spec, primary, config={
+        "cores": [0], "queue_blocks_max": 2,
+        "devices": [{"path": str(tmp_path / "d"), "layout": "files"}]})
+    try:
+        ctx = vllm.ReqContext(req_id="bp")
+        keys = [H.make_key(f"bp-{i}") for i in range(3)]
+        tier.submit_store(H.make_job(keys, [0, 1, 2], 1, ctx, is_promotion=False))  # too big
+        tier.submit_load(H.make_job(keys[:1], [99], 2, ctx, is_promotion=True))  # bad chunk
+        assert tier.has_pending_work()
+        got = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert set(got) == {1, 2} and not got[1].success and not got[2].success
+        assert list(tier.get_finished_jobs()) == []  # each job exactly once
+        tier.shutdown()
+        tier.submit_store(H.make_job(keys[:1], [0], 3, ctx, is_promotion=False))
+        (r,) = tier.get_finished_jobs()
+        assert (r.job_id, r.success) == (3, False)
+    finally:
+        tier.shutdown()
+
+
+def test_stale_hit_becomes_miss_without_livelock(vllm, spec, tmp_path):
+    """A file removed behind kvtier's back: the promotion fails once, then the key is a MISS."""
+    orch = H.make_orchestrator(spec, [{**KVTIER, "root_dir": str(tmp_path), "cores": [0]}],
+                               8, BLOCK)
+    mgr = orch.manager
+    try:
+        (tier,) = orch.secondary_tiers
+        ctx = vllm.ReqContext(req_id="w")
+        mgr.on_new_request(ctx)
+        keys = [H.make_key(f"stale-{i}") for i in range(2)]
+        out = mgr.prepare_store(keys, ctx)
+        orch.primary[[int(c) for c in out.store_spec.chunk_ids]] = rows(2, 3)
+        mgr.complete_store(keys, ctx)
+        mgr.on_request_finished(ctx)
+        orch.settle()
+        mgr.reset_cache()
+        mgr.on_reset_flushed()
+        os.remove(tier.file_mapper.get_file_name(keys[1]))
+
+        loads = []
+        real_submit_load = tier.submit_load
+
+        def counting_submit_load(job):
+            loads.append(list(job.keys))
+            real_submit_load(job)
+
+        tier.submit_load = counting_submit_load
+        ctx1 = vllm.ReqContext(req_id="r1")
+        mgr.on_new_request(ctx1)
+        # kvtier answers from its index: HIT (a promotion starts) for both, at once.
+        assert [mgr.lookup(k, ctx1) for k in keys] == [vllm.LookupResult.HIT_PENDING] * 2
+        orch.step()
+        orch.settle()
+        assert loads == [keys]
+        # The first key loaded; the removed one failed and is now a MISS, in every request.
+        assert mgr.lookup(keys[0], ctx1) is vllm.LookupResult.HIT
+        for _ in range(5):
+            assert mgr.lookup(keys[1], ctx1) is vllm.LookupResult.MISS
+            orch.step()
+        ctx2 = vllm.ReqContext(req_id="r2")
+        mgr.on_new_request(ctx2)
+        assert mgr.lookup(keys[1], ctx2) is vllm.LookupResult.MISS
+        orch.settle()
+        assert loads == [keys]  # no second promotion of the doomed key
+        assert tier.engine.stats()["load_misses"] == 1
+    finally:
+        orch.shutdown()
+
+
+def test_orchestrator_cascade_and_promotion(vllm, spec, tmp_path):
+    orch = H.make_orchestrator(spec, [{**KVTIER, "root_dir": str(tmp_path), "cores": [0],
+                                       "enable_kv_events": True}], 8, BLOCK)
+    mgr = orch.manager
+    try:
+        (tier,) = orch.secondary_tiers
+        keys = [H.make_key(f"orch-{i}") for i in range(3)]
+        data = rows(3, 4)
+        ctx = vllm.ReqContext(req_id="req-0")
+        mgr.on_new_request(ctx)
+        out = mgr.prepare_store(keys, ctx)
+        orch.primary[[int(c) for c in out.store_spec.chunk_ids]] = data
+        mgr.complete_store(keys, ctx)  # cascades into kvtier
+        mgr.on_request_finished(ctx)
+        orch.settle()
+        for key, row in zip(keys, data):
+            with open(tier.file_mapper.get_file_name(key), "rb") as f:
+                assert f.read() == row.tobytes()
+        storage = [e for e in mgr.take_events() if e.medium is vllm.Medium.STORAGE]
+        assert [e.keys for e in storage] == [keys]
+
+        mgr.reset_cache()
+        orch.primary[:] = 0
+        mgr.on_reset_flushed()
+        ctx1 = vllm.ReqContext(req_id="req-1")
+        mgr.on_new_request(ctx1)
+        assert [mgr.lookup(k, ctx1) for k in keys] == [vllm.LookupResult.HIT_PENDING] * 3
+        orch.step()
+        (job,) = mgr._jobs.values()
+        assert job.transfer_job.is_promotion and list(job.transfer_job.keys) == keys
+        orch.settle()
+        for key in keys:
+            assert mgr.lookup(key, ctx1) is vllm.LookupResult.HIT
+            assert mgr.get_load_source(key, ctx1) is vllm.CacheHitSource.DISK
+        spec_out = mgr.prepare_load(keys, ctx1)
+        np.testing.assert_array_equal(orch.primary[[int(c) for c in spec_out.chunk_ids]], data)
+        mgr.complete_load(keys, ctx1)
+        mgr.on_request_finished(ctx1)
+
+        # kvtier's figures reach vLLM's stats payload, labelled with the tier type.
+        stats = mgr.get_stats()
+        reduced = stats.reduce()
+        label = ("KvtierTierManager",)
+        assert reduced[f"vllm:kv_offload_kvtier_stored_bytes:{label}"] == 3 * BLOCK
+        assert reduced[f"vllm:kv_offload_kvtier_loaded_bytes:{label}"] == 3 * BLOCK
+        assert reduced[f"vllm:kv_offload_kvtier_blocks_stored:{label}"] == 3
+        assert reduced[f"vllm:kv_offload_kvtier_store_job_seconds:{label}_count"] == 1
+        defs = type(tier).build_metric_definitions({})
+        assert set(k for k in reduced if k.startswith("vllm:kv_offload_kvtier_")) and all(
+            k.split(":(")[0].removesuffix("_count").removesuffix("_sum") in defs
+            for k in reduced if k.startswith("vllm:kv_offload_kvtier_"))
+        infos = mgr.config_info()
+        assert infos[1]["kvtier_layout"] == "files" and infos[1]["kvtier_workers"] == 1
+        assert set(type(tier).config_info_keys({})) <= set(infos[1])
+    finally:
+        orch.shutdown()
+
+
+def _store_rows(vllm, tier, primary, keys, data, job_id):
+    primary.array[: len(keys)] = data
+    ctx = vllm.ReqContext(req_id=f"s{job_id}")
+    tier.submit_store(H.make_job(keys, list(range(len(keys))), job_id, ctx, is_promotion=False))
+    assert [r.success for r in H.drain(tier)] == [True]
+
+
+def _load_rows(vllm, tier, primary, keys, job_id):
+    primary.array[:] = 0
+    ctx = vllm.ReqContext(req_id=f"l{job_id}")
+    tier.submit_load(H.make_job(keys, list(range(len(keys))), job_id, ctx, is_promotion=True))
+    assert [(r.success, r.successful_keys) for r in H.drain(tier)] == [(True, None)]
+    return primary.array[: len(keys)].copy()
+
+
+@pytest.mark.parametrize("writer", ["vllm", "kvtier"])
+def test_directory_shared_with_vllm_fs_tier(vllm, spec, tmp_path, writer):
+    """A directory written by vLLM's own fs tier is read by kvtier byte for byte, and back."""
+    primary = H.make_primary(8, BLOCK)
+    keys = [H.make_key(f"shared-{writer}-{i}", group_idx=i % 2) for i in range(5)]
+    data = rows(5, 5)
+    fs_entry = {"type": "fs", "root_dir": str(tmp_path)}
+    kv_entry = {**KVTIER, "root_dir": str(tmp_path), "cores": [0]}
+    first, second = (fs_entry, kv_entry) if writer == "vllm" else (kv_entry, fs_entry)
+    a = vllm.SecondaryTierFactory.create_secondary_tier(first, primary.view, spec)
+    try:
+        _store_rows(vllm, a, primary, keys, data, 1)
+    finally:
+        a.shutdown()
+    b = vllm.SecondaryTierFactory.create_secondary_tier(second, primary.view, spec)
+    try:
+        assert b.file_mapper.base_path == a.file_mapper.base_path
+        ctx = vllm.ReqContext(req_id="check")
+        b.on_new_request(ctx)
+        assert all(H.lookup_and_wait(b, k, ctx) is vllm.LookupResult.HIT for k in keys)
+        np.testing.assert_array_equal(_load_rows(vllm, b, primary, keys, 2), data)
+        b.on_request_finished(ctx)
+    finally:
+        b.shutdown()
+
+
+def test_namespace_matches_vllm_for_parallel_variants(vllm, tmp_path):
+    """kvtier checks its directory against vLLM's FileMapper at construction; these specs
+    exercise the agnostic, replicated and canonical rules."""
+    variants = [
+        dict(tp_size=2, world_size=2),
+        dict(tp_size=2, world_size=2, is_parallelism_agnostic=True),
+        dict(tp_size=2, world_size=2, replicated_layout=True),
+        dict(canonical_layout=True),
+        dict(blocks_per_chunk=2),
+        dict(model_name="org/Model-7B", dtype="float16"),
+    ]
+    seen = set()
+    for i, kw in enumerate(variants):
+        try:
+            spec = H.make_spec(vllm, num_blocks=4, block_bytes=BLOCK, **kw)
+        except TypeError as e:  # a variant the harness cannot build
+            pytest.fail(f"{kw}: {e}")
+        primary = H.make_primary(4, BLOCK)
+        tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path))
+        try:
+            path = tier.engine.info()["devices"][0]["path"]
+            assert path == f"{tier.file_mapper.base_path}_r{tier.file_mapper.rank}", kw
+            seen.add(path)
+        finally:
+            tier.shutdown()
+    assert len(seen) == len(variants)  # every variant is its own namespace
+
+
+def test_import_without_vllm_is_a_clear_error(tmp_path):
+    code = (
+        "import kvtier\n"
+        "try:\n"
+        "    import kvtier.vllm\n"
+        "except ImportError as e:\n"
+        "    print('IMPORTERROR', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, check=True)
+    try:
+        import importlib.util
+
+        has_vllm = importlib.util.find_spec("vllm") is not None and "harness" not in str(
+            importlib.util.find_spec("vllm").origin)
+    except (ImportError, ValueError):
+        has_vllm = False
+    if has_vllm:
+        pytest.skip("a real vLLM is installed in this interpreter")
+    assert "IMPORTERROR kvtier.vllm needs vLLM 0.33 (pip install vllm==0.33.0)" in out.stdout
