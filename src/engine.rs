@@ -678,6 +678,27 @@ impl Engine {
         out
     }
 
+    /// Marks `keys` recently used, so eviction (CLOCK for the slab, LRU for the files
+    /// layout) keeps them longer: for blocks the caller served from its own cache. Keys not
+    /// held are ignored. Never blocks; after shutdown it does nothing.
+    pub fn touch(&self, keys: &[Key]) {
+        if keys.is_empty() || self.shut.load(Ordering::Acquire) {
+            return;
+        }
+        let workers = self.shards.len();
+        let mut parts: Vec<Vec<Key>> = vec![Vec::new(); workers];
+        for key in keys {
+            parts[key.shard(workers)].push(*key);
+        }
+        for (h, part) in self.shards.iter().zip(parts) {
+            if !part.is_empty() {
+                // Cannot fail (see Router::send); a worker that stopped drops it at shutdown.
+                let _ = h.tx.send(Msg::Touch(part));
+                h.shared.nudge();
+            }
+        }
+    }
+
     /// Jobs submitted whose result has not been published yet.
     pub fn jobs_in_flight(&self) -> usize {
         self.shared.jobs_in_flight.load(Ordering::Acquire)

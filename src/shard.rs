@@ -160,6 +160,8 @@ pub(crate) struct Part {
 
 pub(crate) enum Msg {
     Work(Part),
+    /// Mark these keys recently used (the caller served them from its own cache).
+    Touch(Vec<Key>),
     Stop,
 }
 
@@ -824,6 +826,13 @@ impl Shard {
                     match part.job.kind {
                         JobKind::Load => self.loads.push(part),
                         JobKind::Store => self.stores.push(part),
+                    }
+                }
+                Msg::Touch(keys) => {
+                    for key in keys {
+                        if let Some(&(d, local)) = self.index.get(&key) {
+                            self.devs[d as usize].slots[local as usize].referenced = true;
+                        }
                     }
                 }
                 Msg::Stop => self.stop(),

@@ -79,3 +79,46 @@ fn a_block_being_loaded_is_not_evicted() {
     let gone = engine.lookup(&[key(0), key(1), key(3)]);
     assert!(gone.iter().all(|l| *l == Lookup::Miss), "{gone:?}");
 }
+
+/// `Engine::touch` gives a block CLOCK's second chance: after one eviction has cleared every
+/// reference bit, touching all survivors but one makes that one the next victim. Run once per
+/// survivor, so a touch that did nothing would pick the wrong victim in at least two runs.
+#[test]
+fn touched_blocks_outlive_untouched_ones() {
+    for untouched in 0..3 {
+        let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[FOUR_SLOTS]);
+        let region = region(8);
+        let engine = open_sim(&sim_config(1, 1), &region, &sim);
+        assert!(store(&engine, &region, 1, &[0, 1, 2, 3]).success);
+        assert!(store(&engine, &region, 2, &[4]).success);
+        let keys: Vec<_> = (0..4).map(key).collect();
+        let survivors: Vec<u64> = (0..4)
+            .filter(|&i| engine.lookup(&[keys[i as usize]])[0] == Lookup::Hit(Tier::Nvme))
+            .collect();
+        assert_eq!(survivors.len(), 3, "one of 0..4 was evicted");
+        let keep: Vec<_> = survivors
+            .iter()
+            .enumerate()
+            .filter(|(n, _)| *n != untouched)
+            .map(|(_, &i)| key(i))
+            .collect();
+        engine.touch(&keep);
+        engine.touch(&[key(99)]); // not held: ignored
+        assert!(store(&engine, &region, 3, &[5]).success);
+        let victim = survivors[untouched];
+        assert_eq!(
+            engine.lookup(&[key(victim)]),
+            vec![Lookup::Miss],
+            "run {untouched}"
+        );
+        for k in &keep {
+            assert_eq!(
+                engine.lookup(&[*k]),
+                vec![Lookup::Hit(Tier::Nvme)],
+                "run {untouched}"
+            );
+        }
+        engine.shutdown();
+        engine.touch(&keep); // after shutdown: a no-op, not a panic
+    }
+}

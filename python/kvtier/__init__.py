@@ -201,6 +201,10 @@ class Engine:
         """Per key: "nvme" / "s3" (held there), "miss", or "pending" (an S3 HEAD is running)."""
         return self._native.lookup(keys)
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Marks keys recently used, so eviction keeps them longer (keys not held: ignored)."""
+        self._native.touch(keys)
+
     def jobs_in_flight(self) -> int:
         return self._native.jobs_in_flight()
 

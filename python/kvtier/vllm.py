@@ -412,9 +412,8 @@ class KvtierTierManager(SecondaryTierManager):
         ]
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        # kvtier keeps recency from its own loads and stores (LRU for files, CLOCK for the
-        # slab); a touch from vLLM's primary-tier hits does not reach its workers yet.
-        return
+        # Recency for eviction (LRU for files, CLOCK for the slab); queued to the workers.
+        self._engine.touch(list(keys))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # Lookups answer from the index at once: there is no per-step batch to flush.

@@ -557,6 +557,13 @@ impl PyEngine {
             .collect())
     }
 
+    /// Marks keys recently used (eviction keeps them longer); keys not held are ignored.
+    fn touch(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = extract_keys(keys)?;
+        self.engine.touch(&keys);
+        Ok(())
+    }
+
     /// Jobs submitted whose result has not been published yet.
     fn jobs_in_flight(&self) -> usize {
         self.engine.jobs_in_flight()

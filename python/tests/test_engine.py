@@ -12,6 +12,10 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -344,3 +348,35 @@ def test_allocate_region():
     assert isinstance(m, mmap.mmap) and len(m) == 8192
     with pytest.raises(ValueError, match="at least 1"):
         kvtier.allocate_region(0, 4096)
+
+
+def test_memlock_failure_names_the_fix():
+    """Without CAP_IPC_LOCK, registering a region beyond RLIMIT_MEMLOCK fails at open with a
+    message that says how to raise the limit (run as nobody with a 64 KiB limit)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("prlimit"):
+        pytest.skip("needs root, setpriv and prlimit to run a process without CAP_IPC_LOCK")
+    work = tempfile.mkdtemp(dir="/var/tmp", prefix="kvtier-memlock-")
+    try:
+        os.chmod(work, 0o777)
+        code = (
+            "import kvtier\n"
+            "cfg = {'block_size': 65536, 'cores': [0], 'devices': "
+            f"[{{'path': '{work}/kv.slab', 'capacity_bytes': '16 MiB'}}]}}\n"
+            "try:\n"
+            "    kvtier.Engine(cfg, kvtier.allocate_region(256, 65536))\n"
+            "    print('OPENED')\n"
+            "except kvtier.Error as e:\n"
+            "    print('ERROR', type(e).__name__, e)\n"
+        )
+        out = subprocess.run(
+            ["prlimit", "--memlock=65536:65536", "setpriv", "--reuid=65534", "--regid=65534",
+             "--clear-groups", sys.executable, "-c", code],
+            capture_output=True, text=True, timeout=60,
+        )
+        if "ERROR" not in out.stdout and "OPENED" not in out.stdout:
+            pytest.skip(f"cannot run Python as nobody here: {out.stderr.strip()[-300:]}")
+        assert "OPENED" not in out.stdout
+        assert "RLIMIT_MEMLOCK" in out.stdout and "ulimit -l unlimited" in out.stdout, out.stdout
+        assert "CAP_IPC_LOCK" in out.stdout
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -408,3 +408,114 @@ def test_import_without_vllm_is_a_clear_error(tmp_path):
     if has_vllm:
         pytest.skip("a real vLLM is installed in this interpreter")
     assert "IMPORTERROR kvtier.vllm needs vLLM 0.33 (pip install vllm==0.33.0)" in out.stdout
+
+
+@pytest.mark.parametrize("touched", [True, False])
+def test_touch_keeps_blocks_from_eviction(vllm, spec, tmp_path, touched):
+    """A capacity-bound files directory evicts least recently used blocks; vLLM's touch (for
+    chunks it served from the CPU tier) makes the touched ones recent. Without the touch, the
+    oldest block is the one evicted (the control run)."""
+    primary = H.make_primary(8, BLOCK)
+    capacity = 16 << 20  # 64 blocks of 256 KiB
+    tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path), capacity_bytes=capacity)
+    try:
+        n = capacity // BLOCK
+        keys = [H.make_key(f"lru-{i}") for i in range(n + 1)]
+        ctx = vllm.ReqContext(req_id="lru")
+        for j in range(0, n, 8):
+            tier.submit_store(H.make_job(keys[j:j + 8], list(range(8)), j, ctx,
+                                         is_promotion=False))
+            assert [r.success for r in H.drain(tier)] == [True]
+        assert tier.engine.stats()["evictions"] == 0
+        if touched:
+            tier.touch(keys[:2], ctx)
+        tier.submit_store(H.make_job(keys[n:], [0], 1000, ctx, is_promotion=False))
+        assert [r.success for r in H.drain(tier)] == [True]
+        assert tier.engine.stats()["evictions"] >= 1
+        first_two = [tier.lookup(k, ctx) for k in keys[:2]]
+        if touched:
+            assert first_two == [vllm.LookupResult.HIT] * 2
+            assert vllm.LookupResult.MISS in [tier.lookup(k, ctx) for k in keys[2:10]]
+        else:
+            assert first_two[0] is vllm.LookupResult.MISS
+        assert tier.lookup(keys[n], ctx) is vllm.LookupResult.HIT
+    finally:
+        tier.shutdown()
+
+
+def _s3s_fs() -> str | None:
+    import shutil
+
+    return os.environ.get("KVTIER_S3S_FS") or shutil.which("s3s-fs") or next(
+        (p for p in [os.path.expanduser("~/.cargo/bin/s3s-fs")] if os.path.isfile(p)), None)
+
+
+@pytest.fixture
+def s3_server(tmp_path):
+    """A local S3 server (s3s-fs, what the Rust S3 tests use) with bucket kvtier-test."""
+    import socket
+    import time
+
+    binary = _s3s_fs()
+    if binary is None:
+        pytest.skip("s3s-fs is not installed (tools/test.sh installs it)")
+    root = tmp_path / "s3"
+    (root / "kvtier-test").mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--host", "127.0.0.1", "--port", str(port), "--access-key", "kvtier-test",
+         "--secret-key", "kvtier-test-secret", str(root)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "s3s-fs did not start"
+            time.sleep(0.02)
+    try:
+        yield {"bucket": "kvtier-test", "endpoint": f"http://127.0.0.1:{port}",
+               "force_path_style": True, "access_key_id": "kvtier-test",
+               "secret_access_key": "kvtier-test-secret", "timeout_ms": 2000, "retries": 1}, root
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_s3_tier_uses_vllm_object_names_and_serves_another_node(vllm, spec, tmp_path, s3_server):
+    """The obj-tier drop-in: kvtier writes through to S3 under the names vLLM's object-store
+    tier uses for prefix "kv" (kvtier's prefix "kv/"), and a second node with an empty local
+    directory finds the blocks there: RETRY while the HEAD runs, then HIT, then the bytes."""
+    s3, root = s3_server
+    s3 = {**s3, "prefix": "kv/", "write": "through"}
+    primary = H.make_primary(8, BLOCK)
+    keys = [H.make_key(f"s3-{i}") for i in range(3)]
+    data = rows(3, 7)
+    a = make_tier(vllm, spec, primary, root_dir=str(tmp_path / "node-a"), s3=s3)
+    try:
+        # vLLM's obj tier names objects with FileMapper(root_dir=prefix + "/").
+        vllm_obj = vllm.FileMapper.from_offloading_spec(
+            "kv/", spec, blocks_per_file=spec.blocks_per_chunk, parallel_agnostic=True)
+        for k in keys:
+            assert a.engine.s3_object_name(k) == vllm_obj.get_file_name(k)
+        _store_rows(vllm, a, primary, keys, data, 1)
+        for k, row in zip(keys, data):
+            # s3s-fs keeps an object as a file under <root>/<bucket>/<name>.
+            obj = root / "kvtier-test" / vllm_obj.get_file_name(k).lstrip("/")
+            assert obj.read_bytes() == row.tobytes()
+    finally:
+        a.shutdown()
+    b = make_tier(vllm, spec, primary, root_dir=str(tmp_path / "node-b"), s3=s3)
+    try:
+        ctx = vllm.ReqContext(req_id="b")
+        assert b.lookup(keys[0], ctx) is vllm.LookupResult.RETRY  # a HEAD is under way
+        assert all(H.lookup_and_wait(b, k, ctx) is vllm.LookupResult.HIT for k in keys)
+        assert b.lookup(H.make_key("nowhere"), ctx) is vllm.LookupResult.RETRY
+        assert H.lookup_and_wait(b, H.make_key("nowhere"), ctx) is vllm.LookupResult.MISS
+        np.testing.assert_array_equal(_load_rows(vllm, b, primary, keys, 2), data)
+        assert b.engine.stats()["s3"]["get"]["bytes"] == 3 * BLOCK
+    finally:
+        b.shutdown()

@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! load:  openat ─► read ─► (verify crc from xattr) ─► close        short or corrupt ─► unlink
-//! store: reserve bytes ─► openat tmp (O_EXCL) ─► fsetxattr crc ─► write chunks
+//! store: reserve bytes ─► openat tmp (O_EXCL) [ENOENT: mkdirat <hh>_g<g> (and <hhh>), again]
+//!        ─► fsetxattr crc ─► write (one write; chunks while loads wait)
 //!        ─► [fdatasync] ─► close ─► renameat NOREPLACE (EEXIST = another writer won: success)
 //! evict: unlink ─► release bytes
 //! ```
@@ -18,7 +19,7 @@
 //! released if it fails; every temp file is closed and removed on every failure path.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -39,6 +40,8 @@ use crate::shard::{
 use crate::Errno;
 
 const RENAME_NOREPLACE: u32 = 1;
+/// Mode of the fan-out directories a store creates (before the umask), as `mkdir -p` does.
+const DIR_MODE: u32 = 0o777;
 /// Blocks evicted at once when a store finds the device full.
 const EVICT_BATCH: usize = 4;
 
@@ -64,6 +67,10 @@ enum Step {
     Read,
     Close,
     OpenTmp,
+    /// `mkdirat` of the temp file's directory `<hhh>/<hh>_g<g>` (first block there).
+    MkdirLeaf,
+    /// `mkdirat` of `<hhh>`, when the leaf's parent is missing too.
+    MkdirParent,
     Write,
     Sync,
     CloseTmp,
@@ -92,6 +99,11 @@ struct Op {
     dest: PathBuf,
     tmp: PathBuf,
     crc: Option<u32>,
+    /// Bytes per write of this store: the whole block, or `chunk_bytes` when loads were
+    /// waiting as it started writing (so a load can overtake it). A new file is extended by
+    /// each write, and extending O_DIRECT writes serialize in the file system: one write is
+    /// cheapest when nothing waits.
+    chunk_len: u64,
     chunks_total: u16,
     chunks_issued: u16,
     chunks_done: u16,
@@ -129,6 +141,7 @@ impl Op {
             dest: PathBuf::new(),
             tmp: PathBuf::new(),
             crc: None,
+            chunk_len: 0,
             chunks_total: 0,
             chunks_issued: 0,
             chunks_done: 0,
@@ -346,6 +359,20 @@ impl FilesWorker {
             },
             Step::UnlinkTmp => FileOp::UnlinkAt { path: &tmp },
             Step::Unlink => FileOp::UnlinkAt { path: &dest },
+            Step::MkdirLeaf | Step::MkdirParent => {
+                let leaf = op.tmp.parent().unwrap_or(&op.tmp);
+                let dir = if op.step == Step::MkdirLeaf {
+                    leaf
+                } else {
+                    leaf.parent().unwrap_or(leaf)
+                };
+                let dir = c_path(dir);
+                let mkdir = FileOp::MkdirAt {
+                    path: &dir,
+                    mode: DIR_MODE,
+                };
+                return self.backend.push_file(user_data, &mkdir, class);
+            }
             Step::Write => unreachable!("writes are pushed chunk by chunk"),
         };
         self.backend.push_file(user_data, &file_op, class)
@@ -486,6 +513,11 @@ impl FilesWorker {
                         JobKind::Store => self.stores.push(part),
                     }
                 }
+                Msg::Touch(keys) => {
+                    for key in keys {
+                        self.touch(key);
+                    }
+                }
                 Msg::Stop => {
                     self.stopping = true;
                     let n = self.loads.cancel(&self.shared) + self.stores.cancel(&self.shared);
@@ -512,6 +544,7 @@ impl FilesWorker {
                 Step::Read => self.on_read(idx, c.result),
                 Step::Close => self.on_close(idx),
                 Step::OpenTmp => self.on_open_tmp(idx, c.result),
+                Step::MkdirLeaf | Step::MkdirParent => self.on_mkdir(idx, c.result),
                 Step::Write => self.on_write(idx, chunk, c.result),
                 Step::Sync => self.on_sync(idx, c.result),
                 Step::CloseTmp => self.on_close_tmp(idx, c.result),
@@ -756,8 +789,12 @@ impl FilesWorker {
     fn issue_stores(&mut self) -> bool {
         let mut any = false;
         loop {
+            let next_bytes = self
+                .store_issuing
+                .front()
+                .map_or(self.chunk_bytes, |&i| self.ops[i as usize].chunk_len);
             if self.store_bytes_in_flight > 0
-                && self.store_bytes_in_flight + self.chunk_bytes > self.store_cap()
+                && self.store_bytes_in_flight + next_bytes > self.store_cap()
             {
                 break;
             }
@@ -904,20 +941,11 @@ impl FilesWorker {
 
     fn on_open_tmp(&mut self, idx: u32, result: i32) {
         if result == -(Errno::ENOENT as i32) && !self.ops[idx as usize].mkdir_tried {
-            // First block under this <hhh>/<hh>_g<g> directory: create it and try again.
+            // First block under this <hhh>/<hh>_g<g> directory: create it (an io_uring mkdirat,
+            // so the ring thread never blocks in the file system) and try again.
             let op = &mut self.ops[idx as usize];
             op.mkdir_tried = true;
-            if let Some(parent) = op.tmp.parent() {
-                if let Err(e) = std::fs::create_dir_all(parent) {
-                    let detail = format!("creating {}: {e}", parent.display());
-                    self.fail_store(
-                        idx,
-                        KeyFailure::Io(Errno::from_raw(e.raw_os_error().unwrap_or(5))),
-                        detail,
-                    );
-                    return;
-                }
-            }
+            op.step = Step::MkdirLeaf;
             self.push_step(idx);
             return;
         }
@@ -947,15 +975,55 @@ impl FilesWorker {
                 ));
             }
         }
-        self.ops[idx as usize].step = Step::Write;
+        let loads_waiting = self.loads_in_flight > 0 || !self.loads.is_empty();
+        let op = &mut self.ops[idx as usize];
+        op.chunk_len = if loads_waiting {
+            self.chunk_bytes
+        } else {
+            self.block_bytes
+        };
+        op.chunks_total = self.block_bytes.div_ceil(op.chunk_len) as u16;
+        op.step = Step::Write;
         self.store_issuing.push_back(idx);
+    }
+
+    /// A directory for a store's temp file was made (or already existed: another writer).
+    fn on_mkdir(&mut self, idx: u32, result: i32) {
+        let step = self.ops[idx as usize].step;
+        let next = match result {
+            r if r >= 0 || r == -(Errno::EEXIST as i32) => {
+                if step == Step::MkdirLeaf {
+                    Step::OpenTmp
+                } else {
+                    Step::MkdirLeaf
+                }
+            }
+            r if r == -(Errno::ENOENT as i32) && step == Step::MkdirLeaf => Step::MkdirParent,
+            r => {
+                let e = Errno::from_raw(-r);
+                let leaf = self.ops[idx as usize].tmp.parent().map(Path::to_path_buf);
+                let dir = match (step, leaf) {
+                    (Step::MkdirParent, Some(l)) => l.parent().map(Path::to_path_buf),
+                    (_, l) => l,
+                };
+                let detail = format!(
+                    "creating {}: {}",
+                    dir.as_deref().unwrap_or(Path::new("?")).display(),
+                    e.desc()
+                );
+                self.fail_store(idx, KeyFailure::Io(e), detail);
+                return;
+            }
+        };
+        self.ops[idx as usize].step = next;
+        self.push_step(idx);
     }
 
     fn issue_chunk(&mut self, idx: u32) -> bool {
         let op = &self.ops[idx as usize];
         let chunk = op.chunks_issued;
-        let start = u64::from(chunk) * self.chunk_bytes;
-        let len = self.chunk_bytes.min(self.block_bytes - start);
+        let start = u64::from(chunk) * op.chunk_len;
+        let len = op.chunk_len.min(self.block_bytes - start);
         let file_op = FileOp::WriteFd {
             fd: op.fd,
             offset: start,
@@ -981,8 +1049,9 @@ impl FilesWorker {
     }
 
     fn on_write(&mut self, idx: u32, chunk: u16, result: i32) {
-        let start = u64::from(chunk) * self.chunk_bytes;
-        let len = self.chunk_bytes.min(self.block_bytes - start);
+        let chunk_len = self.ops[idx as usize].chunk_len;
+        let start = u64::from(chunk) * chunk_len;
+        let len = chunk_len.min(self.block_bytes - start);
         self.store_bytes_in_flight -= len;
         self.me.metrics.write_ops.fetch_add(1, Ordering::Relaxed);
         let failure = if result < 0 {

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""kvtier's vLLM tier against vLLM 0.33.0's own file-system tier, through the same calls.
+
+Both tiers are built by vLLM's real SecondaryTierFactory over the same primary buffer (an
+anonymous, page-aligned mmap, the shape vLLM's CPU tier hands its tiers) and driven through the
+same SecondaryTierManager calls: submit_store / submit_load of TransferJobs, drain_jobs,
+get_finished_jobs. vLLM's tiering modules come from its wheel through python/tests/vllm_harness
+(real code; torch and engine modules stood in); its fs tier runs its Python I/O (the optional C
+extension vllm.fs_io_C is not in the wheel's pure-Python part), with its default 16 + 16 threads.
+
+Per cell (block size x job shape) and round, in alternating order, each tier stores fresh keys
+into its own directory (kept for the cell's rounds, as a cache directory lives on): a store phase (every job submitted at once, then drain) and a load
+phase of the same keys into other rows (bytes verified after timing). Reported: MiB/s, process
+CPU seconds (every thread: vLLM's pool, kvtier's workers), medians over rounds, and
+kvtier/vLLM ratios of the medians.
+
+    python tools/vllm_compare.py --dir /var/tmp --rounds 5
+    python tools/vllm_compare.py --block-size 256KiB --shape one --layout files slab --json out.json
+
+Needs: the kvtier package installed (pip install ./python), numpy, typing_extensions, and
+vLLM's wheel (pip download vllm==0.33.0 --no-deps -d DIR; --wheel or KVTIER_VLLM_WHEEL_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
+                                "tests"))
+import vllm_harness as H  # noqa: E402
+
+UNITS = {"kib": 1 << 10, "k": 1 << 10, "mib": 1 << 20, "m": 1 << 20, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().lower().replace(" ", "")
+    for unit, mult in sorted(UNITS.items(), key=lambda u: -len(u[0])):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def show_size(n: int) -> str:
+    return f"{n >> 20}MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}KiB"
+
+
+class Cell:
+    def __init__(self, vllm, block: int, blocks: int, jobs: int, base: str):
+        self.vllm = vllm
+        self.block = block
+        self.blocks = blocks
+        self.jobs = jobs
+        self.base = base
+        self.roots: dict[str, str] = {}
+        # Rows [0, blocks) are the store source, [blocks, 2*blocks) the load target.
+        self.primary = H.make_primary(2 * blocks, block)
+        self.spec = H.make_spec(vllm, num_blocks=2 * blocks, block_bytes=block)
+        rng = np.random.default_rng(block + blocks + jobs)
+        self.primary.array[:blocks] = rng.integers(0, 256, size=(blocks, block), dtype=np.uint8)
+        self.expect = self.primary.array[:blocks].copy()
+
+    def tier(self, name: str, root: str):
+        if name == "vllm-fs":
+            entry = {"type": "fs", "root_dir": root}
+        elif name == "kvtier-files":
+            entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm", "root_dir": root}
+        elif name == "kvtier-slab":
+            entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm", "root_dir": root,
+                     "layout": "slab",
+                     # Slot-table pages (32 slots each) are split between workers: keep
+                     # at least a few pages per worker so every worker has room.
+                     "capacity_bytes": max(2 * self.blocks, 256) * self.block}
+        else:
+            raise ValueError(name)
+        return self.vllm.SecondaryTierFactory.create_secondary_tier(entry, self.primary.view,
+                                                                    self.spec)
+
+    def jobs_of(self, keys, first_row: int, load: bool, job_base: int):
+        ctx = self.vllm.ReqContext(req_id=f"bench-{job_base}")
+        per = -(-len(keys) // self.jobs)
+        out = []
+        for j in range(self.jobs):
+            lo, hi = j * per, min(len(keys), (j + 1) * per)
+            if lo >= hi:
+                break
+            out.append(H.make_job(keys[lo:hi], list(range(first_row + lo, first_row + hi)),
+                                  job_base + j, ctx, is_promotion=load))
+        return out
+
+    def run_phase(self, tier, jobs, load: bool) -> tuple[float, float]:
+        submit = tier.submit_load if load else tier.submit_store
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        for job in jobs:
+            submit(job)
+        tier.drain_jobs()
+        results = list(tier.get_finished_jobs())
+        t1, c1 = time.perf_counter(), cpu_seconds()
+        bad = [r for r in results if not r.success]
+        if len(results) != len(jobs) or bad:
+            raise RuntimeError(f"{len(results)} results for {len(jobs)} jobs, failed: {bad[:3]}")
+        return t1 - t0, c1 - c0
+
+    def root(self, name: str) -> str:
+        """One directory per tier for the whole cell: a cache directory lives on, so its
+        fan-out directories fill in over time (deleting them between rounds would instead
+        measure ext4's inode allocator scanning recently deleted inodes)."""
+        if name not in self.roots:
+            self.roots[name] = tempfile.mkdtemp(prefix=f"vllm-compare-{name}-", dir=self.base)
+        return self.roots[name]
+
+    def cleanup(self) -> None:
+        for root in self.roots.values():
+            shutil.rmtree(root, ignore_errors=True)
+        self.roots.clear()
+
+    def round(self, name: str, round_no: int) -> dict:
+        tier = self.tier(name, self.root(name))
+        try:
+            keys = [H.make_key(f"{name}-{round_no}-{i}") for i in range(self.blocks)]
+            st, sc = self.run_phase(tier, self.jobs_of(keys, 0, False, 1_000_000), load=False)
+            self.primary.array[self.blocks:] = 0
+            lt, lc = self.run_phase(tier, self.jobs_of(keys, self.blocks, True, 2_000_000),
+                                    load=True)
+            if not np.array_equal(self.primary.array[self.blocks:], self.expect):
+                raise RuntimeError(f"{name}: loaded bytes differ from the stored ones")
+        finally:
+            tier.shutdown()
+        mib = self.blocks * self.block / (1 << 20)
+        return {"store_mib_s": mib / st, "store_cpu_s": sc, "load_mib_s": mib / lt,
+                "load_cpu_s": lc}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to test")
+    ap.add_argument("--block-size", nargs="+", default=["256KiB", "2MiB"])
+    ap.add_argument("--shape", nargs="+", default=["one", "16"],
+                    help="'one' (one job of every block) and/or a number of jobs in flight")
+    ap.add_argument("--layout", nargs="+", default=["files", "slab"], choices=["files", "slab"])
+    ap.add_argument("--bytes", default="256MiB", help="bytes stored and loaded per cell and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--wheel", default=None, help="vLLM 0.33.0 wheel (else found as the "
+                    "harness finds it)")
+    ap.add_argument("--json", default=None, help="write the results as JSON here ('-': stdout)")
+    args = ap.parse_args()
+
+    vllm = H.load_vllm(args.wheel)
+    import kvtier.vllm  # noqa: F401  (after the harness put vLLM's modules in place)
+
+    total = parse_size(args.bytes)
+    names = ["vllm-fs"] + [f"kvtier-{layout}" for layout in args.layout]
+    cells = []
+    for bs_text in args.block_size:
+        block = parse_size(bs_text)
+        blocks = max(16, total // block)
+        for shape in args.shape:
+            jobs = 1 if shape == "one" else int(shape)
+            cell = Cell(vllm, block, blocks, jobs, args.dir)
+            runs: dict[str, list[dict]] = {n: [] for n in names}
+            try:
+                for r in range(args.rounds):
+                    order = names if r % 2 == 0 else list(reversed(names))
+                    for n in order:
+                        runs[n].append(cell.round(n, r))
+            finally:
+                cell.cleanup()
+            med = {n: {k: statistics.median(x[k] for x in runs[n]) for k in runs[n][0]}
+                   for n in names}
+            cells.append({"block_bytes": block, "blocks": blocks, "jobs": jobs,
+                          "rounds": runs, "median": med})
+            print(f"done {show_size(block)} x {blocks} blocks, {jobs} job(s)", file=sys.stderr)
+
+    header = ("| block | jobs | tier | store MiB/s | store CPU s | load MiB/s | load CPU s | "
+              "store × | load × | store CPU × | load CPU × |")
+    print(header)
+    print("|" + " --- |" * (header.count("|") - 1))
+    for c in cells:
+        ref = c["median"]["vllm-fs"]
+        for n in names:
+            m = c["median"][n]
+            ratios = ("", "", "", "") if n == "vllm-fs" else (
+                f"{m['store_mib_s'] / ref['store_mib_s']:.2f}",
+                f"{m['load_mib_s'] / ref['load_mib_s']:.2f}",
+                f"{m['store_cpu_s'] / ref['store_cpu_s']:.2f}",
+                f"{m['load_cpu_s'] / ref['load_cpu_s']:.2f}")
+            print(f"| {show_size(c['block_bytes'])} | {c['jobs']} | {n} | {m['store_mib_s']:.0f} "
+                  f"| {m['store_cpu_s']:.2f} | {m['load_mib_s']:.0f} | {m['load_cpu_s']:.2f} | "
+                  + " | ".join(ratios) + " |")
+    report = {"dir": args.dir, "rounds": args.rounds, "bytes_per_cell": total,
+              "vllm_version": vllm.version, "fs_io_C": vllm.fs_io_C_available, "cells": cells}
+    if args.json == "-":
+        json.dump(report, sys.stdout, indent=1)
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
