@@ -17,7 +17,9 @@ left out) or the short form:
 * ``layout``: ``"files"`` (default; vLLM's layout, shareable with vLLM) or ``"slab"`` (kvtier's
   own: one preallocated file ``<root_dir>/kvtier.slab``; needs ``capacity_bytes``).
 * ``capacity_bytes``: bound on the bytes kept (files: unset means unbounded, like vLLM).
-* ``cores``: ``"auto"`` (default: one pinned worker per CPU this process may use) or a list.
+* ``cores``: ``"auto"`` (default: one pinned worker per CPU this process may use, at most
+  ``_AUTO_WORKERS_MAX`` = 8, on the highest-numbered of them: every worker registers the whole
+  primary region, so opening costs grow with workers) or an explicit list of CPUs.
 * ``s3``: an inline ``[s3]`` table (bucket, endpoint, prefix, ...; see kvtier.example.toml).
 * ``enable_kv_events``, ``locality``: as for vLLM's fs tier.
 * ``n_read_threads``, ``n_write_threads``: accepted so an ``fs`` entry works unchanged, and
@@ -70,6 +72,7 @@ import kvtier
 logger = logging.getLogger("kvtier.vllm")
 
 _LAYOUTS = ("files", "slab")
+_AUTO_WORKERS_MAX = 8
 _SLAB_FILE = "kvtier.slab"
 # A key whose load failed is a MISS for this long (vLLM's promotion-livelock fix, #49328):
 # long enough for the scheduler to recompute instead of retrying, short enough that a
@@ -219,7 +222,7 @@ class KvtierTierManager(SecondaryTierManager):
                 device["path"] = root_dir
             if capacity_bytes is not None:
                 device["capacity_bytes"] = capacity_bytes
-            cfg = {"cores": cores, "direct_io": direct_io, "devices": [device]}
+            cfg = {"cores": _cores(cores), "direct_io": direct_io, "devices": [device]}
             if s3 is not None:
                 cfg["s3"] = dict(s3)
         cfg.setdefault("block_size", self.block_size_bytes)
@@ -476,6 +479,17 @@ class KvtierTierManager(SecondaryTierManager):
 
     def config_info(self) -> Mapping[str, str | int | float | bool]:
         return dict(self._config_info)
+
+
+def _cores(cores: Any) -> Any:
+    """The tier's `cores`: "auto" becomes at most _AUTO_WORKERS_MAX of the CPUs this process may
+    run on (the highest-numbered, away from the CPU 0 housekeeping usually lands on)."""
+    if cores != "auto":
+        return cores
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) <= _AUTO_WORKERS_MAX:
+        return "auto"
+    return cpus[-_AUTO_WORKERS_MAX:]
 
 
 def _size(value: Any) -> int:

@@ -262,6 +262,32 @@ def test_array_interface_region(tmp_path):
     np.testing.assert_array_equal(backing[3], backing[2])
 
 
+def test_tensor_like_region_through_numpy(tmp_path):
+    """A CPU torch tensor is neither a buffer nor has __array_interface__; its .numpy() view
+    shares its memory, which is what the engine registers (stood in here: torch is not a
+    test dependency). A CUDA tensor is refused."""
+    backing = region()
+
+    class CpuTensor:
+        is_cuda = False
+
+        def numpy(self):
+            return backing
+
+    backing[1] = pattern(6)[0]
+    with kvtier.Engine(slab_config(tmp_path), CpuTensor()) as e:
+        assert e.region_address == backing.ctypes.data
+        assert run(e, e.submit_store, 1, [b"t"], [1]).success
+        assert run(e, e.submit_load, 2, [b"t"], [2]).success
+    np.testing.assert_array_equal(backing[2], backing[1])
+
+    class CudaTensor(CpuTensor):
+        is_cuda = True
+
+    with pytest.raises(TypeError, match="neither a buffer"):
+        kvtier.Engine(slab_config(tmp_path), CudaTensor())
+
+
 def test_threads_submit_while_another_drains(tmp_path):
     arr = region(64)
     arr[:] = pattern(5, 64)

@@ -417,7 +417,8 @@ def test_touch_keeps_blocks_from_eviction(vllm, spec, tmp_path, touched):
     oldest block is the one evicted (the control run)."""
     primary = H.make_primary(8, BLOCK)
     capacity = 16 << 20  # 64 blocks of 256 KiB
-    tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path), capacity_bytes=capacity)
+    tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path), capacity_bytes=capacity,
+                     enable_kv_events=True, locality="LOCAL")
     try:
         n = capacity // BLOCK
         keys = [H.make_key(f"lru-{i}") for i in range(n + 1)]
@@ -439,6 +440,13 @@ def test_touch_keeps_blocks_from_eviction(vllm, spec, tmp_path, touched):
         else:
             assert first_two[0] is vllm.LookupResult.MISS
         assert tier.lookup(keys[n], ctx) is vllm.LookupResult.HIT
+        # Evictions are reported as vLLM removal events, with the tier's medium and locality.
+        removed = [e for e in tier.take_events() if e.removed]
+        assert removed and all(e.medium is vllm.Medium.STORAGE and
+                               e.locality is vllm.Locality.LOCAL for e in removed)
+        gone = {k for e in removed for k in e.keys}
+        assert gone and all(tier.lookup(k, ctx) is vllm.LookupResult.MISS for k in gone)
+        assert not gone & set(keys[:2]) if touched else keys[0] in gone
     finally:
         tier.shutdown()
 
