@@ -30,14 +30,6 @@ import vllm_harness as H
 BLOCK = 256 * 1024
 
 
-@pytest.fixture(scope="module")
-def vllm():
-    try:
-        return H.load_vllm()
-    except H.WheelNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.fixture
 def spec(vllm):
     return H.make_spec(vllm, num_blocks=8, block_bytes=BLOCK, enable_kv_cache_events=True)
