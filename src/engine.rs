@@ -141,6 +141,9 @@ pub struct Engine {
     shut: AtomicBool,
     /// Held shared by every submit and exclusively by shutdown while it sets `shut`.
     gate: RwLock<()>,
+    /// Held for the whole of `shutdown`, so a second, concurrent call returns only once the
+    /// first has joined every worker (the caller may free the region when it returns).
+    shutting_down: Mutex<()>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     info: EngineInfo,
 }
@@ -356,6 +359,7 @@ impl Engine {
             results,
             shut: AtomicBool::new(false),
             gate: RwLock::new(()),
+            shutting_down: Mutex::new(()),
             threads: Mutex::new(threads),
             info: EngineInfo {
                 block_bytes,
@@ -723,9 +727,14 @@ impl Engine {
     }
 
     /// Stops the engine: queued jobs fail with [`KeyFailure::Shutdown`], I/O in flight completes,
-    /// table writes are flushed, workers exit. Idempotent; later submits fail with
-    /// [`Error::Shutdown`]. Results stay available to `poll_finished`.
+    /// table writes are flushed, workers exit. Idempotent, also from several threads at once:
+    /// every call returns only after the workers have stopped touching the region. Later
+    /// submits fail with [`Error::Shutdown`]. Results stay available to `poll_finished`.
     pub fn shutdown(&self) {
+        let _serial = self
+            .shutting_down
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         {
             let _gate = self
                 .gate

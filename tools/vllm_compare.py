@@ -5,8 +5,11 @@ Both tiers are built by vLLM's real SecondaryTierFactory over the same primary b
 anonymous, page-aligned mmap, the shape vLLM's CPU tier hands its tiers) and driven through the
 same SecondaryTierManager calls: submit_store / submit_load of TransferJobs, drain_jobs,
 get_finished_jobs. vLLM's tiering modules come from its wheel through python/tests/vllm_harness
-(real code; torch and engine modules stood in); its fs tier runs its Python I/O (the optional C
-extension vllm.fs_io_C is not in the wheel's pure-Python part), with its default 16 + 16 threads.
+(real code; torch and engine modules stood in); its fs tier runs with its default 16 + 16
+threads and, by default (--vllm-io c), its production I/O path: the wheel's C extension
+vllm/fs_io_C.abi3.so (batched open/write/rename and read with the GIL released), loaded with
+empty stand-ins for the torch/CUDA libraries it links but does not call. --vllm-io python runs
+its pure-Python fallback instead.
 
 Per cell (block size x job shape) and round, in alternating order, each tier stores fresh keys
 into its own directory (kept for the cell's rounds, as a cache directory lives on): a store phase (every job submitted at once, then drain) and a load
@@ -157,9 +160,14 @@ def main() -> int:
     ap.add_argument("--wheel", default=None, help="vLLM 0.33.0 wheel (else found as the "
                     "harness finds it)")
     ap.add_argument("--json", default=None, help="write the results as JSON here ('-': stdout)")
+    ap.add_argument("--vllm-io", choices=["c", "python"], default="c",
+                    help="vLLM fs tier's I/O: its C extension (production) or Python fallback")
     args = ap.parse_args()
 
+    os.environ["KVTIER_VLLM_FS_IO_C"] = "1" if args.vllm_io == "c" else "0"
     vllm = H.load_vllm(args.wheel)
+    if vllm.fs_io_C_available != (args.vllm_io == "c"):
+        raise SystemExit(f"vLLM's fs tier I/O is not the one asked for (--vllm-io {args.vllm_io})")
     import kvtier.vllm  # noqa: F401  (after the harness put vLLM's modules in place)
 
     total = parse_size(args.bytes)
@@ -201,6 +209,7 @@ def main() -> int:
             print(f"| {show_size(c['block_bytes'])} | {c['jobs']} | {n} | {m['store_mib_s']:.0f} "
                   f"| {m['store_cpu_s']:.2f} | {m['load_mib_s']:.0f} | {m['load_cpu_s']:.2f} | "
                   + " | ".join(ratios) + " |")
+    print(f"vLLM fs tier I/O: {'C extension (fs_io_C)' if vllm.fs_io_C_available else 'Python'}")
     report = {"dir": args.dir, "rounds": args.rounds, "bytes_per_cell": total,
               "vllm_version": vllm.version, "fs_io_C": vllm.fs_io_C_available, "cells": cells}
     if args.json == "-":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Union
@@ -120,12 +121,21 @@ def _region_arg(region: Any) -> dict[str, Any]:
             f"region: {type(region).__name__} is neither a buffer nor has __array_interface__; "
             "pass a writable buffer such as kvtier.allocate_region(), an mmap or a numpy array"
         )
-    address, readonly = iface["data"]
+    data = iface.get("data")
+    if not (isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], int)):
+        raise TypeError(
+            "region: __array_interface__['data'] must be an (address, read_only) tuple; "
+            "pass the array itself if it supports the buffer protocol"
+        )
+    address, readonly = data
     if readonly:
         raise ValueError("region: the array is read-only; kvtier loads write into it")
     shape = tuple(iface["shape"])
-    typestr = iface["typestr"]
-    itemsize = int(typestr[2:])
+    typestr = str(iface["typestr"])
+    digits = re.match(r"[<>|=]?[a-zA-Z](\d+)", typestr)
+    if digits is None:
+        raise TypeError(f"region: __array_interface__ typestr {typestr!r} has no item size")
+    itemsize = int(digits.group(1))
     strides = iface.get("strides")
     length = itemsize
     for n in shape:
@@ -139,6 +149,8 @@ def _region_arg(region: Any) -> dict[str, Any]:
             raise ValueError(
                 "region: the array is not C-contiguous; pass one contiguous block of memory"
             )
+    # The engine keeps `region` referenced until shutdown; the object must own the memory it
+    # describes (as a numpy array or a tensor does), since no buffer export pins it.
     return {"address": int(address), "length": length, "owner": region}
 
 

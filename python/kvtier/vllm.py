@@ -173,13 +173,13 @@ class KvtierTierManager(SecondaryTierManager):
         *,
         root_dir: str | None = None,
         config: Any = None,
-        layout: str = "files",
+        layout: str | None = None,
         capacity_bytes: int | str | None = None,
-        cores: Any = "auto",
+        cores: Any = None,
         s3: Mapping[str, Any] | None = None,
         enable_kv_events: bool = False,
         locality: str | None = None,
-        direct_io: str = "auto",
+        direct_io: str | None = None,
         n_read_threads: int | None = None,
         n_write_threads: int | None = None,
     ) -> None:
@@ -198,9 +198,20 @@ class KvtierTierManager(SecondaryTierManager):
                     tier_type,
                 )
 
+        short_form = {"root_dir": root_dir, "layout": layout, "capacity_bytes": capacity_bytes,
+                      "cores": cores, "s3": s3, "direct_io": direct_io}
         if config is not None:
+            both = sorted(k for k, v in short_form.items() if v is not None)
+            if both:
+                raise TypeError(
+                    f"tier '{tier_type}': config replaces {', '.join(both)}: give the kvtier "
+                    "config alone, or the short form without config"
+                )
             cfg = _load_config(config)
         else:
+            layout = layout or "files"
+            cores = "auto" if cores is None else cores
+            direct_io = direct_io or "auto"
             if root_dir is None:
                 raise TypeError(
                     f"tier '{tier_type}': give root_dir (the cache directory) or config "
@@ -287,6 +298,13 @@ class KvtierTierManager(SecondaryTierManager):
             "kvtier_s3": info["s3"] is not None,
         }
         self._label = (tier_type,)
+        self._s3 = info["s3"] is not None
+        # vLLM's event rule: one stored event per successful store job (built when its result
+        # is polled), none for loads or failed stores; kvtier adds removal events for blocks
+        # it evicted (not with an S3 tier behind, which still holds them). Bounded like the
+        # engine's own buffer, in case the consumer stops taking them.
+        self._events: collections.deque[OffloadingEvent] = collections.deque(maxlen=65536)
+        self._store_jobs: set[int] = set()
         # Keys of in-flight jobs, by job id (results name keys by index).
         self._job_keys: dict[int, list[bytes]] = {}
         # Jobs refused at submission, reported failed by the next get_finished_jobs.
@@ -294,7 +312,12 @@ class KvtierTierManager(SecondaryTierManager):
         # Keys whose load failed: MISS until the deadline (or a store of the key).
         self._failed: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._last_stats: dict[str, Any] = {}
-        self._job_seconds: dict[str, list[float]] = {"load": [], "store": []}
+        # Samples for the job-time histograms, until get_stats takes them (bounded: vLLM may
+        # never call get_stats when its stats logging is off).
+        self._job_seconds: dict[str, collections.deque[float]] = {
+            "load": collections.deque(maxlen=4096),
+            "store": collections.deque(maxlen=4096),
+        }
         self._shut = False
         logger.info(
             "kvtier tier '%s': %s layout, %d workers, %d blocks of %d bytes, opened in %.3f s",
@@ -318,13 +341,19 @@ class KvtierTierManager(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        if self._shut:
+            return LookupResult.MISS  # nothing can be loaded any more
         if self._failed:
             deadline = self._failed.get(key)
             if deadline is not None:
                 if time.monotonic() < deadline:
                     return LookupResult.MISS
                 del self._failed[key]
-        answer = self._engine.lookup((key,))[0]
+        try:
+            answer = self._engine.lookup((key,))[0]
+        except (ValueError, TypeError) as e:  # not an offload key kvtier can hold
+            logger.debug("kvtier tier '%s': lookup of %r: %s", self.tier_type, key, e)
+            return LookupResult.MISS
         if answer == "miss":
             return LookupResult.MISS
         if answer == "pending":
@@ -338,7 +367,7 @@ class KvtierTierManager(SecondaryTierManager):
                 self._engine.submit_store(job.job_id, keys, job.chunk_ids)
             else:
                 self._engine.submit_load(job.job_id, keys, job.chunk_ids)
-        except (kvtier.Error, ValueError, TypeError) as e:
+        except (kvtier.Error, ValueError, TypeError, OverflowError) as e:
             # Never raise into vLLM: report the job failed at the next poll.
             logger.debug("kvtier tier '%s': job %s refused: %s", self.tier_type, job.job_id, e)
             self._refused.append(
@@ -347,6 +376,8 @@ class KvtierTierManager(SecondaryTierManager):
             )
             return
         self._job_keys[job.job_id] = keys
+        if store and self._events_enabled:
+            self._store_jobs.add(job.job_id)
         if store and self._failed:
             for k in keys:
                 self._failed.pop(k, None)
@@ -381,12 +412,18 @@ class KvtierTierManager(SecondaryTierManager):
                     "kvtier tier '%s': load job %s failed: %s",
                     self.tier_type, r.job_id, r.failures[:3],
                 )
-            elif r.kind == "store" and not r.success:
-                logger.debug(
-                    "kvtier tier '%s': store job %s failed: %s",
-                    self.tier_type, r.job_id, r.failures[:3],
-                )
-            del keys
+            elif r.kind == "store":
+                if r.job_id in self._store_jobs:
+                    self._store_jobs.discard(r.job_id)
+                    if r.success and keys:
+                        self._events.append(OffloadingEvent(
+                            keys=keys, medium=self.medium, removed=False,
+                            locality=self.locality))
+                if not r.success:
+                    logger.debug(
+                        "kvtier tier '%s': store job %s failed: %s",
+                        self.tier_type, r.job_id, r.failures[:3],
+                    )
             out.append(
                 JobResult(
                     job_id=r.job_id,
@@ -399,24 +436,27 @@ class KvtierTierManager(SecondaryTierManager):
         return out
 
     def has_pending_work(self) -> bool:
-        return bool(self._refused) or self._engine.jobs_in_flight() > 0
+        # Every submitted job until get_finished_jobs has reported it.
+        return bool(self._refused) or bool(self._job_keys)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events_enabled:
             return []
-        return [
-            OffloadingEvent(
-                keys=list(e.keys),
-                medium=self.medium,
-                removed=e.removed,
-                locality=self.locality,
-            )
-            for e in self._engine.take_events()
-        ]
+        for e in self._engine.take_events():
+            if e.removed and not self._s3:
+                self._events.append(OffloadingEvent(
+                    keys=list(e.keys), medium=self.medium, removed=True,
+                    locality=self.locality))
+        out = list(self._events)
+        self._events.clear()
+        return out
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         # Recency for eviction (LRU for files, CLOCK for the slab); queued to the workers.
-        self._engine.touch(list(keys))
+        try:
+            self._engine.touch(list(keys))
+        except (ValueError, TypeError) as e:
+            logger.debug("kvtier tier '%s': touch: %s", self.tier_type, e)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # Lookups answer from the index at once: there is no per-step batch to flush.
@@ -426,8 +466,7 @@ class KvtierTierManager(SecondaryTierManager):
         self._engine.drain()
 
     def shutdown(self) -> None:
-        if self._shut:
-            return
+        # The engine's shutdown is idempotent and every caller waits for the first to finish.
         self._shut = True
         self._engine.shutdown()
 
@@ -467,9 +506,10 @@ class KvtierTierManager(SecondaryTierManager):
         for name, (_, field) in _GAUGES.items():
             stats.set_gauge(_PREFIX + name, now[field], self._label)
         for kind in ("load", "store"):
-            samples, self._job_seconds[kind] = self._job_seconds[kind], []
-            for s in samples:
-                stats.observe_histogram(_PREFIX + f"{kind}_job_seconds", s, self._label)
+            samples = self._job_seconds[kind]
+            while samples:
+                stats.observe_histogram(_PREFIX + f"{kind}_job_seconds", samples.popleft(),
+                                        self._label)
         self._last_stats = now
         return stats
 

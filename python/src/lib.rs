@@ -343,10 +343,11 @@ impl PyEngine {
             jobs.insert(job_id, keys.clone());
         }
         let job = Job::new(job_id, keys, blocks);
-        let r = match kind {
+        // Without the GIL: with the files layout or S3, admission may `stat` a key's file.
+        let r = py.detach(|| match kind {
             JobKind::Load => self.engine.submit_load(job),
             JobKind::Store => self.engine.submit_store(job),
-        };
+        });
         if let Err(e) = r {
             self.jobs
                 .lock()
@@ -358,10 +359,20 @@ impl PyEngine {
     }
 
     fn convert(&self, py: Python<'_>, results: Vec<JobResult>) -> PyResult<Vec<JobOutcome>> {
-        let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut out = Vec::with_capacity(results.len());
-        for r in results {
-            let keys = jobs.remove(&r.id).unwrap_or_default();
+        // Take the keys under the lock, build Python objects after it: an allocation may run
+        // the garbage collector, whose finalizers may switch threads or call back in here.
+        let keyed: Vec<(JobResult, Vec<Key>)> = {
+            let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+            results
+                .into_iter()
+                .map(|r| {
+                    let keys = jobs.remove(&r.id).unwrap_or_default();
+                    (r, keys)
+                })
+                .collect()
+        };
+        let mut out = Vec::with_capacity(keyed.len());
+        for (r, keys) in keyed {
             let key_bytes = |i: usize| -> Option<Bound<'_, PyBytes>> {
                 keys.get(i).map(|k| PyBytes::new(py, k.as_bytes()))
             };
@@ -463,9 +474,11 @@ impl PyEngine {
         // SAFETY: `ptr..ptr + len` is the memory of a live buffer export (or of `owner`'s
         // array interface): valid and writable while `keep` lives. `keep` is held by the
         // returned engine and released only after `Engine::shutdown` has joined every worker
-        // and stopped the S3 reactor (see `release`), so the memory outlives every ring that
-        // registered it and every I/O on it. Rust never forms references into it (the Region
-        // copies through raw pointers).
+        // and stopped the S3 reactor (`shutdown` below; concurrent calls all wait for that),
+        // so the memory outlives every ring that registered it and every I/O on it. Rust
+        // touches it only through `Region`'s accessors, under their contract (no I/O on a
+        // block while it is read or written). The `address`/`owner` form is private API
+        // (`kvtier._native`): the caller vouches that `owner` keeps that memory alive.
         let region = unsafe { Region::from_raw_parts(ptr, len) }
             .map_err(|e| PyValueError::new_err(format!("region: {}", e.desc())))?;
         let region = Arc::new(region);
@@ -543,11 +556,12 @@ impl PyEngine {
     }
 
     /// Per key: "nvme" or "s3" (a hit in that tier), "miss", or "pending" (ask again).
-    fn lookup(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
+    fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
         let keys = extract_keys(keys)?;
-        Ok(self
-            .engine
-            .lookup(&keys)
+        // Without the GIL: a files-layout key missing from the index costs a `stat` (another
+        // process may have published it), which a network file system can make slow.
+        let answers = py.detach(|| self.engine.lookup(&keys));
+        Ok(answers
             .into_iter()
             .map(|l| match l {
                 Lookup::Hit(t) => tier_name(t),

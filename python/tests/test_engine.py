@@ -249,11 +249,14 @@ def test_array_interface_region(tmp_path):
     backing = region()
 
     class Foreign:
-        """Memory described only by __array_interface__ (as some tensor libraries do)."""
+        """Memory described only by __array_interface__ (as some tensor libraries do); it owns
+        the memory, as such an object must."""
 
-        __array_interface__ = backing.__array_interface__
+        def __init__(self, memory):
+            self._memory = memory
+            self.__array_interface__ = memory.__array_interface__
 
-    obj = Foreign()
+    obj = Foreign(backing)
     backing[2] = pattern(4)[0]
     with kvtier.Engine(slab_config(tmp_path), obj) as e:
         assert e.region_address == backing.ctypes.data
@@ -345,13 +348,17 @@ def test_waiting_releases_the_gil(tmp_path):
 
         t = threading.Thread(target=spin)
         t.start()
+        time.sleep(0.05)  # the spinner is running
+        before = ticks
         started = time.monotonic()
         assert e.wait_finished(0.3) == []  # nothing submitted: times out
         waited = time.monotonic() - started
+        during = ticks - before
         done.set()
         t.join()
         assert waited >= 0.29
-        assert ticks > 1000  # the other thread ran while this one waited
+        # The spinner ran while this thread waited: with the GIL held it could not have moved.
+        assert during > 1000, during
         with pytest.raises(ValueError, match="timeout"):
             e.wait_finished(-1)
 
@@ -406,3 +413,40 @@ def test_memlock_failure_names_the_fix():
         assert "CAP_IPC_LOCK" in out.stdout
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_concurrent_shutdowns_both_wait_for_the_workers(tmp_path):
+    """A second shutdown while the first is joining the workers returns only once no I/O can
+    touch the region (the caller may free it then)."""
+    arr = region(64)
+    e = kvtier.Engine(slab_config(tmp_path, cores="auto"), arr)
+    for j in range(8):
+        e.submit_store(j, [f"c{j}-{i}".encode() for i in range(8)], list(range(j * 8, j * 8 + 8)))
+    first = threading.Thread(target=e.shutdown)
+    first.start()
+    e.shutdown()
+    assert e.jobs_in_flight() == 0  # every job has its result: nothing is still running
+    first.join()
+    assert sorted(r.job_id for r in e.poll_finished()) == list(range(8))
+    del e
+    gc.collect()
+
+
+def test_a_fanout_directory_that_cannot_be_made_fails_the_store(tmp_path):
+    """A dangling symlink where a fan-out directory <hhh> belongs: mkdir says EEXIST, the leaf
+    ENOENT. The store fails with the path and errno instead of retrying forever."""
+    arr = region()
+    with kvtier.Engine(files_config(tmp_path), arr) as e:
+        data_dir = e.info()["devices"][0]["path"]
+        key = vkey(0xABC << 244)  # hash starts "abc"
+        h = key[:32].hex()
+        assert h.startswith("abc")
+        os.symlink(str(tmp_path / "nowhere"), os.path.join(data_dir, h[:3]))
+        e.submit_store(1, [key], [0])
+        (r,) = e.wait_finished(10.0)
+        assert not r.success
+        (_, k, reason, detail) = r.failures[0]
+        assert (k, reason) == (key, "io")
+        assert f"{h[:3]}/{h[3:5]}_g0" in detail and "No such file" in detail
+        # Other keys still store.
+        assert run(e, e.submit_store, 2, [vkey(1)], [1]).success

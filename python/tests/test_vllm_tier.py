@@ -47,7 +47,7 @@ def rows(n, seed):
 
 
 def make_tier(vllm, spec, primary, **kwargs):
-    cfg = {**KVTIER, "cores": [0], **kwargs}
+    cfg = {**KVTIER, **({} if "config" in kwargs else {"cores": [0]}), **kwargs}
     return vllm.SecondaryTierFactory.create_secondary_tier(cfg, primary.view, spec)
 
 
@@ -145,6 +145,8 @@ def test_constructor_errors_match_vllm(vllm, spec, tmp_path):
         make_tier(vllm, spec, primary, config={
             "block_size": "1 MiB", "devices": [{"path": str(tmp_path / "x"),
                                                 "layout": "files"}]})
+    with pytest.raises(TypeError, match="config replaces root_dir"):
+        make_tier(vllm, spec, primary, root_dir=str(tmp_path), config={"devices": []})
     with pytest.raises(kvtier.ConfigError, match="ring_entries"):
         make_tier(vllm, spec, primary, config={
             "ring_entries": 3, "devices": [{"path": str(tmp_path / "x"), "layout": "files"}]})
@@ -183,7 +185,7 @@ def test_full_config_form_and_slab_layout(vllm, spec, tmp_path):
 
 def test_refused_jobs_are_reported_failed_not_raised(vllm, spec, tmp_path):
     primary = H.make_primary(8, BLOCK)
-    tier = make_tier(vllm, spec, primary, config={
+    tier = make_tier(vllm, spec, primary, enable_kv_events=True, config={
         "cores": [0], "queue_blocks_max": 2,
         "devices": [{"path": str(tmp_path / "d"), "layout": "files"}]})
     try:
@@ -195,7 +197,14 @@ def test_refused_jobs_are_reported_failed_not_raised(vllm, spec, tmp_path):
         got = {r.job_id: r for r in tier.get_finished_jobs()}
         assert set(got) == {1, 2} and not got[1].success and not got[2].success
         assert list(tier.get_finished_jobs()) == []  # each job exactly once
+        assert not tier.has_pending_work()
+        assert list(tier.take_events()) == []  # a refused store emits nothing
+        tier.submit_store(H.make_job(keys[:1], [0], 4, ctx, is_promotion=False))
+        assert [r.success for r in H.drain(tier)] == [True]
+        (ev,) = tier.take_events()  # one stored event per successful store job
+        assert ev.keys == keys[:1] and ev.removed is False
         tier.shutdown()
+        assert tier.lookup(keys[0], ctx) is vllm.LookupResult.MISS  # nothing loads any more
         tier.submit_store(H.make_job(keys[:1], [0], 3, ctx, is_promotion=False))
         (r,) = tier.get_finished_jobs()
         assert (r.job_id, r.success) == (3, False)
@@ -524,3 +533,45 @@ def test_s3_tier_uses_vllm_object_names_and_serves_another_node(vllm, spec, tmp_
         assert b.engine.stats()["s3"]["get"]["bytes"] == 3 * BLOCK
     finally:
         b.shutdown()
+
+
+def test_directory_shared_with_vllm_fs_tier_c_path(tmp_path):
+    """The same exchange with vLLM's production I/O path, its C extension fs_io_C (loaded in a
+    child process, with empty stand-ins for the torch/CUDA libraries it links but never calls:
+    vllm_harness, KVTIER_VLLM_FS_IO_C=1)."""
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build the stand-in libraries for vLLM's fs_io_C")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f'''
+import sys, numpy as np
+sys.path.insert(0, {here!r})
+import vllm_harness as H
+import test_vllm_tier as T
+vllm = H.load_vllm()
+assert vllm.fs_io_C_available and vllm.fs_batch_lookup_C_available
+import kvtier.vllm
+spec = H.make_spec(vllm, num_blocks=8, block_bytes=T.BLOCK)
+for writer in ("vllm", "kvtier"):
+    primary = H.make_primary(8, T.BLOCK)
+    keys = [H.make_key(f"c-{{writer}}-{{i}}") for i in range(5)]
+    data = T.rows(5, 11)
+    root = {str(tmp_path)!r} + "/" + writer
+    fs = {{"type": "fs", "root_dir": root}}
+    kv = {{**T.KVTIER, "root_dir": root, "cores": [0]}}
+    first, second = (fs, kv) if writer == "vllm" else (kv, fs)
+    a = vllm.SecondaryTierFactory.create_secondary_tier(first, primary.view, spec)
+    T._store_rows(vllm, a, primary, keys, data, 1)
+    a.shutdown()
+    b = vllm.SecondaryTierFactory.create_secondary_tier(second, primary.view, spec)
+    ctx = vllm.ReqContext(req_id="c")
+    assert all(H.lookup_and_wait(b, k, ctx) is vllm.LookupResult.HIT for k in keys)
+    np.testing.assert_array_equal(T._load_rows(vllm, b, primary, keys, 2), data)
+    b.shutdown()
+print("EXCHANGED")
+'''
+    env = {**os.environ, "KVTIER_VLLM_FS_IO_C": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=here, timeout=120)
+    assert "EXCHANGED" in out.stdout, out.stdout + out.stderr[-3000:]

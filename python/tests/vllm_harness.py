@@ -580,6 +580,41 @@ def load_vllm(wheel_path: str | os.PathLike | None = None,
         return ns
 
 
+# Libraries vllm/fs_io_C.abi3.so names in DT_NEEDED without using a symbol of them (it calls
+# only the Python C API, libc and libstdc++): empty stand-ins with these sonames let it load.
+_FS_IO_C_TORCH_SONAMES = ("libtorch.so", "libc10.so", "libnvrtc.so.13", "libc10_cuda.so",
+                          "libtorch_cpu.so", "libtorch_cuda.so")
+
+
+def _enable_fs_io_c(root: str) -> None:
+    """Load vLLM's real C extension for the fs tier (batched open/write/read/rename with the
+    GIL released, its production path): extract it from the wheel, build empty stand-ins for
+    the torch and CUDA libraries it links without using (gcc), and preload them so the
+    dynamic linker matches them by soname. Opt in with KVTIER_VLLM_FS_IO_C=1 (benchmarks)."""
+    import ctypes
+    import subprocess
+
+    so = os.path.join(root, "vllm", "fs_io_C.abi3.so")
+    if not os.path.exists(so):
+        with zipfile.ZipFile(find_wheel()) as zf:
+            data = zf.read("vllm/fs_io_C.abi3.so")
+        tmp = so + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, so)
+    stubs = os.path.join(root, "stub-libs")
+    os.makedirs(stubs, exist_ok=True)
+    src = os.path.join(stubs, "empty.c")
+    with open(src, "w") as f:
+        f.write("/* an empty stand-in library for vllm/fs_io_C.abi3.so */\n")
+    for soname in _FS_IO_C_TORCH_SONAMES:
+        lib = os.path.join(stubs, soname)
+        if not os.path.exists(lib):
+            subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", lib, src],
+                           check=True)
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
 def _import_all(root: str) -> types.SimpleNamespace:
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -608,8 +643,11 @@ def _import_all(root: str) -> types.SimpleNamespace:
         for name, build in builders.items():
             _install(name, build())
             standins[name] = STANDIN_REASONS[name]
-        _install("vllm.fs_io_C", None)
-        standins["vllm.fs_io_C"] = STANDIN_REASONS["vllm.fs_io_C"]
+        if os.environ.get("KVTIER_VLLM_FS_IO_C") == "1":
+            _enable_fs_io_c(root)
+        else:
+            _install("vllm.fs_io_C", None)
+            standins["vllm.fs_io_C"] = STANDIN_REASONS["vllm.fs_io_C"]
 
         modules: dict[str, types.ModuleType] = {}
         for name in REAL_MODULES:

@@ -113,6 +113,9 @@ struct Op {
     /// The key's outcome has been reported; the op only cleans up now.
     resolved: bool,
     mkdir_tried: bool,
+    /// The leaf's parent `<hhh>` was made once already: a second ENOENT on the leaf (a
+    /// dangling symlink at `<hhh>`, or a cleaner racing) fails the store instead of looping.
+    mkdir_parent_tried: bool,
     retried: bool,
     /// The temp file exists on disk (created, not yet renamed or removed).
     tmp_exists: bool,
@@ -149,6 +152,7 @@ impl Op {
             bytes: 0,
             resolved: false,
             mkdir_tried: false,
+            mkdir_parent_tried: false,
             retried: false,
             tmp_exists: false,
             staging: None,
@@ -998,7 +1002,13 @@ impl FilesWorker {
                     Step::MkdirLeaf
                 }
             }
-            r if r == -(Errno::ENOENT as i32) && step == Step::MkdirLeaf => Step::MkdirParent,
+            r if r == -(Errno::ENOENT as i32)
+                && step == Step::MkdirLeaf
+                && !self.ops[idx as usize].mkdir_parent_tried =>
+            {
+                self.ops[idx as usize].mkdir_parent_tried = true;
+                Step::MkdirParent
+            }
             r => {
                 let e = Errno::from_raw(-r);
                 let leaf = self.ops[idx as usize].tmp.parent().map(Path::to_path_buf);
