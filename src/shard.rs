@@ -1106,11 +1106,23 @@ impl Shard {
                 .metrics
                 .stores_failed
                 .fetch_add(1, Ordering::Relaxed);
-            let detail = format!(
-                "device {d}: all {} slots of worker {} are busy",
-                self.devs[d].slots.len(),
-                self.id
-            );
+            let detail = if self.devs[d].slots.is_empty() {
+                // Slot-table pages (32 slots each) are split between workers: a small device
+                // with many workers leaves some of them nothing.
+                format!(
+                    "device {d}: worker {} has no slots (a device's slots are shared out \
+                     between workers in table pages of {} slots); raise the device's \
+                     capacity_bytes or use fewer cores",
+                    self.id,
+                    crate::slab::ENTRIES_PER_PAGE
+                )
+            } else {
+                format!(
+                    "device {d}: all {} slots of worker {} are busy",
+                    self.devs[d].slots.len(),
+                    self.id
+                )
+            };
             job.fail(&self.shared, item, KeyFailure::NoSpace, detail);
             return StoreStart::Resolved;
         };

@@ -122,3 +122,28 @@ fn touched_blocks_outlive_untouched_ones() {
         engine.touch(&keep); // after shutdown: a no-op, not a panic
     }
 }
+
+/// A device too small to give every worker a slot-table page (32 slots): the keys of a worker
+/// without slots fail with a message that says why and what to change, the others store.
+#[test]
+fn a_worker_without_slots_says_how_to_fix_it() {
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[FOUR_SLOTS]);
+    let region = region(8);
+    let engine = open_sim(&sim_config(1, 2), &region, &sim);
+    let r = store(&engine, &region, 1, &[0, 1, 2, 3, 4, 5, 6, 7]);
+    assert!(!r.success);
+    assert!(
+        r.failures.len() < 8,
+        "the worker with slots stored its keys: {r:?}"
+    );
+    for f in &r.failures {
+        assert_eq!(f.reason, kvtier::KeyFailure::NoSpace);
+        assert!(
+            f.detail.contains("has no slots")
+                && f.detail
+                    .contains("raise the device's capacity_bytes or use fewer cores"),
+            "{}",
+            f.detail
+        );
+    }
+}
