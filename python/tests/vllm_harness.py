@@ -30,10 +30,13 @@ Stand-ins (see ``STANDIN_REASONS`` for why each one is needed):
 ``vllm.distributed.kv_transfer.kv_connector.v1.metrics``,
 ``vllm.v1.kv_cache_interface``, ``vllm.v1.kv_offload.cpu.shared_offload_region``,
 ``vllm.v1.kv_offload.cpu.gpu_worker`` and, without ``msgspec``,
-``vllm.v1.kv_hints``. The optional C extension ``vllm.fs_io_C`` is kept absent
-on purpose (``sys.modules["vllm.fs_io_C"] = None``), so the fs tier runs its
+``vllm.v1.kv_hints``. The fs tier's C extension ``vllm.fs_io_C`` is kept absent
+by default (``sys.modules["vllm.fs_io_C"] = None``), so the fs tier runs its
 pure-Python I/O and lookup fallback (``os.write``/``os.readv``,
-``os.path.exists``).
+``os.path.exists``). With ``KVTIER_VLLM_FS_IO_C=1`` the harness loads the
+wheel's real ``fs_io_C.abi3.so`` instead (vLLM's production path): it links
+libtorch and the CUDA libraries without calling them, so empty stand-in
+libraries with those sonames (built with gcc) are preloaded first.
 
 Typical use::
 
@@ -149,8 +152,10 @@ STANDIN_REASONS: dict[str, str] = {
     "vllm.v1.kv_hints": "only without msgspec: base.py imports KvHintsEnvelope "
     "(a msgspec Struct) for a ReqContext annotation; the stand-in is a frozen "
     "dataclass.",
-    "vllm.fs_io_C": "kept absent on purpose (None in sys.modules makes the "
-    "try-import raise ImportError), so the fs tier uses its Python fallback.",
+    "vllm.fs_io_C": "kept absent by default (None in sys.modules makes the "
+    "try-import raise ImportError), so the fs tier uses its Python fallback; with "
+    "KVTIER_VLLM_FS_IO_C=1 the wheel's real extension is loaded instead, with empty "
+    "stand-ins for the torch/CUDA libraries it links but never calls.",
 }
 
 
