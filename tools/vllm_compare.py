@@ -11,7 +11,8 @@ vllm/fs_io_C.abi3.so (batched open/write/rename and read with the GIL released),
 empty stand-ins for the torch/CUDA libraries it links but does not call. --vllm-io python runs
 its pure-Python fallback instead.
 
-Per cell (block size x job shape) and round, in alternating order, each tier stores fresh keys
+Per cell (block size x job shape) and round, in rotating order with the disk flushed between
+tiers, each tier stores fresh keys
 into its own directory (kept for the cell's rounds, as a cache directory lives on): a store phase (every job submitted at once, then drain) and a load
 phase of the same keys into other rows (bytes verified after timing). Reported: MiB/s, process
 CPU seconds (every thread: vLLM's pool, kvtier's workers), medians over rounds, and
@@ -56,6 +57,20 @@ def parse_size(text: str) -> int:
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def settle(directory: str) -> None:
+    """Flush what earlier phases wrote down to the device (a cache flush through the virtual
+    disk to the host) and pause briefly, so one tier's writes do not slow the next one."""
+    os.sync()
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".vllm-compare-flush-")
+    try:
+        os.write(fd, b"x")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    time.sleep(0.3)
 
 
 def show_size(n: int) -> str:
@@ -182,8 +197,12 @@ def main() -> int:
             runs: dict[str, list[dict]] = {n: [] for n in names}
             try:
                 for r in range(args.rounds):
-                    order = names if r % 2 == 0 else list(reversed(names))
-                    for n in order:
+                    # Rotate, so every tier follows every other one as often (a fast writer's
+                    # burst can slow whoever comes next on a virtual disk), and let the disk
+                    # settle between tiers.
+                    k = r % len(names)
+                    for n in names[k:] + names[:k]:
+                        settle(args.dir)
                         runs[n].append(cell.round(n, r))
             finally:
                 cell.cleanup()
