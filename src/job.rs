@@ -99,9 +99,7 @@ pub struct JobResult {
     pub keys_total: usize,
     /// Keys, in job order, that succeeded before the first failure (all of them on success).
     pub succeeded_prefix: usize,
-    /// The first failure by key position (`failures[0]`), if any.
-    pub failure: Option<JobFailure>,
-    /// Every failed key, in key order (one entry per key at most).
+    /// Every failed key, in key order (one entry per key at most); see [`JobResult::failure`].
     pub failures: Vec<JobFailure>,
     /// Bytes moved between the region and the device.
     pub bytes: u64,
@@ -110,6 +108,11 @@ pub struct JobResult {
 }
 
 impl JobResult {
+    /// The first failure by key position, if any.
+    pub fn failure(&self) -> Option<&JobFailure> {
+        self.failures.first()
+    }
+
     /// vLLM's `successful_keys`: `None` when every key shares the job's fate or none loaded.
     pub fn successful_keys(&self) -> Option<usize> {
         if self.success || self.succeeded_prefix == 0 {
@@ -252,9 +255,8 @@ impl JobState {
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
         failures.sort_by_key(|f| f.key_index);
-        let failure = failures.first().cloned();
         let total = self.job.keys.len();
-        let success = failure.is_none();
+        let success = failures.is_empty();
         if success && self.kind == JobKind::Store && shared.events.enabled() {
             shared.events.push(self.job.keys.clone(), false);
         }
@@ -263,8 +265,7 @@ impl JobState {
             kind: self.kind,
             success,
             keys_total: total,
-            succeeded_prefix: failure.as_ref().map_or(total, |f| f.key_index),
-            failure,
+            succeeded_prefix: failures.first().map_or(total, |f| f.key_index),
             failures,
             bytes: self.bytes.load(Ordering::Relaxed),
             elapsed: self.submitted.elapsed(),

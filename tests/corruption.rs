@@ -33,10 +33,7 @@ fn corrupted_slot_is_detected_and_not_served() {
     );
     let r = load(&engine, &region, 2, &[1]);
     assert!(!r.success);
-    assert_eq!(
-        r.failure.as_ref().map(|f| f.reason),
-        Some(KeyFailure::Checksum)
-    );
+    assert_eq!(r.failure().map(|f| f.reason), Some(KeyFailure::Checksum));
     assert_eq!(
         engine.lookup(&[key(1)]),
         vec![Lookup::Miss],
@@ -100,7 +97,7 @@ fn torn_writes_from_a_crash_are_never_served() {
                     "seed {seed}: wrong bytes served for id {id}"
                 );
             } else {
-                let reason = r.failure.expect("failure").reason;
+                let reason = r.failure().expect("failure").reason;
                 assert_eq!(reason, KeyFailure::Checksum, "seed {seed}: id {id}");
             }
         }

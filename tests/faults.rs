@@ -84,7 +84,7 @@ fn soak_with_faults_never_serves_wrong_bytes() {
                 } else if r.succeeded_prefix > 0 {
                     partial_checked += 1;
                 }
-                if let Some(f) = &r.failure {
+                if let Some(f) = r.failure() {
                     assert_ne!(
                         f.reason,
                         KeyFailure::Checksum,
@@ -121,7 +121,7 @@ fn soak_with_faults_never_serves_wrong_bytes() {
             served += 1;
         } else {
             assert_eq!(
-                r.failure.expect("failure").reason,
+                r.failure().expect("failure").reason,
                 KeyFailure::Checksum,
                 "seed {seed}: id {id}"
             );

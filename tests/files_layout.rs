@@ -225,7 +225,7 @@ fn a_short_file_fails_its_load_keeps_the_prefix_and_is_removed() {
     assert_eq!(r.successful_keys(), Some(2));
     assert!(
         matches!(
-            r.failure.as_ref().map(|f| f.reason),
+            r.failure().map(|f| f.reason),
             Some(KeyFailure::ShortIo { .. })
         ),
         "{r:?}"
@@ -264,7 +264,7 @@ fn a_corrupt_full_size_file_is_caught_by_its_checksum() {
         return;
     }
     assert_eq!(
-        r.failure.as_ref().map(|f| f.reason),
+        r.failure().map(|f| f.reason),
         Some(KeyFailure::Checksum),
         "{r:?}"
     );
@@ -356,7 +356,7 @@ fn enospc_fails_cleanly_and_loads_keep_working() {
         !r.success,
         "stores cannot all succeed on a full file system: {r:?}"
     );
-    let f = r.failure.expect("failure");
+    let f = r.failure().expect("failure");
     assert!(
         matches!(
             f.reason,

@@ -149,7 +149,7 @@ fn shutdown_with_io_in_flight_reports_every_job_once() {
     assert_eq!(ids.len(), 64, "each exactly once");
     for r in &out {
         assert!(
-            r.success || r.failure.as_ref().map(|f| f.reason) == Some(KeyFailure::Shutdown),
+            r.success || r.failure().map(|f| f.reason) == Some(KeyFailure::Shutdown),
             "{r:?}"
         );
     }

@@ -19,7 +19,7 @@ fn missing_last_key_reports_prefix_of_two() {
     assert!(!r.success);
     assert_eq!(r.succeeded_prefix, 2);
     assert_eq!(r.successful_keys(), Some(2));
-    let f = r.failure.expect("failure");
+    let f = r.failure().expect("failure");
     assert_eq!((f.key_index, f.reason), (2, KeyFailure::Miss));
     assert!(
         holds(&region, 0, 1) && holds(&region, 1, 2),
@@ -41,7 +41,7 @@ fn missing_first_key_reports_no_successful_keys() {
         None,
         "vLLM reports None for an empty prefix"
     );
-    assert_eq!(r.failure.expect("failure").key_index, 0);
+    assert_eq!(r.failure().expect("failure").key_index, 0);
 }
 
 #[test]
@@ -53,7 +53,7 @@ fn failure_in_the_middle_wins_over_later_failures() {
     let r = load(&engine, &region, 2, &[1, 3, 4, 5, 6]);
     assert!(!r.success);
     assert_eq!(r.succeeded_prefix, 2, "{r:?}");
-    assert_eq!(r.failure.expect("failure").key_index, 2);
+    assert_eq!(r.failure().expect("failure").key_index, 2);
     assert_eq!(r.bytes, 3 * BLOCK, "bytes count every block that moved");
 }
 
@@ -73,7 +73,7 @@ fn device_error_fails_the_key_and_keeps_the_block() {
     let r = load(&engine, &region, 2, &[7]);
     assert!(!r.success);
     assert_eq!(
-        r.failure.expect("failure").reason,
+        r.failure().expect("failure").reason,
         KeyFailure::Io(kvtier::Errno::EIO)
     );
     sim.set_faults(kvtier::sim::Faults::default());

@@ -122,13 +122,12 @@ fn empty_job_and_malformed_jobs_are_reported() {
     results.sort_by_key(|r| r.id);
     assert!(results[0].success && results[0].keys_total == 0);
     assert!(!results[1].success);
-    let f = results[1].failure.as_ref().expect("failure");
+    let f = results[1].failure().expect("failure");
     assert_eq!(f.reason, kvtier::KeyFailure::InvalidJob);
     assert!(f.detail.contains("block id 4"), "{}", f.detail);
     assert!(!results[2].success);
     assert!(results[2]
-        .failure
-        .as_ref()
+        .failure()
         .expect("failure")
         .detail
         .contains("2 keys but 1 blocks"));

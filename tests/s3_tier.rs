@@ -210,7 +210,7 @@ fn a_missing_object_fails_the_load_as_a_miss_with_the_prefix_reported() {
     assert!(!r.success);
     assert_eq!(r.succeeded_prefix, 1);
     assert_eq!(r.successful_keys(), Some(1));
-    let f = r.failure.expect("failure");
+    let f = r.failure().expect("failure");
     assert_eq!((f.key_index, f.reason), (1, KeyFailure::Miss));
     assert!(f.detail.contains("does not exist"), "{}", f.detail);
     assert!(holds(&region, 0, 5));
@@ -236,7 +236,7 @@ fn a_failed_load_marks_the_key_missing() {
     let (engine, region) = open(&cfg);
     assert_eq!(settled_lookup(&engine, 8), Lookup::Hit(Tier::S3));
     let r = load(&engine, &region, 1, &[8]);
-    let f = r.failure.expect("wrong-size object fails");
+    let f = r.failure().expect("wrong-size object fails");
     assert!(
         matches!(f.reason, KeyFailure::ShortIo { done: 1000, wanted } if u64::from(wanted) == BLOCK),
         "{f:?}"
@@ -267,7 +267,7 @@ fn a_corrupted_object_fails_its_checksum() {
     let cfg2 = config(dir2.path(), &server, 32, "promote_on_load = false");
     let (engine, region) = open(&cfg2);
     let r = load(&engine, &region, 2, &[21]);
-    let f = r.failure.expect("corrupt object fails");
+    let f = r.failure().expect("corrupt object fails");
     assert_eq!(f.reason, KeyFailure::Checksum, "{f:?}");
 }
 
@@ -324,7 +324,7 @@ fn server_killed_mid_run_fails_jobs_within_the_timeout_and_recovers() {
     let t = Instant::now();
     let r = load(&engine, &region, 2, &[40, 41]);
     assert!(t.elapsed() < budget, "failed after {:?}", t.elapsed());
-    let f = r.failure.expect("load fails while the server is down");
+    let f = r.failure().expect("load fails while the server is down");
     assert_eq!(f.reason, KeyFailure::Remote, "{f:?}");
     assert!(
         f.detail.contains("GET") && f.detail.contains("attempts"),
@@ -333,7 +333,7 @@ fn server_killed_mid_run_fails_jobs_within_the_timeout_and_recovers() {
     );
     // A write-through store: NVMe succeeds, the upload fails, the job says so.
     let r = store(&engine, &region, 3, &[91]);
-    let f = r.failure.expect("upload fails while the server is down");
+    let f = r.failure().expect("upload fails while the server is down");
     assert_eq!(f.reason, KeyFailure::Remote);
     assert_eq!(engine.lookup(&[key(91)]), vec![Lookup::Hit(Tier::Nvme)]);
     // NVMe loads are unaffected.
@@ -456,7 +456,7 @@ fn a_silent_endpoint_times_out_and_never_hangs_drain_or_shutdown() {
     let t = Instant::now();
     let r = load(&engine, &region, 1, &[60]);
     let took = t.elapsed();
-    let f = r.failure.expect("silent endpoint fails the load");
+    let f = r.failure().expect("silent endpoint fails the load");
     assert_eq!(f.reason, KeyFailure::Remote);
     assert!(
         f.detail.contains("timeout_ms = 300") && f.detail.contains("2 attempts"),

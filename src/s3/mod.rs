@@ -770,12 +770,10 @@ impl Inner {
             }
         }
         failures.sort_by_key(|f| f.key_index);
-        let first = failures.first().cloned();
         let total = keys.len();
         self.shared.finish(JobResult {
-            success: first.is_none(),
-            succeeded_prefix: first.as_ref().map_or(total, |f| f.key_index),
-            failure: first,
+            success: failures.is_empty(),
+            succeeded_prefix: failures.first().map_or(total, |f| f.key_index),
             failures,
             bytes,
             elapsed: submitted.elapsed(),

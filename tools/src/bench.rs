@@ -1040,7 +1040,7 @@ impl<'e> Bench<'e> {
                 }
             }
         } else {
-            let failure = r.failure.as_ref();
+            let failure = r.failure();
             if job.kind == JobKind::Load && failure.is_some_and(|f| f.reason == KeyFailure::Miss) {
                 tally.missed += 1;
             } else {

@@ -208,7 +208,7 @@ fn run_one(engine: &Engine, kind: JobKind, key: Key) -> CliResult<JobResult> {
 
 /// The error for a failed job: the key and why.
 fn failed(hex: &str, what: &str, result: &JobResult) -> CliError {
-    match result.failure.as_ref() {
+    match result.failure() {
         Some(f) if f.reason == KeyFailure::Miss => {
             CliError::runtime(format!("key {hex}: not stored"))
         }

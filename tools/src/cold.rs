@@ -267,7 +267,7 @@ fn drive(
             if !r.success {
                 return Err(CliError::runtime(format!(
                     "{kind:?} of object {i} failed: {:?}",
-                    r.failure
+                    r.failure()
                 )));
             }
             check(i, holder[i]).map_err(CliError::runtime)?;
@@ -339,7 +339,8 @@ fn latency_phase(
             if !r.success {
                 return Err(CliError::runtime(format!(
                     "load {} failed: {:?}",
-                    r.id, r.failure
+                    r.id,
+                    r.failure()
                 )));
             }
             if r.id & S3_ID != 0 {

@@ -843,7 +843,7 @@ fn load_all(
                 let crc = region.with_bytes(block as usize * block_bytes, *len, crc32c::crc32c);
                 Loaded::Ok { crc }
             } else {
-                let (reason, detail) = r.failure.as_ref().map_or_else(
+                let (reason, detail) = r.failure().map_or_else(
                     || (KeyFailure::InvalidJob, "no failure reported".to_owned()),
                     |f| (f.reason, f.detail.clone()),
                 );
