@@ -109,11 +109,7 @@ impl Router {
     /// Sends every key of an internal job to its worker. Internal jobs are admitted with the
     /// caller's job they serve, so they only count their queued blocks.
     pub fn dispatch(&self, job: &Arc<JobState>) {
-        let workers = self.shards.len();
-        let mut parts: Vec<Vec<u32>> = vec![Vec::new(); workers];
-        for (i, key) in job.job.keys.iter().enumerate() {
-            parts[key.shard(workers)].push(i as u32);
-        }
+        let parts = items_by_worker(&job.job.keys, self.shards.len());
         for (s, items) in parts.into_iter().enumerate() {
             if !items.is_empty() {
                 self.shards[s]
@@ -124,6 +120,15 @@ impl Router {
             }
         }
     }
+}
+
+/// The positions of `keys`, grouped by the worker each key routes to (in key order).
+fn items_by_worker(keys: &[Key], workers: usize) -> Vec<Vec<u32>> {
+    let mut parts: Vec<Vec<u32>> = vec![Vec::new(); workers];
+    for (i, key) in keys.iter().enumerate() {
+        parts[key.shard(workers)].push(i as u32);
+    }
+    parts
 }
 
 pub struct Engine {
@@ -471,10 +476,7 @@ impl Engine {
             return Ok(());
         }
         let workers = self.shards.len();
-        let mut parts: Vec<Vec<u32>> = vec![Vec::new(); workers];
-        for (i, key) in job.keys.iter().enumerate() {
-            parts[key.shard(workers)].push(i as u32);
-        }
+        let mut parts = items_by_worker(&job.keys, workers);
         // Reserve queue room on every shard first, so a job is queued whole or not at all.
         for s in 0..workers {
             let n = parts[s].len();
@@ -689,13 +691,10 @@ impl Engine {
         if keys.is_empty() || self.shut.load(Ordering::Acquire) {
             return;
         }
-        let workers = self.shards.len();
-        let mut parts: Vec<Vec<Key>> = vec![Vec::new(); workers];
-        for key in keys {
-            parts[key.shard(workers)].push(*key);
-        }
-        for (h, part) in self.shards.iter().zip(parts) {
-            if !part.is_empty() {
+        let parts = items_by_worker(keys, self.shards.len());
+        for (h, items) in self.shards.iter().zip(parts) {
+            if !items.is_empty() {
+                let part = items.iter().map(|&i| keys[i as usize]).collect();
                 // Cannot fail (see Router::send); a worker that stopped drops it at shutdown.
                 let _ = h.tx.send(Msg::Touch(part));
                 h.shared.nudge();

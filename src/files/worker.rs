@@ -124,6 +124,18 @@ struct Op {
     started: Instant,
 }
 
+impl Op {
+    /// The directory a `MkdirLeaf` / `MkdirParent` step creates: the temp file's directory
+    /// `<hhh>/<hh>_g<g>`, or its parent `<hhh>`.
+    fn mkdir_target(&self) -> &Path {
+        let leaf = self.tmp.parent().unwrap_or(&self.tmp);
+        match self.step {
+            Step::MkdirParent => leaf.parent().unwrap_or(leaf),
+            _ => leaf,
+        }
+    }
+}
+
 impl TableOp for Op {
     fn clear(&mut self) {
         self.job = None;
@@ -364,13 +376,7 @@ impl FilesWorker {
             Step::UnlinkTmp => FileOp::UnlinkAt { path: &tmp },
             Step::Unlink => FileOp::UnlinkAt { path: &dest },
             Step::MkdirLeaf | Step::MkdirParent => {
-                let leaf = op.tmp.parent().unwrap_or(&op.tmp);
-                let dir = if op.step == Step::MkdirLeaf {
-                    leaf
-                } else {
-                    leaf.parent().unwrap_or(leaf)
-                };
-                let dir = c_path(dir);
+                let dir = c_path(op.mkdir_target());
                 let mkdir = FileOp::MkdirAt {
                     path: &dir,
                     mode: DIR_MODE,
@@ -938,7 +944,6 @@ impl FilesWorker {
         op.crc = crc;
         op.bytes = reserved;
         op.retried = retried;
-        op.chunks_total = self.block_bytes.div_ceil(self.chunk_bytes) as u16;
         self.push_step(idx);
         Start::Started
     }
@@ -1011,14 +1016,9 @@ impl FilesWorker {
             }
             r => {
                 let e = Errno::from_raw(-r);
-                let leaf = self.ops[idx as usize].tmp.parent().map(Path::to_path_buf);
-                let dir = match (step, leaf) {
-                    (Step::MkdirParent, Some(l)) => l.parent().map(Path::to_path_buf),
-                    (_, l) => l,
-                };
                 let detail = format!(
                     "creating {}: {}",
-                    dir.as_deref().unwrap_or(Path::new("?")).display(),
+                    self.ops[idx as usize].mkdir_target().display(),
                     e.desc()
                 );
                 self.fail_store(idx, KeyFailure::Io(e), detail);
