@@ -22,17 +22,6 @@ import time
 
 import kvtier
 
-UNITS = {"gib": 1 << 30, "mib": 1 << 20}
-
-
-def parse_size(text: str) -> int:
-    t = text.lower()
-    for unit, mult in UNITS.items():
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
-    return int(t)
-
-
 def shm_region(size: int) -> mmap.mmap:
     fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvtier-open-time-")
     try:
@@ -59,11 +48,11 @@ def main() -> int:
     ap.add_argument("--dir", default="/var/tmp")
     args = ap.parse_args()
     cores = args.cores if args.cores == "auto" else [int(c) for c in args.cores.split(",")]
-    block = kvtier._native.parse_size(args.block_size)
+    block = kvtier.parse_size(args.block_size)
     print("| region | workers | open s (median) | opens |")
     print("| --- | --- | --- | --- |")
     for size_text in args.sizes:
-        size = parse_size(size_text) // block * block
+        size = kvtier.parse_size(size_text) // block * block
         region = shm_region(size)
         times = []
         workers = 0

@@ -39,20 +39,11 @@ import time
 
 import numpy as np
 
+import kvtier
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
                                 "tests"))
 import vllm_harness as H  # noqa: E402
-
-UNITS = {"kib": 1 << 10, "k": 1 << 10, "mib": 1 << 20, "m": 1 << 20, "gib": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().lower().replace(" ", "")
-    for unit, mult in sorted(UNITS.items(), key=lambda u: -len(u[0])):
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
-    return int(t)
-
 
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -185,11 +176,11 @@ def main() -> int:
         raise SystemExit(f"vLLM's fs tier I/O is not the one asked for (--vllm-io {args.vllm_io})")
     import kvtier.vllm  # noqa: F401  (after the harness put vLLM's modules in place)
 
-    total = parse_size(args.bytes)
+    total = kvtier.parse_size(args.bytes)
     names = ["vllm-fs"] + [f"kvtier-{layout}" for layout in args.layout]
     cells = []
     for bs_text in args.block_size:
-        block = parse_size(bs_text)
+        block = kvtier.parse_size(bs_text)
         blocks = max(16, total // block)
         for shape in args.shape:
             jobs = 1 if shape == "one" else int(shape)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Union
@@ -33,6 +32,7 @@ from kvtier._native import (
     ConfigError,
     Error,
     ShutdownError,
+    parse_size,
 )
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "ShutdownError",
     "allocate_region",
     "check_config",
+    "parse_size",
 ]
 
 JobResult = _native.JobOutcome
@@ -96,62 +97,35 @@ def allocate_region(num_blocks: int, block_size: int) -> mmap.mmap:
     return mmap.mmap(-1, num_blocks * block_size)
 
 
-def _region_arg(region: Any) -> dict[str, Any]:
-    """Keyword arguments describing `region` for the native engine."""
+def _region_view(region: Any) -> memoryview:
+    """`region` as a flat byte memoryview for the native engine, which holds its export (and so
+    the memory) until shutdown. Objects without the buffer protocol go through numpy: one with
+    `__array_interface__` (numpy keeps it referenced), a CPU tensor through `.numpy()`."""
     try:
         view = memoryview(region)
     except TypeError:
-        view = None
-    if view is not None:
-        if view.readonly:
-            raise ValueError("region: the buffer is read-only; kvtier loads write into it")
-        if not view.c_contiguous:
-            raise ValueError(
-                "region: the buffer is not C-contiguous; pass one contiguous block of memory"
-            )
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        return {"region": view}
-    iface = getattr(region, "__array_interface__", None)
-    if iface is None and hasattr(region, "numpy") and not getattr(region, "is_cuda", False):
-        # A CPU torch tensor: .numpy() shares its memory.
-        return _region_arg(region.numpy())
-    if not isinstance(iface, Mapping):
+        if hasattr(region, "__array_interface__"):
+            try:
+                import numpy
+            except ImportError:
+                raise TypeError(
+                    "region: an __array_interface__ object needs numpy installed"
+                ) from None
+            return _region_view(numpy.asarray(region))
+        if hasattr(region, "numpy") and not getattr(region, "is_cuda", False):
+            # A CPU torch tensor: .numpy() shares its memory.
+            return _region_view(region.numpy())
         raise TypeError(
             f"region: {type(region).__name__} is neither a buffer nor has __array_interface__; "
             "pass a writable buffer such as kvtier.allocate_region(), an mmap or a numpy array"
+        ) from None
+    if not view.c_contiguous:  # checked here because cast() needs it; the rest is native
+        raise ValueError(
+            "region: the buffer is not C-contiguous; pass one contiguous block of memory"
         )
-    data = iface.get("data")
-    if not (isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], int)):
-        raise TypeError(
-            "region: __array_interface__['data'] must be an (address, read_only) tuple; "
-            "pass the array itself if it supports the buffer protocol"
-        )
-    address, readonly = data
-    if readonly:
-        raise ValueError("region: the array is read-only; kvtier loads write into it")
-    shape = tuple(iface["shape"])
-    typestr = str(iface["typestr"])
-    digits = re.match(r"[<>|=]?[a-zA-Z](\d+)", typestr)
-    if digits is None:
-        raise TypeError(f"region: __array_interface__ typestr {typestr!r} has no item size")
-    itemsize = int(digits.group(1))
-    strides = iface.get("strides")
-    length = itemsize
-    for n in shape:
-        length *= n
-    if strides is not None:
-        expect, want = itemsize, []
-        for n in reversed(shape):
-            want.append(expect)
-            expect *= n
-        if tuple(reversed(want)) != tuple(strides):
-            raise ValueError(
-                "region: the array is not C-contiguous; pass one contiguous block of memory"
-            )
-    # The engine keeps `region` referenced until shutdown; the object must own the memory it
-    # describes (as a numpy array or a tensor does), since no buffer export pins it.
-    return {"address": int(address), "length": length, "owner": region}
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
 
 
 class Engine:
@@ -170,7 +144,7 @@ class Engine:
 
     def __init__(self, config: ConfigLike, region: Any) -> None:
         text, kind = _config_arg(config)
-        self._native = _native.Engine(text, kind, **_region_arg(region))
+        self._native = _native.Engine(text, kind, _region_view(region))
         self._closed = threading.Event()
 
     @property

@@ -30,13 +30,7 @@ class EventOut:
 
 class Engine:
     def __init__(
-        self,
-        config: str,
-        kind: Literal["path", "toml", "json"],
-        region: memoryview | None = None,
-        address: int = 0,
-        length: int = 0,
-        owner: object | None = None,
+        self, config: str, kind: Literal["path", "toml", "json"], region: memoryview
     ) -> None: ...
     @property
     def block_size(self) -> int: ...

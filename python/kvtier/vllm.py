@@ -304,9 +304,10 @@ class KvtierTierManager(SecondaryTierManager):
         # it evicted (not with an S3 tier behind, which still holds them). Bounded like the
         # engine's own buffer, in case the consumer stops taking them.
         self._events: collections.deque[OffloadingEvent] = collections.deque(maxlen=65536)
-        self._store_jobs: set[int] = set()
-        # Keys of in-flight jobs, by job id (results name keys by index).
-        self._job_keys: dict[int, list[bytes]] = {}
+        # Keys of in-flight store jobs, for their stored event (only with events on).
+        self._store_keys: dict[int, list[bytes]] = {}
+        # Jobs submitted and not yet reported by get_finished_jobs.
+        self._pending: set[int] = set()
         # Jobs refused at submission, reported failed by the next get_finished_jobs.
         self._refused: list[JobResult] = []
         # Keys whose load failed: MISS until the deadline (or a store of the key).
@@ -375,9 +376,9 @@ class KvtierTierManager(SecondaryTierManager):
                           transfer_bytes=0)
             )
             return
-        self._job_keys[job.job_id] = keys
+        self._pending.add(job.job_id)
         if store and self._events_enabled:
-            self._store_jobs.add(job.job_id)
+            self._store_keys[job.job_id] = keys
         if store and self._failed:
             for k in keys:
                 self._failed.pop(k, None)
@@ -399,7 +400,7 @@ class KvtierTierManager(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out, self._refused = self._refused, []
         for r in self._engine.poll_finished():
-            keys = self._job_keys.pop(r.job_id, None)
+            self._pending.discard(r.job_id)
             self._job_seconds[r.kind].append(r.transfer_seconds)
             successful = None
             if r.kind == "load" and not r.success:
@@ -413,12 +414,10 @@ class KvtierTierManager(SecondaryTierManager):
                     self.tier_type, r.job_id, r.failures[:3],
                 )
             elif r.kind == "store":
-                if r.job_id in self._store_jobs:
-                    self._store_jobs.discard(r.job_id)
-                    if r.success and keys:
-                        self._events.append(OffloadingEvent(
-                            keys=keys, medium=self.medium, removed=False,
-                            locality=self.locality))
+                keys = self._store_keys.pop(r.job_id, None)
+                if r.success and keys:
+                    self._events.append(OffloadingEvent(
+                        keys=keys, medium=self.medium, removed=False, locality=self.locality))
                 if not r.success:
                     logger.debug(
                         "kvtier tier '%s': store job %s failed: %s",
@@ -437,7 +436,7 @@ class KvtierTierManager(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         # Every submitted job until get_finished_jobs has reported it.
-        return bool(self._refused) or bool(self._job_keys)
+        return bool(self._refused) or bool(self._pending)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events_enabled:
@@ -536,4 +535,4 @@ def _size(value: Any) -> int:
     """A kvtier size (an int, or a string such as "2 MiB") in bytes."""
     if isinstance(value, int):
         return value
-    return kvtier._native.parse_size(str(value))
+    return kvtier.parse_size(str(value))

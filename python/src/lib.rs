@@ -1,11 +1,13 @@
 //! `kvtier._native`: the engine for Python. The pure-Python package (`python/kvtier/`) wraps it;
 //! this module converts at the boundary and nothing more.
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 //!
 //! Invariants:
 //! * The region is the caller's buffer, used in place: its pages are registered as the rings'
-//!   fixed buffers. The engine holds the buffer export (or, for `__array_interface__` memory,
-//!   the owning object) until `shutdown` has joined every worker, and releases it only then, so
-//!   the memory cannot be freed, resized or unmapped while the kernel may still touch it.
+//!   fixed buffers. The engine holds the buffer export until `shutdown` has joined every worker,
+//!   and releases it only then, so the exporter cannot free, resize or unmap the memory while
+//!   the kernel may still touch it. The one `unsafe` block (wrapping that memory as a `Region`)
+//!   is below, with its SAFETY argument.
 //! * Every call that waits (open, drain, wait_finished, shutdown) releases the GIL; no engine
 //!   thread ever takes it (results are converted on the caller's thread).
 //! * A job id is in flight at most once; its keys are kept here until its result is polled, so
@@ -76,7 +78,7 @@ fn json_to_toml(field: &str, value: serde_json::Value) -> Result<Option<toml::Va
         J::Bool(b) => Some(toml::Value::Boolean(b)),
         J::Number(n) => Some(if let Some(i) = n.as_i64() {
             toml::Value::Integer(i)
-        } else if let Some(f) = n.as_f64().filter(|_| !n.is_u64()) {
+        } else if let (true, Some(f)) = (n.is_f64(), n.as_f64()) {
             toml::Value::Float(f)
         } else {
             return Err(ConfigError::new_err(format!(
@@ -151,15 +153,6 @@ fn check_config(config: &str, kind: &str) -> PyResult<String> {
 fn parse_size(text: &str) -> PyResult<u64> {
     kvtier::config::parse_size(text)
         .map_err(|e| ConfigError::new_err(format!("size {text:?}: {e}")))
-}
-
-/// What keeps the region's memory alive; held only for its `Drop`.
-#[allow(dead_code)] // the fields are never read: holding them is the point
-enum Keep {
-    /// A buffer export: the exporter cannot resize, close or free it while this lives.
-    Buffer(PyBuffer<u8>),
-    /// An object exposing `__array_interface__` (it owns the memory).
-    Owner(Py<PyAny>),
 }
 
 /// One finished job.
@@ -237,7 +230,8 @@ struct PyEngine {
     region_blocks: u64,
     /// The keys of every job in flight, by job id.
     jobs: Mutex<HashMap<u64, Vec<Key>>>,
-    keep: Mutex<Option<Keep>>,
+    /// The buffer export that keeps the region's memory in place; taken by `shutdown`.
+    export: Mutex<Option<PyBuffer<u8>>>,
 }
 
 fn extract_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
@@ -417,46 +411,28 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     /// `config` is a path, TOML text or the JSON of a dict (`kind` says which); `region` is a
-    /// writable, C-contiguous byte buffer (a `memoryview` cast to "B"), or None with `address`,
-    /// `length` and `owner` for memory described by `__array_interface__`.
+    /// writable, C-contiguous byte buffer (the Python package passes a `memoryview`).
     #[new]
-    #[pyo3(signature = (config, kind, region=None, address=0, length=0, owner=None))]
     fn new(
         py: Python<'_>,
         config: &str,
         kind: &str,
-        region: Option<&Bound<'_, PyAny>>,
-        address: usize,
-        length: usize,
-        owner: Option<Py<PyAny>>,
+        region: &Bound<'_, PyAny>,
     ) -> PyResult<PyEngine> {
         let config = parse_config(config, kind)?;
-        let (ptr, len, keep) = match (region, owner) {
-            (Some(obj), _) => {
-                let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
-                    PyTypeError::new_err(format!("region: not a byte buffer ({e})"))
-                })?;
-                if buf.readonly() {
-                    return Err(PyValueError::new_err(
-                        "region: the buffer is read-only; kvtier loads write into it",
-                    ));
-                }
-                if !buf.is_c_contiguous() {
-                    return Err(PyValueError::new_err(
-                        "region: the buffer is not C-contiguous; pass one contiguous block of memory",
-                    ));
-                }
-                (
-                    buf.buf_ptr().cast::<u8>(),
-                    buf.len_bytes(),
-                    Keep::Buffer(buf),
-                )
-            }
-            (None, Some(owner)) => (address as *mut u8, length, Keep::Owner(owner)),
-            (None, None) => {
-                return Err(PyTypeError::new_err("region: a buffer is required"));
-            }
-        };
+        let buf = PyBuffer::<u8>::get(region)
+            .map_err(|e| PyTypeError::new_err(format!("region: not a byte buffer ({e})")))?;
+        if buf.readonly() {
+            return Err(PyValueError::new_err(
+                "region: the buffer is read-only; kvtier loads write into it",
+            ));
+        }
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err(
+                "region: the buffer is not C-contiguous; pass one contiguous block of memory",
+            ));
+        }
+        let (ptr, len) = (buf.buf_ptr().cast::<u8>(), buf.len_bytes());
         let block = usize::try_from(config.block_size).unwrap_or(usize::MAX);
         if len == 0 || len % block != 0 {
             return Err(PyValueError::new_err(format!(
@@ -471,14 +447,13 @@ impl PyEngine {
                  with kvtier.allocate_region() or mmap.mmap(-1, size)"
             )));
         }
-        // SAFETY: `ptr..ptr + len` is the memory of a live buffer export (or of `owner`'s
-        // array interface): valid and writable while `keep` lives. `keep` is held by the
+        // SAFETY: `ptr..ptr + len` is the memory of a live, writable buffer export (`buf`),
+        // valid and in place while the export lives. The export is held by the
         // returned engine and released only after `Engine::shutdown` has joined every worker
         // and stopped the S3 reactor (`shutdown` below; concurrent calls all wait for that),
         // so the memory outlives every ring that registered it and every I/O on it. Rust
         // touches it only through `Region`'s accessors, under their contract (no I/O on a
-        // block while it is read or written). The `address`/`owner` form is private API
-        // (`kvtier._native`): the caller vouches that `owner` keeps that memory alive.
+        // block while it is read or written).
         let region = unsafe { Region::from_raw_parts(ptr, len) }
             .map_err(|e| PyValueError::new_err(format!("region: {}", e.desc())))?;
         let region = Arc::new(region);
@@ -491,7 +466,7 @@ impl PyEngine {
             engine,
             region,
             jobs: Mutex::new(HashMap::new()),
-            keep: Mutex::new(Some(keep)),
+            export: Mutex::new(Some(buf)),
         })
     }
 
@@ -593,18 +568,18 @@ impl PyEngine {
     fn shutdown(&self, py: Python<'_>) {
         py.detach(|| self.engine.shutdown());
         // Every worker has been joined: nothing can touch the region any more.
-        let keep = self
-            .keep
+        let export = self
+            .export
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        drop(keep);
+        drop(export);
     }
 
     /// Whether `shutdown` has released the region.
     #[getter]
     fn is_shut_down(&self) -> bool {
-        self.keep
+        self.export
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .is_none()
