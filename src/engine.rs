@@ -18,13 +18,15 @@ use crate::config::{Config, Cores, Layout};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
 use crate::files::device::{FilesDevice, ScanReport, ScannedFile};
-use crate::files::worker::{FilesParams, FilesWorker};
-use crate::io::{BackendSettings, DeviceInfo, EventFd, Region, Storage};
+use crate::files::layout::FilesLayout;
+use crate::io::{BackendSettings, EventFd, Region, Storage};
 use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::metrics::Stats;
-use crate::shard::{self, DeviceSpec, Msg, Part, Shard, ShardParams, ShardShared};
-use crate::slab::{table_bytes, Geometry, Header, HeaderRead, HeaderState, HEADER_BYTES};
+use crate::slab::layout::{DeviceSpec, SlabLayout};
+use crate::slab::prepare::prepare_slab;
+use crate::slab::Geometry;
+use crate::worker::{self, Msg, Part, Scheduler, Worker, WorkerParams, WorkerShared};
 
 /// Which tier answered a lookup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,13 +86,13 @@ struct ShardHandle {
     tx: Sender<Msg>,
     /// A second receiver, to fail work that arrives after the worker stopped.
     rx: Receiver<Msg>,
-    shared: Arc<ShardShared>,
+    shared: Arc<WorkerShared>,
 }
 
 /// Sends work to the workers: the engine's admitted jobs and its own internal jobs (promotions
 /// from S3, the NVMe half of write-through stores).
 pub(crate) struct Router {
-    shards: Vec<(Sender<Msg>, Arc<ShardShared>)>,
+    shards: Vec<(Sender<Msg>, Arc<WorkerShared>)>,
 }
 
 impl Router {
@@ -287,7 +289,7 @@ impl Engine {
             piece_bytes: (piece_blocks * block_bytes) as usize,
             files_layout,
         };
-        let demote_sink: Option<shard::DemoteSink> = config
+        let demote_sink: Option<worker::DemoteSink> = config
             .s3
             .as_ref()
             .filter(|s3| s3.write == crate::config::S3Write::OnEvict)
@@ -299,7 +301,7 @@ impl Engine {
             let wake = Arc::new(
                 EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?,
             );
-            let me = Arc::new(ShardShared::new(Arc::clone(&wake)));
+            let me = Arc::new(WorkerShared::new(Arc::clone(&wake)));
             let (tx, rx) = crossbeam_channel::unbounded();
             shards.push(ShardHandle {
                 tx,
@@ -799,7 +801,7 @@ impl Engine {
             s.add(&h.shared.metrics);
             let tid = h.shared.tid.load(Ordering::Acquire);
             if tid > 0 {
-                s.worker_cpu_seconds += shard::thread_cpu_ns(tid) as f64 / 1e9;
+                s.worker_cpu_seconds += worker::shared::thread_cpu_ns(tid) as f64 / 1e9;
             }
         }
         s.jobs_in_flight = self.jobs_in_flight() as u64;
@@ -832,13 +834,13 @@ struct WorkerCtx {
     files_devices: Arc<Vec<Arc<FilesDevice>>>,
     scanned: Vec<ScannedFile>,
     shared: Arc<Shared>,
-    me: Arc<ShardShared>,
+    me: Arc<WorkerShared>,
     rx: Receiver<Msg>,
     settings: BackendSettings,
     config: Config,
     ready: Sender<(usize, std::result::Result<WorkerSummary, String>)>,
     /// Set with `s3.write = "on_evict"` on the slab layout.
-    demote_sink: Option<shard::DemoteSink>,
+    demote_sink: Option<worker::DemoteSink>,
 }
 
 fn worker_main(ctx: WorkerCtx) {
@@ -856,7 +858,7 @@ fn worker_main(ctx: WorkerCtx) {
         },
         None => false,
     };
-    let meta_len = shard::meta_bytes(&ctx.devices, id, ctx.workers);
+    let meta_len = crate::slab::table::meta_bytes(&ctx.devices, id, ctx.workers);
     let meta = match Region::allocate(meta_len, kvtier_sys::mem::HugePages::Off) {
         Ok(m) => Arc::new(m),
         Err(e) => {
@@ -874,7 +876,7 @@ fn worker_main(ctx: WorkerCtx) {
         Some(sink) => {
             let len = staging_blocks * ctx.config.block_size as usize;
             match Region::allocate(len, kvtier_sys::mem::HugePages::Off) {
-                Ok(r) => Some(shard::Demote::new(
+                Ok(r) => Some(worker::Demote::new(
                     Arc::new(r),
                     staging_blocks,
                     Arc::clone(sink),
@@ -903,62 +905,55 @@ fn worker_main(ctx: WorkerCtx) {
             return;
         }
     };
+    let params = WorkerParams {
+        id,
+        backend,
+        region: ctx.region,
+        rx: ctx.rx,
+        shared: ctx.shared,
+        me: Arc::clone(&ctx.me),
+        sched: Scheduler::new(&ctx.config.scheduler, ctx.config.block_size),
+        ring_entries: ctx.config.ring_entries as usize,
+        demote,
+    };
+    let summary = |backend: String, recovered_blocks: u64| WorkerSummary {
+        core: ctx.core,
+        pinned,
+        backend,
+        recovered_blocks,
+    };
     if !ctx.files_devices.is_empty() {
-        let worker = FilesWorker::new(
-            FilesParams {
-                id,
-                backend,
-                region: ctx.region,
-                rx: ctx.rx,
-                shared: ctx.shared,
-                me: ctx.me,
-                sched: ctx.config.scheduler.clone(),
-                block_bytes: ctx.config.block_size,
-                ring_entries: ctx.config.ring_entries as usize,
-                devices: ctx.files_devices.iter().cloned().collect(),
-                demote,
-            },
+        let layout = FilesLayout::new(
+            id,
+            ctx.files_devices.iter().cloned().collect(),
             ctx.scanned,
+            &ctx.me,
         );
-        let summary = WorkerSummary {
-            core: ctx.core,
-            pinned,
-            backend: worker.describe(),
-            recovered_blocks: worker.indexed(),
-        };
-        let _ = ctx.ready.send((id, Ok(summary)));
+        let indexed = layout.indexed();
+        let worker = Worker::new(params, layout, crate::files::layout::Op::empty);
+        let _ = ctx
+            .ready
+            .send((id, Ok(summary(worker.describe(), indexed))));
         drop(ctx.ready);
         worker.run();
         return;
     }
-    let mut shard = Shard::new(
-        ShardParams {
-            id,
-            workers: ctx.workers,
-            backend,
-            region: ctx.region,
-            meta,
-            rx: ctx.rx,
-            shared: ctx.shared,
-            me: ctx.me,
-            sched: ctx.config.scheduler.clone(),
-            block_bytes: ctx.config.block_size,
-            ring_entries: ctx.config.ring_entries as usize,
-            demote,
-        },
+    let layout = SlabLayout::new(
+        id,
+        ctx.workers,
+        meta,
         &ctx.devices,
+        &ctx.me.metrics.slots_total,
     );
-    match shard.recover(&ctx.devices) {
-        Ok(r) => {
-            let _ = ctx.ready.send((
-                id,
-                Ok(WorkerSummary {
-                    core: ctx.core,
-                    pinned,
-                    backend: r.backend,
-                    recovered_blocks: r.recovered_blocks,
-                }),
-            ));
+    let mut worker = Worker::new(params, layout, || {
+        crate::slab::layout::Op::new(crate::slab::layout::OpKind::Load)
+    });
+    let (layout, core) = worker.parts();
+    match layout.recover(core, &ctx.devices) {
+        Ok(recovered) => {
+            let _ = ctx
+                .ready
+                .send((id, Ok(summary(worker.describe(), recovered))));
         }
         Err(e) => {
             let _ = ctx.ready.send((id, Err(e)));
@@ -966,100 +961,5 @@ fn worker_main(ctx: WorkerCtx) {
         }
     }
     drop(ctx.ready);
-    shard.run();
-}
-
-/// Reads a device's header and formats it if needed; returns its geometry and whether it was
-/// formatted now.
-fn prepare_slab(
-    storage: &dyn Storage,
-    index: usize,
-    info: &DeviceInfo,
-    block_bytes: u64,
-    overwrite: bool,
-) -> Result<(Geometry, bool)> {
-    if info.align_bytes > crate::slab::TABLE_PAGE_BYTES as u64 {
-        return Err(Error::device(
-            &info.path,
-            format!(
-                "direct I/O alignment {} bytes is above the 4096 this layout supports",
-                info.align_bytes
-            ),
-        ));
-    }
-    let geometry = Geometry::compute(info.size_bytes, block_bytes, info.align_bytes.max(4096))
-        .ok_or_else(|| {
-            Error::device(
-                &info.path,
-                format!(
-                    "{} bytes is too small for one {block_bytes}-byte slot and the slot table",
-                    info.size_bytes
-                ),
-            )
-        })?;
-    let page = Region::allocate(HEADER_BYTES as usize, kvtier_sys::mem::HugePages::Off)
-        .map_err(|e| Error::Memory(e.to_string()))?;
-    storage.read_sync(index, 0, &page, 0, HEADER_BYTES as usize)?;
-    let mut raw = vec![0u8; HEADER_BYTES as usize];
-    page.read(0, &mut raw);
-    let reason = match Header::decode(&raw) {
-        HeaderRead::Valid(h) if h.state == HeaderState::Ready && h.geometry == geometry => {
-            return Ok((geometry, false));
-        }
-        HeaderRead::Valid(h) if h.state == HeaderState::Formatting => None,
-        HeaderRead::Empty => None,
-        HeaderRead::Valid(h) if h.geometry.block_bytes != block_bytes => Some(format!(
-            "holds a kvtier store formatted for block_size {} bytes, the config says {block_bytes}",
-            h.geometry.block_bytes
-        )),
-        HeaderRead::Valid(h) => Some(format!(
-            "holds a kvtier store of {} slots, this size and block_size give {} slots",
-            h.geometry.slot_count, geometry.slot_count
-        )),
-        HeaderRead::Foreign(why) => Some(why),
-    };
-    if let Some(why) = reason {
-        if !(overwrite || info.fresh) {
-            return Err(Error::device(
-                &info.path,
-                format!("{why}; set `overwrite = true` on this device to reformat it (its contents are lost), or use another path"),
-            ));
-        }
-        tracing::warn!(path = %info.path.display(), "{why}: reformatting (overwrite = true)");
-    }
-    format(storage, index, &page, geometry)?;
-    Ok((geometry, true))
-}
-
-/// Writes a header marked "formatting", zeroes the slot table, then marks the header ready, so
-/// an interrupted format is redone at the next open.
-fn format(storage: &dyn Storage, index: usize, page: &Region, geometry: Geometry) -> Result<()> {
-    let format_id = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-        ^ u64::from(std::process::id()) << 32;
-    let mut raw = vec![0u8; HEADER_BYTES as usize];
-    let mut header = Header {
-        state: HeaderState::Formatting,
-        geometry,
-        format_id,
-    };
-    header.encode(&mut raw);
-    page.write(0, &raw);
-    storage.write_sync(index, 0, page, 0, HEADER_BYTES as usize)?;
-    let zeros_len = 1usize << 20;
-    let zeros = Region::allocate(zeros_len, kvtier_sys::mem::HugePages::Off)
-        .map_err(|e| Error::Memory(e.to_string()))?;
-    let total = table_bytes(geometry.slot_count);
-    let mut done = 0u64;
-    while done < total {
-        let len = (total - done).min(zeros_len as u64) as usize;
-        storage.write_sync(index, geometry.table_offset + done, &zeros, 0, len)?;
-        done += len as u64;
-    }
-    header.state = HeaderState::Ready;
-    header.encode(&mut raw);
-    page.write(0, &raw);
-    storage.write_sync(index, 0, page, 0, HEADER_BYTES as usize)?;
-    Ok(())
+    worker.run();
 }

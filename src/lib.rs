@@ -31,10 +31,10 @@ pub mod metrics;
 pub mod region;
 #[cfg(feature = "s3")]
 pub mod s3;
-mod shard;
 pub mod sim;
 pub mod slab;
 pub mod uring;
+mod worker;
 
 pub use config::{Config, ConfigError};
 pub use engine::{DeviceSummary, Engine, EngineInfo, Lookup, Tier, WorkerSummary};

@@ -3,5 +3,7 @@
 //! `config.json`) exactly as vLLM does; it performs no I/O.
 
 pub mod device;
+mod evict;
+pub(crate) mod layout;
 pub mod mapper;
-pub(crate) mod worker;
+mod store;

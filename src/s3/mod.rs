@@ -393,9 +393,9 @@ impl S3Tier {
     /// Where the NVMe workers hand evicted blocks (`write = "on_evict"`). Never blocks: the
     /// block is copied out of its staging slot on the reactor, then uploaded; with the upload
     /// queue full it is dropped and counted.
-    pub fn demote_sink(&self) -> Box<dyn Fn(crate::shard::Demotion) + Send + Sync> {
+    pub fn demote_sink(&self) -> Box<dyn Fn(crate::worker::Demotion) + Send + Sync> {
         let inner = Arc::clone(&self.inner);
-        Box::new(move |d: crate::shard::Demotion| {
+        Box::new(move |d: crate::worker::Demotion| {
             let Ok(permit) = inner.upload_queue.try_acquire() else {
                 inner
                     .metrics

@@ -15,6 +15,11 @@
 
 use crate::key::{Key, MAX_KEY_BYTES};
 
+mod evict;
+pub(crate) mod layout;
+pub(crate) mod prepare;
+pub(crate) mod table;
+
 pub const HEADER_BYTES: u64 = 4096;
 pub const ENTRY_BYTES: usize = 128;
 pub const TABLE_PAGE_BYTES: usize = 4096;

@@ -1,0 +1,165 @@
+//! Eviction of the `files` layout (LRU per worker, unlink, release the bytes) and demotion of
+//! evicted files to the cold tier (`s3.write = "on_evict"`: open, read into a staging slot
+//! with the xattr crc, hand over, close, unlink).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::key::Key;
+use crate::worker::{Core, Demote};
+use crate::Errno;
+
+use super::layout::{read_crc, FilesLayout, Kind, Op, State, Step};
+
+impl FilesLayout {
+    pub(super) fn evict(&mut self, core: &mut Core<Op>, d: usize, n: usize) -> usize {
+        let victims: Vec<Key> = self
+            .lru
+            .values()
+            .filter(|k| {
+                self.index
+                    .get(k)
+                    .is_some_and(|e| e.dev as usize == d && e.state == State::Valid && e.pins == 0)
+            })
+            .take(n)
+            .copied()
+            .collect();
+        let mut started = 0;
+        for key in victims {
+            let Some(dest) = self.devs[d].path_of(&key) else {
+                continue;
+            };
+            // With demotion, a victim is read into a staging slot first; with none free, wait
+            // for one to come back rather than evict without demoting (the S3 tier gives them
+            // back as soon as it has copied them, however slow the upload).
+            let staging = match core.demote.as_mut() {
+                None => None,
+                Some(m) => match m.take_staging() {
+                    Some(s) => Some(s),
+                    None if m.will_free() => break,
+                    None => {
+                        core.me
+                            .metrics
+                            .demotions_dropped
+                            .fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
+                },
+            };
+            let Some(idx) = Self::alloc(core, Kind::Remove) else {
+                if let (Some(s), Some(m)) = (staging, core.demote.as_mut()) {
+                    m.put_back(s);
+                }
+                break;
+            };
+            let entry = self.unindex(core, &key);
+            core.shared.events.push(vec![key], true);
+            core.me.metrics.evictions.fetch_add(1, Ordering::Relaxed);
+            let op = &mut core.ops[idx as usize];
+            op.step = if staging.is_some() {
+                Step::Open
+            } else {
+                Step::Unlink
+            };
+            op.staging = staging;
+            op.key = Some(key);
+            op.dev = d as u16;
+            op.dest = dest;
+            op.bytes = if entry.is_some_and(|e| e.counted) {
+                core.block_bytes
+            } else {
+                0
+            };
+            op.resolved = true;
+            if let Some(m) = core.demote.as_mut().filter(|_| staging.is_some()) {
+                m.started();
+            }
+            self.removals_in_flight += 1;
+            self.push_step(core, idx);
+            started += 1;
+        }
+        started
+    }
+
+    /// Whether a demotion will free a staging slot (then a store waiting for space waits).
+    pub(super) fn demotion_pending(core: &Core<Op>) -> bool {
+        core.demote.as_ref().is_some_and(Demote::will_free)
+    }
+
+    /// A demotion opened the evicted file: read it (with its crc), or give the staging slot
+    /// back and remove it anyway.
+    pub(super) fn on_demote_open(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        if result < 0 {
+            Self::end_demotion(core, idx, None);
+            core.ops[idx as usize].step = Step::Unlink;
+            self.push_step(core, idx);
+            return;
+        }
+        let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
+        let crc = if dev.checksums {
+            read_crc(result, &dev)
+        } else {
+            None
+        };
+        let op = &mut core.ops[idx as usize];
+        op.fd = result;
+        op.crc = crc;
+        op.step = Step::Read;
+        self.push_step(core, idx);
+    }
+
+    /// The evicted file is in its staging slot: hand it to the S3 tier, close, remove.
+    pub(super) fn on_demote_read(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        let op = &core.ops[idx as usize];
+        let demoted = (result == core.block_bytes as i32)
+            .then_some(op.key)
+            .flatten()
+            .map(|k| (k, op.crc));
+        if demoted.is_none() {
+            core.log_error(&format!(
+                "reading evicted {} for demotion: {}",
+                core.ops[idx as usize].dest.display(),
+                if result < 0 {
+                    Errno::from_raw(-result).desc().to_owned()
+                } else {
+                    format!("{result} bytes")
+                }
+            ));
+        }
+        Self::end_demotion(core, idx, demoted);
+        core.ops[idx as usize].step = Step::Close;
+        self.push_step(core, idx);
+    }
+
+    fn end_demotion(core: &mut Core<Op>, idx: u32, demoted: Option<(Key, Option<u32>)>) {
+        let Some(staging) = core.ops[idx as usize].staging.take() else {
+            return;
+        };
+        let block_bytes = core.block_bytes as usize;
+        let me = Arc::clone(&core.me);
+        let Some(m) = core.demote.as_mut() else {
+            return;
+        };
+        let counter = if m.finished(staging, block_bytes, demoted, &me) {
+            &core.me.metrics.demotions
+        } else {
+            &core.me.metrics.demotions_dropped
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn on_unlink(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        let op = &core.ops[idx as usize];
+        let d = op.dev as usize;
+        // Only the process whose unlink succeeded gives the bytes back.
+        if result == 0 {
+            self.devs[d].usage.sub_saturating(op.bytes);
+        } else if result != -(Errno::ENOENT as i32) {
+            let e = Errno::from_raw(-result);
+            let msg = format!("removing {}: {}", op.dest.display(), e.desc());
+            core.log_error(&msg);
+        }
+        self.removals_in_flight -= 1;
+        Self::release(core, idx);
+    }
+}

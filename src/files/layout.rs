@@ -1,0 +1,673 @@
+//! The `files` layout as a worker's [`Layout`]: each block a small state machine of io_uring
+//! file operations, so a job's blocks are all in flight at once and the worker never blocks its
+//! ring on a system call. The worker's scheduler is the slab's (loads first, stores capped while
+//! loads wait, stores chunked). Loads are here, stores in [`super::store`], eviction and
+//! demotion in [`super::evict`].
+//!
+//! ```text
+//! load:  openat ─► read ─► (verify crc from xattr) ─► close        short or corrupt ─► unlink
+//! store: reserve bytes ─► openat tmp (O_EXCL) [ENOENT: mkdirat <hh>_g<g> (and <hhh>), again]
+//!        ─► fsetxattr crc ─► write (one write; chunks while loads wait)
+//!        ─► [fdatasync] ─► close ─► renameat NOREPLACE (EEXIST = another writer won: success)
+//! evict: unlink ─► release bytes
+//! ```
+//!
+//! A load result is published when its read completes; the close follows as a trailing op. Keys
+//! this worker has not indexed are still tried on load (another process may have published
+//! them), and indexed when found. xattr get/set are synchronous inode-metadata calls on an fd
+//! the ring opened. Invariants: a file a load is reading is never evicted by this worker; a
+//! store's bytes are reserved in the shared usage counter before its temp file exists and
+//! released if it fails; every temp file is closed and removed on every failure path.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use nix::fcntl::OFlag;
+
+use crate::files::device::{c_path, FilesDevice, ScannedFile};
+use crate::io::{BufRef, FileOp, IoClass};
+use crate::job::{JobState, KeyFailure};
+use crate::key::{Key, KeyMap};
+use crate::worker::shared::region_crc;
+use crate::worker::{
+    io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION, BUF_STAGING,
+};
+use crate::Errno;
+
+pub(super) const RENAME_NOREPLACE: u32 = 1;
+/// Mode of the fan-out directories a store creates (before the umask), as `mkdir -p` does.
+pub(super) const DIR_MODE: u32 = 0o777;
+/// Blocks evicted at once when a store finds the device full.
+pub(super) const EVICT_BATCH: usize = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    Writing,
+    Valid,
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Entry {
+    pub dev: u16,
+    pub state: State,
+    pub pins: u32,
+    pub tick: u64,
+    /// Whether its bytes are in the shared usage counter (written or scanned by kvtier).
+    pub counted: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    Open,
+    Read,
+    Close,
+    OpenTmp,
+    /// `mkdirat` of the temp file's directory `<hhh>/<hh>_g<g>` (first block there).
+    MkdirLeaf,
+    /// `mkdirat` of `<hhh>`, when the leaf's parent is missing too.
+    MkdirParent,
+    Write,
+    Sync,
+    CloseTmp,
+    Rename,
+    UnlinkTmp,
+    Unlink,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Load,
+    Store,
+    /// Removing a block: an eviction, or a short/corrupt file found by a load.
+    Remove,
+}
+
+pub(crate) struct Op {
+    pub kind: Kind,
+    pub step: Step,
+    pub job: Option<Arc<JobState>>,
+    pub item: u32,
+    pub key: Option<Key>,
+    pub dev: u16,
+    pub block: u32,
+    pub fd: i32,
+    pub dest: PathBuf,
+    pub tmp: PathBuf,
+    pub crc: Option<u32>,
+    /// The writes of a store: the whole block, or chunks when loads were waiting as it started
+    /// writing (so a load can overtake it). A new file is extended by each write, and
+    /// extending O_DIRECT writes serialize in the file system: one write is cheapest when
+    /// nothing waits.
+    pub chunks: Chunks,
+    /// The store failed: after closing, its temp file is removed.
+    pub failed: bool,
+    /// Bytes reserved in (or, for a removal, to release from) the usage counter.
+    pub bytes: u64,
+    /// The key's outcome has been reported; the op only cleans up now.
+    pub resolved: bool,
+    pub mkdir_tried: bool,
+    /// The leaf's parent `<hhh>` was made once already: a second ENOENT on the leaf (a
+    /// dangling symlink at `<hhh>`, or a cleaner racing) fails the store instead of looping.
+    pub mkdir_parent_tried: bool,
+    pub retried: bool,
+    /// The temp file exists on disk (created, not yet renamed or removed).
+    pub tmp_exists: bool,
+    /// A removal that first reads the file into this staging slot (demotion to S3).
+    pub staging: Option<u32>,
+    pub started: Instant,
+}
+
+impl Op {
+    /// The directory a `MkdirLeaf` / `MkdirParent` step creates: the temp file's directory
+    /// `<hhh>/<hh>_g<g>`, or its parent `<hhh>`.
+    pub fn mkdir_target(&self) -> &Path {
+        let leaf = self.tmp.parent().unwrap_or(&self.tmp);
+        match self.step {
+            Step::MkdirParent => leaf.parent().unwrap_or(leaf),
+            _ => leaf,
+        }
+    }
+}
+
+impl TableOp for Op {
+    fn clear(&mut self) {
+        self.job = None;
+    }
+}
+
+impl LayoutOp for Op {
+    fn writing(&mut self) -> Option<&mut Chunks> {
+        (self.step == Step::Write).then_some(&mut self.chunks)
+    }
+}
+
+impl Op {
+    pub fn empty() -> Op {
+        Op {
+            kind: Kind::Load,
+            step: Step::Open,
+            job: None,
+            item: 0,
+            key: None,
+            dev: 0,
+            block: 0,
+            fd: -1,
+            dest: PathBuf::new(),
+            tmp: PathBuf::new(),
+            crc: None,
+            chunks: Chunks::default(),
+            failed: false,
+            bytes: 0,
+            resolved: false,
+            mkdir_tried: false,
+            mkdir_parent_tried: false,
+            retried: false,
+            tmp_exists: false,
+            staging: None,
+            started: Instant::now(),
+        }
+    }
+}
+
+pub(crate) struct FilesLayout {
+    pub(super) id: usize,
+    pub(super) devs: Vec<Arc<FilesDevice>>,
+    pub(super) index: KeyMap<Entry>,
+    /// LRU order: tick → key, oldest first.
+    pub(super) lru: BTreeMap<u64, Key>,
+    pub(super) tick: u64,
+    /// Ops whose next step could not be pushed (SQ full).
+    pub(super) stalled: VecDeque<u32>,
+    pub(super) removals_in_flight: usize,
+    pub(super) rng: u64,
+}
+
+impl FilesLayout {
+    /// Worker `id`'s layout over `devices`, indexing the files the scan at open found for it.
+    pub fn new(
+        id: usize,
+        devices: Vec<Arc<FilesDevice>>,
+        scanned: Vec<ScannedFile>,
+        me: &crate::worker::WorkerShared,
+    ) -> FilesLayout {
+        let mut w = FilesLayout {
+            id,
+            devs: devices,
+            index: KeyMap::default(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            stalled: VecDeque::new(),
+            removals_in_flight: 0,
+            rng: (u64::from(std::process::id()) << 32)
+                ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(7, |d| d.as_nanos() as u64),
+        };
+        // Seed the LRU from file times: oldest first.
+        let mut scanned = scanned;
+        scanned.sort_by_key(|f| f.last_use_secs);
+        let devices = w.devs.len();
+        let mut published = me
+            .published
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for f in scanned {
+            let dev = f.key.device(devices) as u16;
+            w.tick += 1;
+            w.index.insert(
+                f.key,
+                Entry {
+                    dev,
+                    state: State::Valid,
+                    pins: 0,
+                    tick: w.tick,
+                    counted: true,
+                },
+            );
+            w.lru.insert(w.tick, f.key);
+            published.insert(f.key);
+        }
+        drop(published);
+        let n = w.index.len() as u64;
+        me.metrics.recovered_blocks.store(n, Ordering::Relaxed);
+        me.metrics.blocks_stored.store(n, Ordering::Relaxed);
+        w
+    }
+
+    /// Blocks in the index (after the scan at open).
+    pub fn indexed(&self) -> u64 {
+        self.index.len() as u64
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Ops table
+
+    pub(super) fn alloc(core: &mut Core<Op>, kind: Kind) -> Option<u32> {
+        core.ops.alloc(Op {
+            kind,
+            ..Op::empty()
+        })
+    }
+
+    pub(super) fn release(core: &mut Core<Op>, idx: u32) {
+        core.ops.release(idx);
+    }
+
+    /// Pushes the SQE for `idx`'s current step; on a full SQ parks the op in `stalled`.
+    pub(super) fn push_step(&mut self, core: &mut Core<Op>, idx: u32) {
+        if !self.try_push_step(core, idx) {
+            self.stalled.push_back(idx);
+        }
+    }
+
+    fn try_push_step(&mut self, core: &mut Core<Op>, idx: u32) -> bool {
+        let op = &core.ops[idx as usize];
+        let dev = &self.devs[op.dev as usize];
+        let direct = if dev.direct { O_DIRECT } else { 0 };
+        let class = match op.kind {
+            Kind::Load => IoClass::Load,
+            Kind::Store | Kind::Remove => IoClass::Store,
+        };
+        let user_data = core.ops.user_data(idx, 0);
+        let dest = c_path(&op.dest);
+        let tmp = c_path(&op.tmp);
+        let block_buf = match op.staging {
+            Some(slot) => BufRef {
+                region: BUF_STAGING,
+                offset: slot as usize * core.block_bytes as usize,
+                len: core.block_bytes as u32,
+            },
+            None => BufRef {
+                region: BUF_REGION,
+                offset: op.block as usize * core.block_bytes as usize,
+                len: core.block_bytes as u32,
+            },
+        };
+        let file_op = match op.step {
+            Step::Open => FileOp::OpenAt {
+                path: &dest,
+                flags: O_RDONLY | O_CLOEXEC | direct,
+                mode: 0,
+            },
+            Step::Read => FileOp::ReadFd {
+                fd: op.fd,
+                offset: 0,
+                buf: block_buf,
+            },
+            Step::Close | Step::CloseTmp => FileOp::Close { fd: op.fd },
+            Step::OpenTmp => FileOp::OpenAt {
+                path: &tmp,
+                flags: O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | direct,
+                mode: 0o644,
+            },
+            Step::Sync => FileOp::Fsync {
+                fd: op.fd,
+                data_only: true,
+            },
+            Step::Rename => FileOp::RenameAt {
+                from: &tmp,
+                to: &dest,
+                flags: RENAME_NOREPLACE,
+            },
+            Step::UnlinkTmp => FileOp::UnlinkAt { path: &tmp },
+            Step::Unlink => FileOp::UnlinkAt { path: &dest },
+            Step::MkdirLeaf | Step::MkdirParent => {
+                let dir = c_path(op.mkdir_target());
+                let mkdir = FileOp::MkdirAt {
+                    path: &dir,
+                    mode: DIR_MODE,
+                };
+                return core.backend.push_file(user_data, &mkdir, class);
+            }
+            Step::Write => unreachable!("writes are pushed chunk by chunk"),
+        };
+        core.backend.push_file(user_data, &file_op, class)
+    }
+
+    fn push_stalled(&mut self, core: &mut Core<Op>) -> bool {
+        let mut any = false;
+        while let Some(&idx) = self.stalled.front() {
+            if !self.try_push_step(core, idx) {
+                break;
+            }
+            self.stalled.pop_front();
+            any = true;
+        }
+        any
+    }
+
+    fn touch_key(&mut self, key: Key) {
+        if let Some(e) = self.index.get_mut(&key) {
+            self.lru.remove(&e.tick);
+            self.tick += 1;
+            e.tick = self.tick;
+            self.lru.insert(self.tick, key);
+        }
+    }
+
+    pub(super) fn unindex(&mut self, core: &Core<Op>, key: &Key) -> Option<Entry> {
+        let e = self.index.remove(key)?;
+        self.lru.remove(&e.tick);
+        if e.state == State::Valid {
+            core.me
+                .published
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(key);
+            core.me
+                .metrics
+                .blocks_stored
+                .fetch_sub(1, Ordering::Relaxed);
+        }
+        Some(e)
+    }
+
+    pub(super) fn publish(&mut self, core: &Core<Op>, key: Key, dev: u16, counted: bool) {
+        self.tick += 1;
+        let tick = self.tick;
+        let prev = self.index.insert(
+            key,
+            Entry {
+                dev,
+                state: State::Valid,
+                pins: 0,
+                tick,
+                counted,
+            },
+        );
+        if let Some(p) = prev {
+            self.lru.remove(&p.tick);
+            if p.state == State::Valid {
+                core.me
+                    .metrics
+                    .blocks_stored
+                    .fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.lru.insert(tick, key);
+        core.me
+            .published
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(key);
+        core.me
+            .metrics
+            .blocks_stored
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Loads
+
+    fn on_open(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        if core.ops[idx as usize].kind == Kind::Remove {
+            self.on_demote_open(core, idx, result);
+            return;
+        }
+        if result < 0 {
+            let e = Errno::from_raw(-result);
+            let key = core.ops[idx as usize].key.expect("load has a key");
+            if e == Errno::ENOENT {
+                // Gone (evicted by another process, or never stored): a miss, and forget it.
+                core.me.metrics.load_misses.fetch_add(1, Ordering::Relaxed);
+                if let Some(entry) = self.index.get(&key).copied() {
+                    if entry.pins <= 1 {
+                        let removed = self.unindex(core, &key);
+                        if removed.is_some() {
+                            core.shared.events.push(vec![key], true);
+                        }
+                    }
+                }
+                Self::finish_load(core, idx, Err((KeyFailure::Miss, String::new())));
+            } else {
+                core.me.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
+                Self::finish_load(
+                    core,
+                    idx,
+                    Err((KeyFailure::Io(e), format!("open: {}", e.desc()))),
+                );
+            }
+            self.end_load(core, idx);
+            return;
+        }
+        let fd = result;
+        let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
+        let crc = if dev.checksums {
+            read_crc(fd, &dev)
+        } else {
+            None
+        };
+        let op = &mut core.ops[idx as usize];
+        op.fd = fd;
+        op.crc = crc;
+        op.step = Step::Read;
+        self.push_step(core, idx);
+    }
+
+    fn on_read(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        if core.ops[idx as usize].kind == Kind::Remove {
+            self.on_demote_read(core, idx, result);
+            return;
+        }
+        let m = &core.me.metrics;
+        m.read_ops.fetch_add(1, Ordering::Relaxed);
+        let wanted = core.block_bytes as u32;
+        let op = &core.ops[idx as usize];
+        let (block, crc, key) = (op.block, op.crc, op.key.expect("load has a key"));
+        let outcome = if let Err(reason) = io_outcome(result, u64::from(wanted)) {
+            m.io_errors.fetch_add(1, Ordering::Relaxed);
+            Err(match reason {
+                KeyFailure::Io(e) => (reason, format!("read: {}", e.desc())),
+                // Stores are atomic (temp file + rename), so a short file is corrupt: drop it.
+                _ => (reason, "short file removed".into()),
+            })
+        } else {
+            m.bytes_read.fetch_add(u64::from(wanted), Ordering::Relaxed);
+            match crc {
+                Some(want) => {
+                    let got = region_crc(
+                        &core.region,
+                        block as usize * wanted as usize,
+                        wanted as usize,
+                    );
+                    if got == want {
+                        Ok(())
+                    } else {
+                        m.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                        Err((
+                            KeyFailure::Checksum,
+                            format!("xattr crc {want:08x}, read {got:08x}; file removed"),
+                        ))
+                    }
+                }
+                None => Ok(()),
+            }
+        };
+        let bad = matches!(
+            outcome,
+            Err((KeyFailure::ShortIo { .. } | KeyFailure::Checksum, _))
+        );
+        if outcome.is_ok() && !self.index.contains_key(&key) {
+            // Published by another process since our scan: index it now.
+            let dev = core.ops[idx as usize].dev;
+            self.publish(core, key, dev, false);
+            if let Some(e) = self.index.get_mut(&key) {
+                e.pins = 1;
+            }
+        }
+        Self::finish_load(core, idx, outcome);
+        if bad {
+            // Remove the file after closing it; the removal is this op's trailing step.
+            let entry = self.unindex(core, &key);
+            core.shared.events.push(vec![key], true);
+            let op = &mut core.ops[idx as usize];
+            op.bytes = if entry.is_some_and(|e| e.counted) {
+                core.block_bytes
+            } else {
+                0
+            };
+            op.kind = Kind::Remove;
+            self.removals_in_flight += 1;
+            core.sched.load_ended();
+        }
+        core.ops[idx as usize].step = Step::Close;
+        self.push_step(core, idx);
+    }
+
+    fn on_close(&mut self, core: &mut Core<Op>, idx: u32) {
+        if core.ops[idx as usize].kind == Kind::Remove {
+            core.ops[idx as usize].step = Step::Unlink;
+            self.push_step(core, idx);
+            return;
+        }
+        self.end_load(core, idx);
+    }
+
+    /// Reports the key's outcome (once).
+    fn finish_load(core: &mut Core<Op>, idx: u32, outcome: Result<(), (KeyFailure, String)>) {
+        let op = &mut core.ops[idx as usize];
+        if op.resolved {
+            return;
+        }
+        op.resolved = true;
+        let job = op.job.clone().expect("load has a job");
+        let (item, started) = (op.item as usize, op.started);
+        core.report_load(&job, item, started, outcome);
+    }
+
+    /// Unpins and frees a finished load op.
+    fn end_load(&mut self, core: &mut Core<Op>, idx: u32) {
+        let key = core.ops[idx as usize].key;
+        if let Some(e) = key.and_then(|k| self.index.get_mut(&k)) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+        core.sched.load_ended();
+        Self::release(core, idx);
+    }
+}
+
+impl Layout for FilesLayout {
+    type Op = Op;
+
+    fn start_load(&mut self, core: &mut Core<Op>, job: &Arc<JobState>, item: usize) -> Start {
+        let key = job.job.keys[item];
+        let d = key.device(self.devs.len());
+        let dest = self.devs[d].path_of(&key);
+        let entry = self.index.get(&key).copied();
+        let Some(dest) = dest.filter(|_| !entry.is_some_and(|e| e.state == State::Writing)) else {
+            // Not a files-layout key (nothing to look for), or its store is still running.
+            let reason = if entry.is_some() {
+                KeyFailure::NotReady
+            } else {
+                KeyFailure::Miss
+            };
+            core.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
+            job.fail(&core.shared, item, reason, String::new());
+            return Start::Resolved;
+        };
+        let Some(idx) = Self::alloc(core, Kind::Load) else {
+            return Start::Blocked;
+        };
+        let op = &mut core.ops[idx as usize];
+        op.step = Step::Open;
+        op.job = Some(Arc::clone(job));
+        op.item = item as u32;
+        op.key = Some(key);
+        op.dev = d as u16;
+        op.block = job.job.blocks[item];
+        op.dest = dest;
+        if !self.try_push_step(core, idx) {
+            Self::release(core, idx);
+            return Start::Blocked;
+        }
+        if let Some(e) = self.index.get_mut(&key) {
+            e.pins += 1;
+        }
+        self.touch_key(key);
+        Start::Started
+    }
+
+    fn start_store(
+        &mut self,
+        core: &mut Core<Op>,
+        job: &Arc<JobState>,
+        item: usize,
+        retried: bool,
+    ) -> Start {
+        self.begin_store(core, job, item, retried)
+    }
+
+    fn push_chunk(
+        &mut self,
+        core: &mut Core<Op>,
+        idx: u32,
+        chunk: u16,
+        start: u64,
+        len: u64,
+    ) -> bool {
+        let op = &core.ops[idx as usize];
+        let file_op = FileOp::WriteFd {
+            fd: op.fd,
+            offset: start,
+            buf: BufRef {
+                region: BUF_REGION,
+                offset: op.block as usize * core.block_bytes as usize + start as usize,
+                len: len as u32,
+            },
+        };
+        core.backend
+            .push_file(core.ops.user_data(idx, chunk), &file_op, IoClass::Store)
+    }
+
+    fn on_written(&mut self, core: &mut Core<Op>, idx: u32, failure: Option<(KeyFailure, String)>) {
+        self.data_written(core, idx, failure);
+    }
+
+    fn on_complete(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        match core.ops[idx as usize].step {
+            Step::Open => self.on_open(core, idx, result),
+            Step::Read => self.on_read(core, idx, result),
+            Step::Close => self.on_close(core, idx),
+            Step::OpenTmp => self.on_open_tmp(core, idx, result),
+            Step::MkdirLeaf | Step::MkdirParent => self.on_mkdir(core, idx, result),
+            Step::Sync => self.on_sync(core, idx, result),
+            Step::CloseTmp => self.on_close_tmp(core, idx, result),
+            Step::Rename => self.on_rename(core, idx, result),
+            Step::UnlinkTmp => Self::release(core, idx),
+            Step::Unlink => self.on_unlink(core, idx, result),
+            Step::Write => unreachable!("store writes are the worker's (LayoutOp::writing)"),
+        }
+    }
+
+    fn touch(&mut self, key: Key) {
+        self.touch_key(key);
+    }
+
+    fn unstall(&mut self, core: &mut Core<Op>) -> bool {
+        self.push_stalled(core)
+    }
+
+    fn idle(&self) -> bool {
+        self.stalled.is_empty()
+    }
+}
+
+/// The block's crc32c from its xattr, if it has one.
+pub(super) fn read_crc(fd: i32, dev: &FilesDevice) -> Option<u32> {
+    let mut buf = [0u8; 4];
+    match kvtier_sys::file::fgetxattr(fd, &dev.xattr_name, &mut buf) {
+        Ok(Some(4)) => Some(u32::from_le_bytes(buf)),
+        _ => None,
+    }
+}
+
+const O_RDONLY: i32 = OFlag::O_RDONLY.bits();
+const O_WRONLY: i32 = OFlag::O_WRONLY.bits();
+const O_CREAT: i32 = OFlag::O_CREAT.bits();
+const O_EXCL: i32 = OFlag::O_EXCL.bits();
+const O_CLOEXEC: i32 = OFlag::O_CLOEXEC.bits();
+const O_DIRECT: i32 = OFlag::O_DIRECT.bits();

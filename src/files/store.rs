@@ -1,0 +1,348 @@
+//! Stores of the `files` layout, one io_uring step at a time:
+//!
+//! ```text
+//! reserve bytes ─► openat tmp (O_EXCL) [ENOENT: mkdirat <hh>_g<g> (and <hhh>), again]
+//!   ─► fsetxattr crc ─► write (the worker's chunks) ─► [fdatasync] ─► close
+//!   ─► renameat NOREPLACE (EEXIST = another writer won: success)
+//! ```
+//!
+//! A store's bytes are reserved in the shared usage counter before its temp file exists and
+//! released if it fails; every temp file is closed and removed on every failure path; ENOSPC
+//! gets one retry after evicting.
+
+use std::sync::Arc;
+
+use crate::config::SyncMode;
+use crate::files::mapper::FileMapper;
+use crate::job::{JobState, KeyFailure};
+use crate::worker::shared::region_crc;
+use crate::worker::{Core, Start};
+use crate::Errno;
+
+use super::layout::{Entry, FilesLayout, Kind, Op, State, Step, EVICT_BATCH};
+
+impl FilesLayout {
+    /// Starts a store: checks, reserves its bytes, opens its temp file.
+    pub(super) fn begin_store(
+        &mut self,
+        core: &mut Core<Op>,
+        job: &Arc<JobState>,
+        item: usize,
+        retried: bool,
+    ) -> Start {
+        if retried && self.removals_in_flight > 0 {
+            // Retry an ENOSPC store only once the evictions it triggered have freed the space.
+            return Start::Blocked;
+        }
+        let key = job.job.keys[item];
+        if self.index.contains_key(&key) {
+            core.store_present(job, item);
+            return Start::Resolved;
+        }
+        let d = key.device(self.devs.len());
+        let dev = Arc::clone(&self.devs[d]);
+        let Some(dest) = dev.path_of(&key) else {
+            core.store_failed(
+                job,
+                item,
+                KeyFailure::InvalidJob,
+                "a files-layout key is a block hash followed by a 4-byte group index".into(),
+            );
+            return Start::Resolved;
+        };
+        // Reserve the bytes before the temp file exists, so the bound holds across processes.
+        if let Some(cap) = dev.capacity_bytes {
+            let before = dev.usage.fetch_add(core.block_bytes);
+            if before + core.block_bytes > cap {
+                dev.usage.sub_saturating(core.block_bytes);
+                if self.removals_in_flight > 0 {
+                    return Start::Blocked;
+                }
+                if self.evict(core, d, EVICT_BATCH) > 0 || Self::demotion_pending(core) {
+                    return Start::Blocked;
+                }
+                let detail = format!(
+                    "{}: capacity_bytes {cap} reached ({before} bytes in use) and worker {} has no unpinned block to evict",
+                    dev.data_dir.display(),
+                    self.id
+                );
+                core.store_failed(job, item, KeyFailure::NoSpace, detail);
+                return Start::Resolved;
+            }
+        }
+        let reserved = if dev.capacity_bytes.is_some() {
+            core.block_bytes
+        } else {
+            0
+        };
+        let Some(idx) = Self::alloc(core, Kind::Store) else {
+            dev.usage.sub_saturating(reserved);
+            return Start::Blocked;
+        };
+        let block = job.job.blocks[item];
+        let crc = dev.checksums.then(|| {
+            region_crc(
+                &core.region,
+                block as usize * core.block_bytes as usize,
+                core.block_bytes as usize,
+            )
+        });
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let tmp = FileMapper::temp_path(&dest, self.rng >> 1);
+        self.tick += 1;
+        self.index.insert(
+            key,
+            Entry {
+                dev: d as u16,
+                state: State::Writing,
+                pins: 0,
+                tick: self.tick,
+                counted: reserved > 0,
+            },
+        );
+        let op = &mut core.ops[idx as usize];
+        op.step = Step::OpenTmp;
+        op.job = Some(Arc::clone(job));
+        op.item = item as u32;
+        op.key = Some(key);
+        op.dev = d as u16;
+        op.block = block;
+        op.dest = dest;
+        op.tmp = tmp;
+        op.crc = crc;
+        op.bytes = reserved;
+        op.retried = retried;
+        self.push_step(core, idx);
+        Start::Started
+    }
+
+    pub(super) fn on_open_tmp(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        if result == -(Errno::ENOENT as i32) && !core.ops[idx as usize].mkdir_tried {
+            // First block under this <hhh>/<hh>_g<g> directory: create it (an io_uring mkdirat,
+            // so the ring thread never blocks in the file system) and try again.
+            let op = &mut core.ops[idx as usize];
+            op.mkdir_tried = true;
+            op.step = Step::MkdirLeaf;
+            self.push_step(core, idx);
+            return;
+        }
+        if result < 0 {
+            let e = Errno::from_raw(-result);
+            self.fail_store(
+                core,
+                idx,
+                KeyFailure::Io(e),
+                format!("creating the temp file: {}", e.desc()),
+            );
+            return;
+        }
+        let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
+        let op = &mut core.ops[idx as usize];
+        op.fd = result;
+        op.tmp_exists = true;
+        if let Some(crc) = op.crc {
+            if let Err(e) = kvtier_sys::file::fsetxattr(op.fd, &dev.xattr_name, &crc.to_le_bytes())
+            {
+                // No xattrs here: the block is still stored, without a checksum.
+                op.crc = None;
+                core.log_error(&format!(
+                    "{}: cannot set {}: {}",
+                    dev.data_dir.display(),
+                    crate::files::device::CHECKSUM_XATTR,
+                    e.desc()
+                ));
+            }
+        }
+        core.ops[idx as usize].step = Step::Write;
+        core.begin_writing(idx);
+    }
+
+    /// A directory for a store's temp file was made (or already existed: another writer).
+    pub(super) fn on_mkdir(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        let step = core.ops[idx as usize].step;
+        let next = match result {
+            r if r >= 0 || r == -(Errno::EEXIST as i32) => {
+                if step == Step::MkdirLeaf {
+                    Step::OpenTmp
+                } else {
+                    Step::MkdirLeaf
+                }
+            }
+            r if r == -(Errno::ENOENT as i32)
+                && step == Step::MkdirLeaf
+                && !core.ops[idx as usize].mkdir_parent_tried =>
+            {
+                core.ops[idx as usize].mkdir_parent_tried = true;
+                Step::MkdirParent
+            }
+            r => {
+                let e = Errno::from_raw(-r);
+                let detail = format!(
+                    "creating {}: {}",
+                    core.ops[idx as usize].mkdir_target().display(),
+                    e.desc()
+                );
+                self.fail_store(core, idx, KeyFailure::Io(e), detail);
+                return;
+            }
+        };
+        core.ops[idx as usize].step = next;
+        self.push_step(core, idx);
+    }
+
+    /// Every write of the block completed: sync (per config), close, rename; or clean up.
+    pub(super) fn data_written(
+        &mut self,
+        core: &mut Core<Op>,
+        idx: u32,
+        failure: Option<(KeyFailure, String)>,
+    ) {
+        if let Some((reason, detail)) = failure {
+            self.fail_store(core, idx, reason, detail);
+            return;
+        }
+        let sync = self.devs[core.ops[idx as usize].dev as usize].sync;
+        core.ops[idx as usize].step = if sync == SyncMode::Data {
+            Step::Sync
+        } else {
+            Step::CloseTmp
+        };
+        self.push_step(core, idx);
+    }
+
+    pub(super) fn on_sync(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        if result < 0 {
+            let e = Errno::from_raw(-result);
+            self.fail_store(
+                core,
+                idx,
+                KeyFailure::Io(e),
+                format!("fdatasync: {}", e.desc()),
+            );
+            return;
+        }
+        core.ops[idx as usize].step = Step::CloseTmp;
+        self.push_step(core, idx);
+    }
+
+    pub(super) fn on_close_tmp(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        core.ops[idx as usize].fd = -1;
+        if core.ops[idx as usize].failed {
+            // Closed after a failure: remove the temp file.
+            core.ops[idx as usize].step = Step::UnlinkTmp;
+            self.push_step(core, idx);
+            return;
+        }
+        if result < 0 {
+            let e = Errno::from_raw(-result);
+            self.fail_store(core, idx, KeyFailure::Io(e), format!("close: {}", e.desc()));
+            return;
+        }
+        core.ops[idx as usize].step = Step::Rename;
+        self.push_step(core, idx);
+    }
+
+    pub(super) fn on_rename(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        let op = &core.ops[idx as usize];
+        let (key, dev) = (op.key.expect("store has a key"), op.dev);
+        if result == -(Errno::EEXIST as i32) {
+            // Another writer published the same key first: same content (keys are content
+            // hashes), so this store succeeded; drop our copy and our reservation.
+            let d = Arc::clone(&self.devs[dev as usize]);
+            d.usage.sub_saturating(core.ops[idx as usize].bytes);
+            core.ops[idx as usize].bytes = 0;
+            self.publish(core, key, dev, false);
+            Self::succeed_store(core, idx, 0);
+            core.ops[idx as usize].step = Step::UnlinkTmp;
+            self.push_step(core, idx);
+            return;
+        }
+        if result < 0 {
+            let e = Errno::from_raw(-result);
+            self.fail_store(
+                core,
+                idx,
+                KeyFailure::Io(e),
+                format!("rename: {}", e.desc()),
+            );
+            return;
+        }
+        let counted = core.ops[idx as usize].bytes > 0;
+        self.publish(core, key, dev, counted);
+        let d = Arc::clone(&self.devs[dev as usize]);
+        if d.sync == SyncMode::Data {
+            if let Some(parent) = core.ops[idx as usize].dest.parent() {
+                if let Err(e) = std::fs::File::open(parent).and_then(|f| f.sync_all()) {
+                    core.log_error(&format!("fsync of {}: {e}", parent.display()));
+                }
+            }
+        }
+        Self::succeed_store(core, idx, core.block_bytes);
+        Self::release(core, idx);
+    }
+
+    fn succeed_store(core: &mut Core<Op>, idx: u32, bytes: u64) {
+        let op = &mut core.ops[idx as usize];
+        op.resolved = true;
+        let job = op.job.clone().expect("store has a job");
+        let item = op.item as usize;
+        core.me
+            .metrics
+            .store_latency
+            .record(op.started.elapsed().as_micros() as u64);
+        core.store_succeeded(&job, item, bytes);
+    }
+
+    /// Fails a store: releases its reservation and index entry, reports the key, then closes
+    /// and removes the temp file as trailing steps. ENOSPC gets one retry after evicting.
+    fn fail_store(&mut self, core: &mut Core<Op>, idx: u32, reason: KeyFailure, detail: String) {
+        let op = &mut core.ops[idx as usize];
+        let (key, d, reserved, retried) = (
+            op.key.expect("store has a key"),
+            op.dev as usize,
+            op.bytes,
+            op.retried,
+        );
+        op.bytes = 0;
+        let job = op.job.clone().expect("store has a job");
+        let item = op.item as usize;
+        let had_fd = op.fd >= 0;
+        let had_tmp = op.tmp_exists;
+        op.resolved = true;
+        self.devs[d].usage.sub_saturating(reserved);
+        if self
+            .index
+            .get(&key)
+            .is_some_and(|e| e.state == State::Writing)
+        {
+            self.index.remove(&key);
+        }
+        let enospc = matches!(
+            reason,
+            KeyFailure::Io(Errno::ENOSPC | Errno::EDQUOT | Errno::EFBIG)
+        );
+        if enospc && !retried && self.evict(core, d, EVICT_BATCH) > 0 {
+            // Room may come from evicting: queue the block once more, ahead of new stores.
+            core.retry.push_back((job, item));
+        } else {
+            core.log_error(&format!(
+                "store to {} failed: {detail}",
+                self.devs[d].data_dir.display()
+            ));
+            core.store_failed(&job, item, reason, detail);
+        }
+        let op = &mut core.ops[idx as usize];
+        op.failed = true;
+        if had_fd {
+            op.step = Step::CloseTmp;
+            self.push_step(core, idx);
+        } else if had_tmp {
+            op.step = Step::UnlinkTmp;
+            self.push_step(core, idx);
+        } else {
+            Self::release(core, idx);
+        }
+    }
+}

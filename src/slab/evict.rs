@@ -1,0 +1,171 @@
+//! Slots of the slab layout: allocation, CLOCK eviction, and demotion of victims to the cold
+//! tier (`s3.write = "on_evict"`).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::io::{BufRef, IoClass, IoKind, IoRequest};
+use crate::key::Key;
+use crate::worker::{Core, Demote, BUF_STAGING};
+
+use super::layout::{describe_result, Op, OpKind, SlabLayout, SlotState, FREE_SLOT};
+
+impl SlabLayout {
+    /// A free slot on device `d`: from the free list, else by evicting (with demotion: `None`
+    /// while the victim is read out; the store waits for that read).
+    pub(super) fn alloc_slot(&mut self, core: &mut Core<Op>, d: usize) -> Option<u32> {
+        if let Some(s) = self.devs[d].free.pop() {
+            return Some(s);
+        }
+        if core.demote.is_some() {
+            return self.demote_for_slot(core, d);
+        }
+        let victim = self.clock_victim(d)?;
+        self.evict(core, d, victim);
+        self.devs[d].free.pop()
+    }
+
+    /// With demotion: starts reading a victim into a staging slot and returns `None` (the store
+    /// waits for that read, after which the slot is free). Without a staging slot and with no
+    /// demotion in flight (the S3 tier has not copied earlier ones out yet), evicts without
+    /// demoting, counted, so a slow object store never stalls NVMe stores.
+    fn demote_for_slot(&mut self, core: &mut Core<Op>, d: usize) -> Option<u32> {
+        let waiting = core.demote.as_ref().is_some_and(Demote::will_free);
+        let staging = core.demote.as_mut().and_then(Demote::take_staging);
+        let Some(staging) = staging else {
+            if waiting {
+                return None;
+            }
+            let victim = self.clock_victim(d)?;
+            core.me
+                .metrics
+                .demotions_dropped
+                .fetch_add(1, Ordering::Relaxed);
+            self.evict(core, d, victim);
+            return self.devs[d].free.pop();
+        };
+        let give_back = |core: &mut Core<Op>| {
+            if let Some(m) = core.demote.as_mut() {
+                m.put_back(staging);
+            }
+        };
+        let Some(victim) = self.clock_victim(d) else {
+            give_back(core);
+            return None;
+        };
+        let Some(idx) = core.ops.alloc(Op::new(OpKind::Demote { staging })) else {
+            give_back(core);
+            return None;
+        };
+        let req = IoRequest {
+            user_data: core.ops.user_data(idx, 0),
+            kind: IoKind::Read,
+            device: d as u16,
+            offset: self.devs[d].slot_offset(victim),
+            buf: BufRef {
+                region: BUF_STAGING,
+                offset: staging as usize * core.block_bytes as usize,
+                len: core.block_bytes as u32,
+            },
+            class: IoClass::Store,
+        };
+        if !core.backend.push(&req) {
+            core.ops.release(idx);
+            give_back(core);
+            return None;
+        }
+        let op = &mut core.ops[idx as usize];
+        op.dev = d as u16;
+        op.slot = victim;
+        self.devs[d].slots[victim as usize].pins += 1;
+        if let Some(m) = core.demote.as_mut() {
+            m.started();
+        }
+        None
+    }
+
+    pub(super) fn on_demote_done(
+        &mut self,
+        core: &mut Core<Op>,
+        idx: u32,
+        staging: u32,
+        result: i32,
+    ) {
+        let op = &core.ops[idx as usize];
+        let (d, local) = (op.dev as usize, op.slot);
+        core.ops.release(idx);
+        let slot = &mut self.devs[d].slots[local as usize];
+        slot.pins -= 1;
+        let read_ok = result == core.block_bytes as i32;
+        let still_valid = slot.state == SlotState::Valid && slot.pins == 0;
+        let demoted = slot
+            .key
+            .filter(|_| read_ok && still_valid)
+            .map(|k| (k, Some(slot.crc)));
+        let block_bytes = core.block_bytes as usize;
+        let me = Arc::clone(&core.me);
+        let Some(m) = core.demote.as_mut() else {
+            return;
+        };
+        if m.finished(staging, block_bytes, demoted, &me) {
+            me.metrics.demotions.fetch_add(1, Ordering::Relaxed);
+        } else if !read_ok {
+            me.metrics.demotions_dropped.fetch_add(1, Ordering::Relaxed);
+            core.log_error(&format!(
+                "reading evicted slot {local} of device {d} for demotion: {}",
+                describe_result(result)
+            ));
+        }
+        let slot = self.devs[d].slots[local as usize];
+        if slot.state == SlotState::Valid && slot.pins == 0 {
+            self.evict(core, d, local);
+        }
+    }
+
+    /// CLOCK: the first valid, unpinned slot whose reference bit is clear, clearing bits on the way.
+    fn clock_victim(&mut self, d: usize) -> Option<u32> {
+        let dev = &mut self.devs[d];
+        let n = dev.slots.len();
+        for _ in 0..2 * n {
+            dev.hand = (dev.hand + 1) % n;
+            let s = &mut dev.slots[dev.hand];
+            if s.state != SlotState::Valid || s.pins > 0 {
+                continue;
+            }
+            if s.referenced {
+                s.referenced = false;
+                continue;
+            }
+            return Some(dev.hand as u32);
+        }
+        None
+    }
+
+    fn evict(&mut self, core: &Core<Op>, d: usize, local: u32) {
+        let key = self.devs[d].slots[local as usize]
+            .key
+            .expect("valid slot has a key");
+        self.unindex(core, key);
+        self.clear_entry(d, local);
+        self.free_slot(d, local);
+        let m = &core.me.metrics;
+        m.evictions.fetch_add(1, Ordering::Relaxed);
+        m.blocks_stored.fetch_sub(1, Ordering::Relaxed);
+        core.shared.events.push(vec![key], true);
+    }
+
+    pub(super) fn unindex(&mut self, core: &Core<Op>, key: Key) {
+        self.index.remove(&key);
+        core.me
+            .published
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&key);
+    }
+
+    pub(super) fn free_slot(&mut self, d: usize, local: u32) {
+        let dev = &mut self.devs[d];
+        dev.slots[local as usize] = FREE_SLOT;
+        dev.free.push(local);
+    }
+}

@@ -1,0 +1,543 @@
+//! The slab as a worker's [`Layout`]: this worker's page-aligned range of slots on every device,
+//! the index of the keys it owns, and the slot states that loads and stores move through.
+//!
+//! ```text
+//! store: alloc slot (free list, else CLOCK victim; demoted first with on_evict)
+//!        ─► Writing ─► data write(s) ─► after submit: crc32c, table entry, index ─► Valid
+//! load:  index ─► pin ─► read ─► (first load after a restart: check crc) ─► unpin
+//! ```
+//!
+//! Nothing here takes a lock on the data path except the write side of the worker's published
+//! key set (what `Engine::lookup` reads), touched once per stored or removed block. A slot
+//! pinned by a load is never evicted or freed; table pages are written after the data they
+//! describe has completed (see [`super::table`]).
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::io::{BufRef, IoClass, IoKind, IoRequest};
+use crate::job::{JobState, KeyFailure};
+use crate::key::{Key, KeyMap};
+use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
+use crate::worker::shared::region_crc;
+use crate::worker::{io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION};
+use crate::Errno;
+
+use super::table::PageState;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SlotState {
+    Free,
+    Writing,
+    Valid,
+    /// Dropped from the index (checksum failure) but still pinned by loads; freed at last unpin.
+    Doomed,
+}
+
+#[derive(Clone, Copy)]
+pub(super) struct SlotMeta {
+    pub state: SlotState,
+    pub key: Option<Key>,
+    pub pins: u16,
+    pub referenced: bool,
+    /// The data is known to match `crc` (written by this process, or checked once).
+    pub verified: bool,
+    pub crc: u32,
+}
+
+pub(super) const FREE_SLOT: SlotMeta = SlotMeta {
+    state: SlotState::Free,
+    key: None,
+    pins: 0,
+    referenced: false,
+    verified: true,
+    crc: 0,
+};
+
+pub(super) struct Dev {
+    pub geometry: Geometry,
+    /// First slot this worker owns; local slot `i` is device slot `first + i`.
+    pub first: u64,
+    pub slots: Vec<SlotMeta>,
+    pub free: Vec<u32>,
+    pub hand: usize,
+    /// Byte offset of this device's table range in the meta buffer.
+    pub meta_offset: usize,
+    pub pages: Vec<PageState>,
+}
+
+impl Dev {
+    pub fn first_page(&self) -> u64 {
+        self.first / ENTRIES_PER_PAGE as u64
+    }
+
+    pub fn slot_offset(&self, local: u32) -> u64 {
+        self.geometry.slot_offset(self.first + u64::from(local))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    Load,
+    Store,
+    Table {
+        page: u32,
+    },
+    Recover,
+    /// Reading an evicted slot into staging slot `staging` (`op.dev`, `op.slot` name the slot).
+    Demote {
+        staging: u32,
+    },
+}
+
+pub(crate) struct Op {
+    pub kind: OpKind,
+    pub job: Option<Arc<JobState>>,
+    pub item: u32,
+    pub dev: u16,
+    pub slot: u32,
+    pub block: u32,
+    pub chunks: Chunks,
+    pub started: Instant,
+}
+
+impl Op {
+    pub fn new(kind: OpKind) -> Op {
+        Op {
+            kind,
+            job: None,
+            item: 0,
+            dev: 0,
+            slot: 0,
+            block: 0,
+            chunks: Chunks::default(),
+            started: Instant::now(),
+        }
+    }
+}
+
+impl TableOp for Op {
+    fn clear(&mut self) {
+        self.job = None;
+    }
+}
+
+impl LayoutOp for Op {
+    fn writing(&mut self) -> Option<&mut Chunks> {
+        (self.kind == OpKind::Store).then_some(&mut self.chunks)
+    }
+}
+
+/// A store whose data is on the device, waiting for `finalize_stores`.
+pub(super) struct Finished {
+    pub d: usize,
+    pub local: u32,
+    pub item: usize,
+    pub block: u32,
+    pub job: Arc<JobState>,
+}
+
+/// A device as one worker sees it.
+pub(crate) struct DeviceSpec {
+    pub geometry: Geometry,
+    /// True if the device was just formatted: its table holds nothing to recover.
+    pub fresh: bool,
+}
+
+pub(crate) struct SlabLayout {
+    pub(super) id: usize,
+    pub(super) workers: usize,
+    pub(super) meta: Arc<crate::io::Region>,
+    pub(super) devs: Vec<Dev>,
+    pub(super) index: KeyMap<(u16, u32)>,
+    pub(super) dirty_pages: VecDeque<(u16, u32)>,
+    pub(super) table_in_flight: usize,
+    /// Store ops started and not finished.
+    pub(super) store_ops: usize,
+    pub(super) finalize: Vec<Finished>,
+    pub(super) seq: u64,
+    pub(super) scratch_entry: [u8; ENTRY_BYTES],
+}
+
+impl SlabLayout {
+    /// Worker `id` of `workers`' share of `devices`; `meta` holds its table pages.
+    pub fn new(
+        id: usize,
+        workers: usize,
+        meta: Arc<crate::io::Region>,
+        devices: &[DeviceSpec],
+        core_slots_total: &std::sync::atomic::AtomicU64,
+    ) -> SlabLayout {
+        let mut devs = Vec::with_capacity(devices.len());
+        let mut meta_offset = 0usize;
+        let mut capacity = 0usize;
+        for d in devices {
+            let r = d.geometry.worker_slots(id, workers);
+            let n = (r.end - r.start) as usize;
+            let pages = n.div_ceil(ENTRIES_PER_PAGE);
+            devs.push(Dev {
+                geometry: d.geometry,
+                first: r.start,
+                slots: vec![FREE_SLOT; n],
+                free: (0..n as u32).rev().collect(),
+                hand: 0,
+                meta_offset,
+                pages: vec![PageState::default(); pages],
+            });
+            meta_offset += pages * crate::slab::TABLE_PAGE_BYTES;
+            capacity += n;
+        }
+        core_slots_total.store(capacity as u64, Ordering::Relaxed);
+        let mut index = KeyMap::default();
+        index.reserve(capacity);
+        SlabLayout {
+            id,
+            workers,
+            meta,
+            devs,
+            index,
+            dirty_pages: VecDeque::new(),
+            table_in_flight: 0,
+            store_ops: 0,
+            finalize: Vec::new(),
+            seq: 1,
+            scratch_entry: [0; ENTRY_BYTES],
+        }
+    }
+
+    fn block_buf(core: &Core<Op>, block: u32) -> BufRef {
+        BufRef {
+            region: BUF_REGION,
+            offset: block as usize * core.block_bytes as usize,
+            len: core.block_bytes as u32,
+        }
+    }
+
+    fn on_load_done(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        core.sched.load_ended();
+        let op = &core.ops[idx as usize];
+        let (d, local, block, item, started) = (
+            op.dev as usize,
+            op.slot as usize,
+            op.block,
+            op.item as usize,
+            op.started,
+        );
+        let job = op.job.clone().expect("load op has a job");
+        let me = Arc::clone(&core.me);
+        let m = &me.metrics;
+        m.read_ops.fetch_add(1, Ordering::Relaxed);
+        let wanted = core.block_bytes;
+        let slot = self.devs[d].slots[local];
+        let outcome = if let Err(reason) = io_outcome(result, wanted) {
+            m.io_errors.fetch_add(1, Ordering::Relaxed);
+            Err((reason, String::new()))
+        } else {
+            m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
+            let crc = (!slot.verified).then(|| {
+                region_crc(
+                    &core.region,
+                    block as usize * wanted as usize,
+                    wanted as usize,
+                )
+            });
+            match crc {
+                Some(crc) if crc != slot.crc => {
+                    m.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                    self.doom_slot(core, d, local as u32);
+                    Err((
+                        KeyFailure::Checksum,
+                        format!("stored crc {:08x}, read {crc:08x}", slot.crc),
+                    ))
+                }
+                Some(_) => {
+                    self.devs[d].slots[local].verified = true;
+                    Ok(())
+                }
+                None => Ok(()),
+            }
+        };
+        let s = &mut self.devs[d].slots[local];
+        s.pins -= 1;
+        if s.pins == 0 && s.state == SlotState::Doomed {
+            self.free_slot(d, local as u32);
+        }
+        core.ops.release(idx);
+        core.report_load(&job, item, started, outcome);
+    }
+
+    /// Removes a bad block from the index now; its slot is freed when the last load unpins it.
+    fn doom_slot(&mut self, core: &Core<Op>, d: usize, local: u32) {
+        let s = &mut self.devs[d].slots[local as usize];
+        if s.state != SlotState::Valid {
+            return;
+        }
+        s.state = SlotState::Doomed;
+        if let Some(key) = s.key {
+            self.unindex(core, key);
+            core.shared.events.push(vec![key], true);
+        }
+        core.me
+            .metrics
+            .blocks_stored
+            .fetch_sub(1, Ordering::Relaxed);
+        self.clear_entry(d, local);
+    }
+
+    /// Why a store found no slot on device `d`.
+    fn no_space_detail(&self, d: usize) -> String {
+        if self.devs[d].slots.is_empty() {
+            // Slot-table pages (32 slots each) are split between workers: a small device
+            // with many workers leaves some of them nothing.
+            format!(
+                "device {d}: worker {} has no slots (a device's slots are shared out \
+                 between workers in table pages of {} slots); raise the device's \
+                 capacity_bytes or use fewer cores",
+                self.id, ENTRIES_PER_PAGE
+            )
+        } else {
+            format!(
+                "device {d}: all {} slots of worker {} are busy",
+                self.devs[d].slots.len(),
+                self.id
+            )
+        }
+    }
+
+    /// Publishes the stores whose data writes completed: checksum, slot table entry, index,
+    /// result. Runs after the ring has been refilled and submitted, so the checksum work never
+    /// delays the next I/O.
+    fn finalize_stores(&mut self, core: &mut Core<Op>) {
+        let finished = std::mem::take(&mut self.finalize);
+        let block_bytes = core.block_bytes;
+        for f in &finished {
+            let crc = region_crc(
+                &core.region,
+                f.block as usize * block_bytes as usize,
+                block_bytes as usize,
+            );
+            let s = &mut self.devs[f.d].slots[f.local as usize];
+            s.state = SlotState::Valid;
+            s.crc = crc;
+            let key = s.key.expect("writing slot has a key");
+            core.me
+                .published
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(key);
+            let seq = self.seq;
+            self.seq += 1;
+            self.write_entry(
+                f.d,
+                f.local,
+                Some(crate::slab::Entry {
+                    seq,
+                    data_len: block_bytes as u32,
+                    data_crc: crc,
+                    key,
+                }),
+            );
+            core.me
+                .metrics
+                .blocks_stored
+                .fetch_add(1, Ordering::Relaxed);
+            core.store_succeeded(&f.job, f.item, block_bytes);
+        }
+        self.finalize = finished;
+        self.finalize.clear();
+    }
+}
+
+impl Layout for SlabLayout {
+    type Op = Op;
+
+    fn start_load(&mut self, core: &mut Core<Op>, job: &Arc<JobState>, item: usize) -> Start {
+        let key = job.job.keys[item];
+        let block = job.job.blocks[item];
+        let Some(&(d, local)) = self.index.get(&key) else {
+            core.resolve_load(job, item, KeyFailure::Miss);
+            return Start::Resolved;
+        };
+        let slot = self.devs[d as usize].slots[local as usize];
+        if slot.state != SlotState::Valid {
+            core.resolve_load(job, item, KeyFailure::NotReady);
+            return Start::Resolved;
+        }
+        let Some(idx) = core.ops.alloc(Op::new(OpKind::Load)) else {
+            return Start::Blocked;
+        };
+        let req = IoRequest {
+            user_data: core.ops.user_data(idx, 0),
+            kind: IoKind::Read,
+            device: d,
+            offset: self.devs[d as usize].slot_offset(local),
+            buf: Self::block_buf(core, block),
+            class: IoClass::Load,
+        };
+        if !core.backend.push(&req) {
+            core.ops.release(idx);
+            return Start::Blocked;
+        }
+        let op = &mut core.ops[idx as usize];
+        op.job = Some(Arc::clone(job));
+        op.item = item as u32;
+        op.dev = d;
+        op.slot = local;
+        op.block = block;
+        let s = &mut self.devs[d as usize].slots[local as usize];
+        s.pins += 1;
+        s.referenced = true;
+        Start::Started
+    }
+
+    fn start_store(
+        &mut self,
+        core: &mut Core<Op>,
+        job: &Arc<JobState>,
+        item: usize,
+        _retried: bool,
+    ) -> Start {
+        let key = job.job.keys[item];
+        let block = job.job.blocks[item];
+        if self.index.contains_key(&key) {
+            // Already stored (or being stored).
+            core.store_present(job, item);
+            return Start::Resolved;
+        }
+        let d = key.device(self.devs.len());
+        let Some(local) = self.alloc_slot(core, d) else {
+            if core.backend.in_flight() > self.table_in_flight
+                || core
+                    .demote
+                    .as_ref()
+                    .is_some_and(crate::worker::Demote::will_free)
+            {
+                // A completion may free or unpin a slot, or a demotion give back its staging.
+                return Start::Blocked;
+            }
+            core.store_failed(job, item, KeyFailure::NoSpace, self.no_space_detail(d));
+            return Start::Resolved;
+        };
+        let Some(idx) = core.ops.alloc(Op::new(OpKind::Store)) else {
+            self.free_slot(d, local);
+            return Start::Blocked;
+        };
+        // The crc32c is computed after the write completes (see `finalize_stores`), off the
+        // path from a completion to the next submission.
+        self.devs[d].slots[local as usize] = SlotMeta {
+            state: SlotState::Writing,
+            key: Some(key),
+            pins: 0,
+            referenced: true,
+            verified: true,
+            crc: 0,
+        };
+        self.index.insert(key, (d as u16, local));
+        let op = &mut core.ops[idx as usize];
+        op.job = Some(Arc::clone(job));
+        op.item = item as u32;
+        op.dev = d as u16;
+        op.slot = local;
+        op.block = block;
+        self.store_ops += 1;
+        core.begin_writing(idx);
+        Start::Started
+    }
+
+    fn push_chunk(
+        &mut self,
+        core: &mut Core<Op>,
+        idx: u32,
+        chunk: u16,
+        start: u64,
+        len: u64,
+    ) -> bool {
+        let op = &core.ops[idx as usize];
+        let req = IoRequest {
+            user_data: core.ops.user_data(idx, chunk),
+            kind: IoKind::Write,
+            device: op.dev,
+            offset: self.devs[op.dev as usize].slot_offset(op.slot) + start,
+            buf: BufRef {
+                region: BUF_REGION,
+                offset: op.block as usize * core.block_bytes as usize + start as usize,
+                len: len as u32,
+            },
+            class: IoClass::Store,
+        };
+        core.backend.push(&req)
+    }
+
+    fn on_written(&mut self, core: &mut Core<Op>, idx: u32, failure: Option<(KeyFailure, String)>) {
+        self.store_ops -= 1;
+        let op = &core.ops[idx as usize];
+        let (d, local, item, block) = (op.dev as usize, op.slot, op.item as usize, op.block);
+        let job = op.job.clone().expect("store op has a job");
+        core.me
+            .metrics
+            .store_latency
+            .record(op.started.elapsed().as_micros() as u64);
+        core.ops.release(idx);
+        match failure {
+            None => self.finalize.push(Finished {
+                d,
+                local,
+                item,
+                block,
+                job,
+            }),
+            Some((reason, detail)) => {
+                let key = self.devs[d].slots[local as usize]
+                    .key
+                    .expect("writing slot has a key");
+                self.index.remove(&key);
+                self.free_slot(d, local);
+                if let KeyFailure::Io(e) = reason {
+                    core.log_error(&format!("store to device {d} failed: {}", e.desc()));
+                }
+                core.store_failed(&job, item, reason, detail);
+            }
+        }
+    }
+
+    fn on_complete(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        match core.ops[idx as usize].kind {
+            OpKind::Load => self.on_load_done(core, idx, result),
+            OpKind::Table { page } => self.on_table_done(core, idx, page, result),
+            OpKind::Demote { staging } => self.on_demote_done(core, idx, staging, result),
+            OpKind::Recover => unreachable!("recovery ops are reaped before the loop starts"),
+            OpKind::Store => unreachable!("store writes are the worker's (LayoutOp::writing)"),
+        }
+    }
+
+    fn touch(&mut self, key: Key) {
+        if let Some(&(d, local)) = self.index.get(&key) {
+            self.devs[d as usize].slots[local as usize].referenced = true;
+        }
+    }
+
+    fn background(&mut self, core: &mut Core<Op>) -> bool {
+        self.issue_table_writes(core)
+    }
+
+    fn after_submit(&mut self, core: &mut Core<Op>) {
+        if !self.finalize.is_empty() {
+            self.finalize_stores(core);
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.dirty_pages.is_empty() && self.finalize.is_empty()
+    }
+}
+
+/// The errno of a failed read, or its byte count, for logs.
+pub(super) fn describe_result(result: i32) -> String {
+    if result < 0 {
+        Errno::from_raw(-result).desc().to_owned()
+    } else {
+        format!("{result} bytes")
+    }
+}

@@ -1,0 +1,299 @@
+//! The slot table as one worker keeps it: an in-memory copy of its table pages (the meta
+//! buffer, registered with the ring), written back page by page after the data they describe,
+//! and read at open to rebuild the index (recovery).
+
+use std::sync::atomic::Ordering;
+
+use crate::io::{BufRef, IoClass, IoKind, IoRequest};
+use crate::key::Key;
+use crate::slab::{Entry, EntryRead, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
+use crate::worker::{Core, BUF_META};
+use crate::Errno;
+
+use super::layout::{DeviceSpec, Op, OpKind, SlabLayout, SlotMeta, SlotState, FREE_SLOT};
+
+#[derive(Clone, Copy, Default)]
+pub(crate) struct PageState {
+    pub dirty: bool,
+    /// Entries changed since the page was last written.
+    pub dirty_entries: u16,
+    pub in_flight: bool,
+}
+
+/// A dirty table page is written once this many of its entries changed, or as soon as the worker
+/// runs out of work. Batching cuts the table writes of a sequential store stream from about one
+/// per block to a few per page; the price is that a crash forgets up to this many recent blocks
+/// of a page (they are re-fetched, never served wrong).
+const TABLE_BATCH_ENTRIES: u16 = (ENTRIES_PER_PAGE / 2) as u16;
+
+/// Largest single read used while recovering the slot table.
+const RECOVER_READ_BYTES: usize = 1 << 20;
+
+/// Bytes of meta buffer worker `worker` needs for its table ranges on `devices`.
+pub(crate) fn meta_bytes(devices: &[DeviceSpec], worker: usize, workers: usize) -> usize {
+    devices
+        .iter()
+        .map(|d| {
+            let r = d.geometry.worker_slots(worker, workers);
+            (r.end - r.start).div_ceil(ENTRIES_PER_PAGE as u64) as usize * TABLE_PAGE_BYTES
+        })
+        .sum::<usize>()
+        .max(TABLE_PAGE_BYTES)
+}
+
+impl SlabLayout {
+    pub(super) fn clear_entry(&mut self, d: usize, local: u32) {
+        self.write_entry(d, local, None);
+    }
+
+    pub(super) fn write_entry(&mut self, d: usize, local: u32, entry: Option<Entry>) {
+        match entry {
+            Some(e) => e.encode(&mut self.scratch_entry),
+            None => self.scratch_entry.fill(0),
+        }
+        let dev = &mut self.devs[d];
+        self.meta.write(
+            dev.meta_offset + local as usize * ENTRY_BYTES,
+            &self.scratch_entry,
+        );
+        let page = local as usize / ENTRIES_PER_PAGE;
+        let p = &mut dev.pages[page];
+        p.dirty_entries = p.dirty_entries.saturating_add(1);
+        if !p.dirty {
+            p.dirty = true;
+            if !p.in_flight {
+                self.dirty_pages.push_back((d as u16, page as u32));
+            }
+        }
+    }
+
+    /// Writes the dirty table pages that are due: those with enough changed entries, or all of
+    /// them once no store is queued or in flight (or the worker is stopping).
+    pub(super) fn issue_table_writes(&mut self, core: &mut Core<Op>) -> bool {
+        // "Quiet" means the worker is about to run out of work: no queued jobs and no I/O in
+        // flight. A queue-depth-bound store stream keeps I/O in flight, so its pages are
+        // written at the batch threshold; the rest are written before the worker sleeps.
+        let quiet = core.stopping
+            || (core.stores.is_empty()
+                && core.loads.is_empty()
+                && core.store_issuing.is_empty()
+                && self.store_ops == 0
+                && core.backend.in_flight() == 0);
+        let mut any = false;
+        let mut i = 0;
+        while i < self.dirty_pages.len() {
+            let (d, page) = self.dirty_pages[i];
+            if !quiet
+                && self.devs[d as usize].pages[page as usize].dirty_entries < TABLE_BATCH_ENTRIES
+            {
+                i += 1;
+                continue;
+            }
+            let Some(idx) = core.ops.alloc(Op::new(OpKind::Table { page })) else {
+                break;
+            };
+            let dev = &self.devs[d as usize];
+            let req = IoRequest {
+                user_data: core.ops.user_data(idx, 0),
+                kind: IoKind::Write,
+                device: d,
+                offset: dev
+                    .geometry
+                    .table_page_offset(dev.first_page() + u64::from(page)),
+                buf: BufRef {
+                    region: BUF_META,
+                    offset: dev.meta_offset + page as usize * TABLE_PAGE_BYTES,
+                    len: TABLE_PAGE_BYTES as u32,
+                },
+                class: IoClass::Meta,
+            };
+            if !core.backend.push(&req) {
+                core.ops.release(idx);
+                break;
+            }
+            core.ops[idx as usize].dev = d;
+            self.dirty_pages.remove(i);
+            let p = &mut self.devs[d as usize].pages[page as usize];
+            p.dirty = false;
+            p.dirty_entries = 0;
+            p.in_flight = true;
+            self.table_in_flight += 1;
+            any = true;
+        }
+        any
+    }
+
+    pub(super) fn on_table_done(&mut self, core: &mut Core<Op>, idx: u32, page: u32, result: i32) {
+        let d = core.ops[idx as usize].dev;
+        core.ops.release(idx);
+        self.table_in_flight -= 1;
+        core.me.metrics.table_writes.fetch_add(1, Ordering::Relaxed);
+        if usize::try_from(result).ok() != Some(TABLE_PAGE_BYTES) {
+            // The entries of this page may not survive a restart; the data is still served now.
+            core.me.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
+            let why = if result < 0 {
+                Errno::from_raw(-result).desc().to_string()
+            } else {
+                format!("short write {result}")
+            };
+            core.log_error(&format!("slot table write on device {d} failed: {why}"));
+        }
+        let p = &mut self.devs[d as usize].pages[page as usize];
+        p.in_flight = false;
+        if p.dirty {
+            self.dirty_pages.push_back((d, page));
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Recovery
+
+    /// Reads this worker's slot table ranges and rebuilds the index from them; returns how many
+    /// blocks it holds.
+    pub fn recover(&mut self, core: &mut Core<Op>, devices: &[DeviceSpec]) -> Result<u64, String> {
+        let mut pending = 0usize;
+        for (d, spec) in devices.iter().enumerate() {
+            if spec.fresh || self.devs[d].slots.is_empty() {
+                continue;
+            }
+            let dev = &self.devs[d];
+            let total = dev.pages.len() * TABLE_PAGE_BYTES;
+            let base = dev.geometry.table_page_offset(dev.first_page());
+            let meta_offset = dev.meta_offset;
+            let mut done = 0usize;
+            while done < total {
+                let len = (total - done).min(RECOVER_READ_BYTES);
+                let idx = core
+                    .ops
+                    .alloc(Op::new(OpKind::Recover))
+                    .ok_or("op table exhausted")?;
+                core.ops[idx as usize].dev = d as u16;
+                let req = IoRequest {
+                    user_data: core.ops.user_data(idx, 0),
+                    kind: IoKind::Read,
+                    device: d as u16,
+                    offset: base + done as u64,
+                    buf: BufRef {
+                        region: BUF_META,
+                        offset: meta_offset + done,
+                        len: len as u32,
+                    },
+                    class: IoClass::Meta,
+                };
+                while !core.backend.push(&req) {
+                    core.backend.submit(true).map_err(|e| e.to_string())?;
+                    pending -= reap_recover(core)?;
+                }
+                pending += 1;
+                done += len;
+            }
+        }
+        while pending > 0 {
+            core.backend.submit(true).map_err(|e| e.to_string())?;
+            pending -= reap_recover(core)?;
+        }
+        let mut recovered = 0u64;
+        for d in 0..self.devs.len() {
+            if !devices[d].fresh {
+                recovered += self.rebuild_device(core, d, devices.len());
+            }
+        }
+        let m = &core.me.metrics;
+        m.recovered_blocks.store(recovered, Ordering::Relaxed);
+        m.blocks_stored.store(recovered, Ordering::Relaxed);
+        Ok(recovered)
+    }
+
+    fn rebuild_device(&mut self, core: &Core<Op>, d: usize, devices: usize) -> u64 {
+        let mut recovered = 0;
+        let mut raw = [0u8; ENTRY_BYTES];
+        let n = self.devs[d].slots.len();
+        let mut keep: Vec<(Key, u32, u64)> = Vec::new();
+        let m = &core.me.metrics;
+        for local in 0..n {
+            let off = self.devs[d].meta_offset + local * ENTRY_BYTES;
+            self.meta.read(off, &mut raw);
+            match Entry::decode(&raw) {
+                EntryRead::Empty => {}
+                EntryRead::Torn => {
+                    m.torn_entries.fetch_add(1, Ordering::Relaxed);
+                    self.clear_entry(d, local as u32);
+                }
+                EntryRead::Valid(e) => {
+                    let routed_here =
+                        e.key.shard(self.workers) == self.id && e.key.device(devices) == d;
+                    if !routed_here || u64::from(e.data_len) != core.block_bytes {
+                        // Written under another worker or device count: this worker could
+                        // never be asked for it, so the slot is reclaimed.
+                        m.unroutable_entries.fetch_add(1, Ordering::Relaxed);
+                        self.clear_entry(d, local as u32);
+                        continue;
+                    }
+                    self.seq = self.seq.max(e.seq + 1);
+                    if let Some(&(od, os)) = self.index.get(&e.key) {
+                        // Two entries for one key: keep the newer.
+                        let old_seq = keep.iter().find(|k| k.0 == e.key).map_or(0, |k| k.2);
+                        if old_seq >= e.seq {
+                            self.clear_entry(d, local as u32);
+                            continue;
+                        }
+                        self.drop_recovered(od as usize, os);
+                        recovered -= 1;
+                    }
+                    self.devs[d].slots[local] = SlotMeta {
+                        state: SlotState::Valid,
+                        key: Some(e.key),
+                        pins: 0,
+                        referenced: false,
+                        verified: false,
+                        crc: e.data_crc,
+                    };
+                    self.index.insert(e.key, (d as u16, local as u32));
+                    keep.push((e.key, local as u32, e.seq));
+                    recovered += 1;
+                }
+            }
+        }
+        let dev = &mut self.devs[d];
+        dev.free = (0..n as u32)
+            .rev()
+            .filter(|&s| dev.slots[s as usize].state == SlotState::Free)
+            .collect();
+        let mut published = core
+            .me
+            .published
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (key, _, _) in &keep {
+            if self.index.contains_key(key) {
+                published.insert(*key);
+            }
+        }
+        recovered
+    }
+
+    fn drop_recovered(&mut self, d: usize, local: u32) {
+        self.devs[d].slots[local as usize] = FREE_SLOT;
+        self.clear_entry(d, local);
+    }
+}
+
+fn reap_recover(core: &mut Core<Op>) -> Result<usize, String> {
+    let mut out = Vec::new();
+    core.backend.complete(&mut out);
+    let mut n = 0;
+    let mut err = None;
+    for c in &out {
+        let (idx, _) = core.ops.decode(c.user_data);
+        if c.result < 0 {
+            err = Some(format!(
+                "reading the slot table of device {}: {}",
+                core.ops[idx as usize].dev,
+                Errno::from_raw(-c.result).desc()
+            ));
+        }
+        core.ops.release(idx);
+        n += 1;
+    }
+    err.map_or(Ok(n), Err)
+}

@@ -1,0 +1,120 @@
+//! Demotion staging (`s3.write = "on_evict"`): an evicted block is read into one of a few
+//! staging slots before its NVMe space is reused, and handed to the cold tier from there.
+
+use std::sync::Arc;
+
+use crate::io::Region;
+use crate::key::Key;
+use crate::worker::shared::WorkerShared;
+
+/// An evicted block read into a staging slot, handed to the S3 tier for upload. Dropping it
+/// gives the staging slot back to its worker.
+pub(crate) struct Demotion {
+    pub key: Key,
+    pub staging: Arc<Region>,
+    pub offset: usize,
+    pub len: usize,
+    /// The crc32c kept with the block (slot table, or the files layout's xattr): checked before
+    /// the upload, so a block corrupted on NVMe is never demoted. `None`: nothing to check.
+    pub crc: Option<u32>,
+    slot: u32,
+    give_back: crossbeam_channel::Sender<u32>,
+    /// The worker, woken when the slot comes back (a store may be waiting for it).
+    worker: Arc<WorkerShared>,
+}
+
+impl Drop for Demotion {
+    fn drop(&mut self) {
+        let _ = self.give_back.send(self.slot);
+        self.worker.nudge();
+    }
+}
+
+/// Where a worker hands demotions; set once the S3 tier is open.
+pub(crate) type DemoteSink = Arc<std::sync::OnceLock<Box<dyn Fn(Demotion) + Send + Sync>>>;
+
+/// A worker's demotion state: evicted blocks are read into staging slots before their NVMe
+/// slot is reused.
+pub(crate) struct Demote {
+    pub staging: Arc<Region>,
+    pub sink: DemoteSink,
+    free: Vec<u32>,
+    returned: crossbeam_channel::Receiver<u32>,
+    give_back: crossbeam_channel::Sender<u32>,
+    in_flight: usize,
+    /// Staging slots handed to the S3 tier and not taken back yet.
+    handed: usize,
+}
+
+impl Demote {
+    pub fn new(staging: Arc<Region>, staging_blocks: usize, sink: DemoteSink) -> Demote {
+        let (give_back, returned) = crossbeam_channel::unbounded();
+        Demote {
+            staging,
+            sink,
+            free: (0..staging_blocks as u32).rev().collect(),
+            returned,
+            give_back,
+            in_flight: 0,
+            handed: 0,
+        }
+    }
+
+    pub(crate) fn take_staging(&mut self) -> Option<u32> {
+        self.free.pop().or_else(|| {
+            let s = self.returned.try_recv().ok()?;
+            self.handed -= 1;
+            Some(s)
+        })
+    }
+
+    /// A staging slot taken but not used.
+    pub(crate) fn put_back(&mut self, staging: u32) {
+        self.free.push(staging);
+    }
+
+    /// A read into `staging` started.
+    pub(crate) fn started(&mut self) {
+        self.in_flight += 1;
+    }
+
+    /// The read into `staging` ended: hands the block to the S3 tier (`Some(key)`), or takes the
+    /// staging slot back (`None`: the read failed, or the block must not be demoted).
+    pub(crate) fn finished(
+        &mut self,
+        staging: u32,
+        block_bytes: usize,
+        demoted: Option<(Key, Option<u32>)>,
+        worker: &Arc<WorkerShared>,
+    ) -> bool {
+        self.in_flight -= 1;
+        if let (Some((key, crc)), Some(sink)) = (demoted, self.sink.get()) {
+            self.handed += 1;
+            sink(Demotion {
+                key,
+                staging: Arc::clone(&self.staging),
+                offset: staging as usize * block_bytes,
+                len: block_bytes,
+                crc,
+                slot: staging,
+                give_back: self.give_back.clone(),
+                worker: Arc::clone(worker),
+            });
+            true
+        } else {
+            self.free.push(staging);
+            false
+        }
+    }
+
+    /// The staging slots' receiver, for the worker's sleep check.
+    pub(crate) fn returned(&self) -> &crossbeam_channel::Receiver<u32> {
+        &self.returned
+    }
+
+    /// Whether a staging slot will become free without this worker doing anything: read in
+    /// flight, or handed to the S3 tier, which gives it back right after copying it out.
+    pub(crate) fn will_free(&self) -> bool {
+        self.in_flight > 0 || self.handed > 0
+    }
+}

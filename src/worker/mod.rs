@@ -1,0 +1,570 @@
+//! One worker: a thread pinned to one core, owning one I/O queue (ring), the index entries of
+//! the keys that hash to it and its share of every device. [`Worker`] holds everything the
+//! layouts have in common — the run loop, intake, the queues, the [`Scheduler`], store chunking,
+//! load and store reporting — and a [`Layout`] (the slab, or the files directory) decides what
+//! a load or a store is on the device.
+//!
+//! ```text
+//! engine ──Msg──► intake ─► loads / stores queues
+//!                  turn:  reap CQEs ─► layout.on_complete, or the chunk accounting of a store
+//!                         layout.unstall (ops that found the SQ full)
+//!                         issue loads   ─► layout.start_load   (while the scheduler allows)
+//!                         issue stores  ─► layout.start_store  ─► chunks ─► layout.push_chunk
+//!                         layout.background (slot table pages)
+//!                  submit, or sleep in the ring until a CQE or a nudge; layout.after_submit
+//! ```
+//!
+//! Invariants: an op's memory (a region block, a table page, a staging slot) is not reused
+//! before its completion is reaped; the worker exits only when no op is in flight; every key of
+//! every part it took is reported exactly once.
+
+pub(crate) mod demote;
+pub(crate) mod ops;
+pub(crate) mod queue;
+pub(crate) mod sched;
+pub(crate) mod shared;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::Receiver;
+
+use crate::io::{Completion, IoBackend, Region};
+use crate::job::{JobKind, JobState, KeyFailure, Shared};
+use crate::key::Key;
+use crate::Errno;
+
+pub(crate) use demote::{Demote, DemoteSink, Demotion};
+pub(crate) use ops::{OpTable, TableOp};
+pub(crate) use queue::{Msg, Part, WorkQueue};
+pub(crate) use sched::{Chunks, Scheduler};
+pub(crate) use shared::{submit_or_sleep, WorkerShared};
+
+use std::sync::atomic::Ordering;
+
+/// Buffer indexes in every backend: the primary region and this worker's table copy.
+pub(crate) const BUF_REGION: u16 = 0;
+pub(crate) const BUF_META: u16 = 1;
+/// The demotion staging buffer (`s3.write = "on_evict"` only).
+pub(crate) const BUF_STAGING: u16 = 2;
+
+/// What starting a load or a store did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// I/O was queued for the key (for a load: one more load in flight).
+    Started,
+    /// The key was answered without I/O (a miss, already stored, a clear failure).
+    Resolved,
+    /// No room now (ring, op table, space being freed): try again next turn.
+    Blocked,
+}
+
+/// What a layout's op offers the worker.
+pub(crate) trait LayoutOp: TableOp {
+    /// The chunk plan of a store whose data write is under way; `None` for any other op or step.
+    fn writing(&mut self) -> Option<&mut Chunks>;
+}
+
+/// What a device layout does; the worker does the rest. Every method runs on the worker thread
+/// and must not block (I/O goes through `core.backend`).
+pub(crate) trait Layout {
+    type Op: LayoutOp;
+
+    /// Starts loading `item` of `job` into its region block.
+    fn start_load(&mut self, core: &mut Core<Self::Op>, job: &Arc<JobState>, item: usize) -> Start;
+
+    /// Starts storing `item` of `job`; `retried`: a second try after evicting (ENOSPC). A store
+    /// that is ready to write its data calls [`Core::begin_writing`].
+    fn start_store(
+        &mut self,
+        core: &mut Core<Self::Op>,
+        job: &Arc<JobState>,
+        item: usize,
+        retried: bool,
+    ) -> Start;
+
+    /// Pushes the write of bytes `start..start + len` of store `idx`'s block (chunk `chunk`);
+    /// false if the submission queue is full.
+    fn push_chunk(
+        &mut self,
+        core: &mut Core<Self::Op>,
+        idx: u32,
+        chunk: u16,
+        start: u64,
+        len: u64,
+    ) -> bool;
+
+    /// Every chunk of store `idx` completed (`failure`: the first that failed, or the stop).
+    fn on_written(
+        &mut self,
+        core: &mut Core<Self::Op>,
+        idx: u32,
+        failure: Option<(KeyFailure, String)>,
+    );
+
+    /// A completion of any op that is not a store's data write.
+    fn on_complete(&mut self, core: &mut Core<Self::Op>, idx: u32, result: i32);
+
+    /// The caller used `key`: keep it longer.
+    fn touch(&mut self, key: Key);
+
+    /// Pushes what earlier found the submission queue full; true if anything moved.
+    fn unstall(&mut self, core: &mut Core<Self::Op>) -> bool {
+        let _ = core;
+        false
+    }
+
+    /// The layout's own work after loads and stores were issued (table pages); true if any.
+    fn background(&mut self, core: &mut Core<Self::Op>) -> bool {
+        let _ = core;
+        false
+    }
+
+    /// Runs after each submit: work that must not delay the next I/O (checksums of finished
+    /// stores).
+    fn after_submit(&mut self, core: &mut Core<Self::Op>) {
+        let _ = core;
+    }
+
+    /// Whether the layout has nothing left to do (the worker may exit when stopping).
+    fn idle(&self) -> bool;
+}
+
+/// The parts of a worker a layout acts through.
+pub(crate) struct Core<O> {
+    pub id: usize,
+    pub backend: Box<dyn IoBackend>,
+    pub region: Arc<Region>,
+    pub shared: Arc<Shared>,
+    pub me: Arc<WorkerShared>,
+    pub ops: OpTable<O>,
+    pub sched: Scheduler,
+    pub block_bytes: u64,
+    pub loads: WorkQueue,
+    pub stores: WorkQueue,
+    /// Stores to try once more after evicting (ENOSPC), ahead of new ones.
+    pub retry: VecDeque<(Arc<JobState>, usize)>,
+    /// Store ops with chunks still to issue, oldest first.
+    pub store_issuing: VecDeque<u32>,
+    pub stopping: bool,
+    pub demote: Option<Demote>,
+    error_logs: u32,
+}
+
+/// Everything a worker is built from.
+pub(crate) struct WorkerParams {
+    pub id: usize,
+    pub backend: Box<dyn IoBackend>,
+    pub region: Arc<Region>,
+    pub rx: Receiver<Msg>,
+    pub shared: Arc<Shared>,
+    pub me: Arc<WorkerShared>,
+    pub sched: Scheduler,
+    pub ring_entries: usize,
+    pub demote: Option<Demote>,
+}
+
+impl<O: LayoutOp> Core<O> {
+    /// Store `idx` is ready to write its data: plans its chunks and queues it for issue.
+    pub fn begin_writing(&mut self, idx: u32) {
+        let plan = self.sched.plan_store(!self.loads.is_empty());
+        let chunks = self.ops[idx as usize]
+            .writing()
+            .expect("a store that begins writing is in its write step");
+        *chunks = plan;
+        self.store_issuing.push_back(idx);
+    }
+
+    /// Reports a load's outcome and records its latency.
+    pub fn report_load(
+        &self,
+        job: &Arc<JobState>,
+        item: usize,
+        started: Instant,
+        outcome: Result<(), (KeyFailure, String)>,
+    ) {
+        let m = &self.me.metrics;
+        m.load_latency.record(started.elapsed().as_micros() as u64);
+        match outcome {
+            Ok(()) => {
+                m.loads_ok.fetch_add(1, Ordering::Relaxed);
+                job.succeed(&self.shared, item, self.block_bytes);
+            }
+            Err((KeyFailure::Miss, detail)) => {
+                m.loads_failed.fetch_add(1, Ordering::Relaxed);
+                self.shared.load_missed(job, item, detail);
+            }
+            Err((reason, detail)) => {
+                m.loads_failed.fetch_add(1, Ordering::Relaxed);
+                job.fail(&self.shared, item, reason, detail);
+            }
+        }
+    }
+
+    /// A load answered without I/O: a miss (falls back to the cold tier) or a failure.
+    pub fn resolve_load(&self, job: &Arc<JobState>, item: usize, reason: KeyFailure) {
+        let m = &self.me.metrics;
+        m.loads_failed.fetch_add(1, Ordering::Relaxed);
+        if reason == KeyFailure::Miss {
+            m.load_misses.fetch_add(1, Ordering::Relaxed);
+            self.shared.load_missed(job, item, String::new());
+        } else {
+            job.fail(&self.shared, item, reason, String::new());
+        }
+    }
+
+    pub fn store_succeeded(&self, job: &Arc<JobState>, item: usize, bytes: u64) {
+        self.me.metrics.stores_ok.fetch_add(1, Ordering::Relaxed);
+        job.succeed(&self.shared, item, bytes);
+    }
+
+    pub fn store_failed(
+        &self,
+        job: &Arc<JobState>,
+        item: usize,
+        reason: KeyFailure,
+        detail: String,
+    ) {
+        self.me
+            .metrics
+            .stores_failed
+            .fetch_add(1, Ordering::Relaxed);
+        job.fail(&self.shared, item, reason, detail);
+    }
+
+    /// A stored key already present: a cheap no-op success.
+    pub fn store_present(&self, job: &Arc<JobState>, item: usize) {
+        self.me
+            .metrics
+            .stores_skipped_present
+            .fetch_add(1, Ordering::Relaxed);
+        job.succeed(&self.shared, item, 0);
+    }
+
+    /// Logs an I/O error, at most 20 times per worker and then every 1000th, so a dead device
+    /// cannot flood the log.
+    pub fn log_error(&mut self, msg: &str) {
+        self.error_logs += 1;
+        if self.error_logs <= 20 || self.error_logs % 1000 == 0 {
+            tracing::error!(worker = self.id, count = self.error_logs, "{msg}");
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.loads.is_empty()
+            && self.stores.is_empty()
+            && self.retry.is_empty()
+            && self.store_issuing.is_empty()
+            && self.backend.in_flight() == 0
+    }
+
+    fn publish_gauges(&self) {
+        let m = &self.me.metrics;
+        m.queued_loads
+            .store(self.loads.blocks as u64, Ordering::Relaxed);
+        m.queued_stores
+            .store(self.stores.blocks as u64, Ordering::Relaxed);
+        m.inflight_ops
+            .store(self.backend.in_flight() as u64, Ordering::Relaxed);
+    }
+
+    fn cancel_part(&self, part: &Part) {
+        for &item in &part.items {
+            self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
+            part.job.fail(
+                &self.shared,
+                item as usize,
+                KeyFailure::Shutdown,
+                String::new(),
+            );
+        }
+    }
+}
+
+/// The outcome of an I/O that should have moved `wanted` bytes: a negative result is an errno,
+/// a shorter one a short transfer.
+pub(crate) fn io_outcome(result: i32, wanted: u64) -> Result<(), KeyFailure> {
+    if result < 0 {
+        Err(KeyFailure::Io(Errno::from_raw(-result)))
+    } else if (result as u64) < wanted {
+        Err(KeyFailure::ShortIo {
+            done: result as u32,
+            wanted: wanted as u32,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+pub(crate) struct Worker<L: Layout> {
+    core: Core<L::Op>,
+    layout: L,
+    rx: Receiver<Msg>,
+    completions: Vec<Completion>,
+}
+
+impl<L: Layout> Worker<L> {
+    /// A worker whose op table is filled with `make()` ops.
+    pub fn new(p: WorkerParams, layout: L, make: impl FnMut() -> L::Op) -> Worker<L> {
+        let capacity = p.sched.ops_capacity(p.ring_entries);
+        Worker {
+            core: Core {
+                id: p.id,
+                backend: p.backend,
+                region: p.region,
+                shared: p.shared,
+                me: p.me,
+                ops: OpTable::new(capacity, make),
+                block_bytes: p.sched.block_bytes(),
+                sched: p.sched,
+                loads: WorkQueue::default(),
+                stores: WorkQueue::default(),
+                retry: VecDeque::new(),
+                store_issuing: VecDeque::new(),
+                stopping: false,
+                demote: p.demote,
+                error_logs: 0,
+            },
+            layout,
+            rx: p.rx,
+            completions: Vec::with_capacity(p.ring_entries * 2),
+        }
+    }
+
+    /// The layout and the core together (recovery runs on them before the loop starts).
+    pub fn parts(&mut self) -> (&mut L, &mut Core<L::Op>) {
+        (&mut self.layout, &mut self.core)
+    }
+
+    pub fn describe(&self) -> String {
+        self.core.backend.describe()
+    }
+
+    /// Runs until stopped and idle.
+    pub fn run(mut self) {
+        loop {
+            let progress = self.turn();
+            self.core.publish_gauges();
+            if self.core.stopping && self.core.idle() && self.layout.idle() {
+                break;
+            }
+            let returned = self.core.demote.as_ref().map(Demote::returned);
+            let r = submit_or_sleep(
+                self.core.backend.as_mut(),
+                &self.core.me,
+                &self.rx,
+                progress,
+                || returned.is_some_and(|r| !r.is_empty()),
+            );
+            self.layout.after_submit(&mut self.core);
+            if let Err(e) = r {
+                // The ring itself failed (not one I/O): nothing can be completed any more
+                // without it, so log and keep reaping; a persistent failure is a bug.
+                self.core.log_error(&format!("submit failed: {e}"));
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        self.core.publish_gauges();
+    }
+
+    /// One turn of the loop without submitting or sleeping; true if anything moved.
+    fn turn(&mut self) -> bool {
+        let mut progress = self.intake();
+        progress |= self.reap();
+        progress |= self.layout.unstall(&mut self.core);
+        progress |= self.issue_loads();
+        progress |= self.issue_stores();
+        progress |= self.layout.background(&mut self.core);
+        progress
+    }
+
+    fn intake(&mut self) -> bool {
+        let mut any = false;
+        while let Ok(msg) = self.rx.try_recv() {
+            any = true;
+            match msg {
+                Msg::Work(part) => {
+                    if self.core.stopping {
+                        self.core.cancel_part(&part);
+                        continue;
+                    }
+                    match part.job.kind {
+                        JobKind::Load => self.core.loads.push(part),
+                        JobKind::Store => self.core.stores.push(part),
+                    }
+                }
+                Msg::Touch(keys) => {
+                    for key in keys {
+                        self.layout.touch(key);
+                    }
+                }
+                Msg::Stop => self.stop(),
+            }
+        }
+        any
+    }
+
+    /// Fails everything queued and not yet started; stores stop issuing chunks (and fail once
+    /// the issued ones complete); I/O in flight runs to completion.
+    fn stop(&mut self) {
+        let core = &mut self.core;
+        core.stopping = true;
+        let cancelled = core.loads.cancel(&core.shared) + core.stores.cancel(&core.shared);
+        core.me.queued_blocks.fetch_sub(cancelled, Ordering::AcqRel);
+        for (job, item) in core.retry.drain(..) {
+            job.fail(&core.shared, item, KeyFailure::Shutdown, String::new());
+        }
+        let issuing: Vec<u32> = core.store_issuing.drain(..).collect();
+        for idx in issuing {
+            let chunks = self.core.ops[idx as usize]
+                .writing()
+                .expect("an issuing store is writing");
+            chunks.fail(KeyFailure::Shutdown, String::new());
+            chunks.cut();
+            if chunks.finished() {
+                let failure = chunks.failure.take();
+                self.layout.on_written(&mut self.core, idx, failure);
+            }
+        }
+    }
+
+    fn reap(&mut self) -> bool {
+        let mut out = std::mem::take(&mut self.completions);
+        out.clear();
+        self.core.backend.complete(&mut out);
+        let any = !out.is_empty();
+        for c in &out {
+            let (idx, chunk) = self.core.ops.decode(c.user_data);
+            if self.core.ops[idx as usize].writing().is_some() {
+                self.on_chunk_done(idx, chunk, c.result);
+            } else {
+                self.layout.on_complete(&mut self.core, idx, c.result);
+            }
+        }
+        self.completions = out;
+        any
+    }
+
+    fn issue_loads(&mut self) -> bool {
+        let mut any = false;
+        while self.core.sched.may_start_load() {
+            let Some((job, item)) = self.core.loads.peek() else {
+                break;
+            };
+            let job = Arc::clone(job);
+            match self.layout.start_load(&mut self.core, &job, item) {
+                Start::Started => self.core.sched.load_started(),
+                Start::Resolved => {}
+                Start::Blocked => break,
+            }
+            self.core.loads.take(&self.core.me);
+            any = true;
+        }
+        any
+    }
+
+    fn issue_stores(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let core = &mut self.core;
+            let front = core.store_issuing.front().copied();
+            let next_bytes = match front {
+                Some(idx) => core.ops[idx as usize].writing().map_or(0, |c| c.len),
+                None => core.sched.chunk_bytes(),
+            };
+            if !core
+                .sched
+                .may_issue_store(next_bytes, !core.loads.is_empty())
+            {
+                break;
+            }
+            if let Some(idx) = front {
+                if !self.issue_chunk(idx) {
+                    break;
+                }
+                any = true;
+                continue;
+            }
+            let (job, item, retried) = match core.retry.front() {
+                Some((job, item)) => (Arc::clone(job), *item, true),
+                None => match core.stores.peek() {
+                    Some((job, item)) => (Arc::clone(job), item, false),
+                    None => break,
+                },
+            };
+            match self.layout.start_store(&mut self.core, &job, item, retried) {
+                Start::Started | Start::Resolved => {
+                    if retried {
+                        self.core.retry.pop_front();
+                    } else {
+                        self.core.stores.take(&self.core.me);
+                    }
+                    any = true;
+                }
+                Start::Blocked => break,
+            }
+        }
+        any
+    }
+
+    /// Issues the next chunk of store `idx`; false if the ring is full.
+    fn issue_chunk(&mut self, idx: u32) -> bool {
+        let block_bytes = self.core.block_bytes;
+        let chunks = self.core.ops[idx as usize]
+            .writing()
+            .expect("an issuing store is writing");
+        let chunk = chunks.issued;
+        let (start, len) = chunks.range(chunk, block_bytes);
+        if !self
+            .layout
+            .push_chunk(&mut self.core, idx, chunk, start, len)
+        {
+            return false;
+        }
+        let chunks = self.core.ops[idx as usize]
+            .writing()
+            .expect("an issuing store is writing");
+        chunks.issued += 1;
+        let all = chunks.all_issued();
+        self.core.sched.store_issued(len);
+        if all {
+            let front = self.core.store_issuing.pop_front();
+            debug_assert_eq!(front, Some(idx));
+        }
+        true
+    }
+
+    fn on_chunk_done(&mut self, idx: u32, chunk: u16, result: i32) {
+        let core = &mut self.core;
+        let block_bytes = core.block_bytes;
+        let chunks = core.ops[idx as usize].writing().expect("checked by reap");
+        let (_, len) = chunks.range(chunk, block_bytes);
+        chunks.done += 1;
+        let m = &core.me.metrics;
+        m.write_ops.fetch_add(1, Ordering::Relaxed);
+        match io_outcome(result, len) {
+            Ok(()) => {
+                m.bytes_written.fetch_add(len, Ordering::Relaxed);
+            }
+            Err(reason) => {
+                m.io_errors.fetch_add(1, Ordering::Relaxed);
+                let detail = match reason {
+                    KeyFailure::Io(e) => format!("write: {}", e.desc()),
+                    _ => "short write".to_owned(),
+                };
+                chunks.fail(reason, detail);
+                // Stop issuing the rest of a failed block.
+                if chunks.cut() {
+                    core.store_issuing.retain(|&i| i != idx);
+                }
+            }
+        }
+        core.sched.store_done(len);
+        let chunks = core.ops[idx as usize].writing().expect("checked by reap");
+        if chunks.finished() {
+            let failure = chunks.failure.take();
+            self.layout.on_written(&mut self.core, idx, failure);
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! The table of a worker's in-flight operations, addressed by index and generation.
+
+/// What a worker's op must offer its [`OpTable`].
+pub(crate) trait TableOp {
+    /// Drops what a finished op still holds (its job), so the job is freed when it is done
+    /// rather than when the slot is reused.
+    fn clear(&mut self);
+}
+
+/// A fixed table of in-flight ops addressed by index + generation (never by pointer), shared by
+/// the slab and the files workers. `user_data` carries both, and a completion for a released or
+/// reused slot is a bug caught by [`OpTable::decode`].
+pub(crate) struct OpTable<T> {
+    ops: Vec<T>,
+    gens: Vec<u32>,
+    live: Vec<bool>,
+    free: Vec<u32>,
+}
+
+impl<T: TableOp> OpTable<T> {
+    pub fn new(capacity: usize, make: impl FnMut() -> T) -> OpTable<T> {
+        OpTable {
+            ops: std::iter::repeat_with(make).take(capacity).collect(),
+            gens: vec![0; capacity],
+            live: vec![false; capacity],
+            free: (0..capacity as u32).rev().collect(),
+        }
+    }
+
+    /// Takes a free slot, puts `op` in it and returns its index; `None` when all are in use.
+    pub fn alloc(&mut self, op: T) -> Option<u32> {
+        let idx = self.free.pop()?;
+        let i = idx as usize;
+        debug_assert!(!self.live[i]);
+        self.live[i] = true;
+        self.gens[i] = self.gens[i].wrapping_add(1);
+        self.ops[i] = op;
+        Some(idx)
+    }
+
+    pub fn release(&mut self, idx: u32) {
+        let i = idx as usize;
+        assert!(self.live[i], "op {idx} released twice");
+        self.live[i] = false;
+        self.ops[i].clear();
+        self.free.push(idx);
+    }
+
+    pub fn user_data(&self, idx: u32, chunk: u16) -> u64 {
+        encode_user_data(idx, self.gens[idx as usize], chunk)
+    }
+
+    /// Decodes `user_data`, asserting that it names a live op of the current generation.
+    pub fn decode(&self, user_data: u64) -> (u32, u16) {
+        let (idx, chunk, gen) = decode_user_data(user_data);
+        let i = idx as usize;
+        assert!(
+            self.live[i] && self.gens[i] == gen,
+            "completion for a stale op {idx} gen {gen}"
+        );
+        (idx, chunk)
+    }
+}
+
+impl<T> std::ops::Index<usize> for OpTable<T> {
+    type Output = T;
+    fn index(&self, i: usize) -> &T {
+        &self.ops[i]
+    }
+}
+
+impl<T> std::ops::IndexMut<usize> for OpTable<T> {
+    fn index_mut(&mut self, i: usize) -> &mut T {
+        &mut self.ops[i]
+    }
+}
+
+/// An op's `user_data`: generation (32 bits) | chunk (8 bits) | table index (24 bits). Both
+/// workers address in-flight ops this way, never by pointer.
+pub(crate) fn encode_user_data(idx: u32, gen: u32, chunk: u16) -> u64 {
+    debug_assert!(idx < 1 << 24 && chunk < 1 << 8);
+    (u64::from(gen) << 32) | (u64::from(chunk) << 24) | u64::from(idx)
+}
+
+/// The inverse of [`encode_user_data`]: `(index, chunk, generation)`.
+pub(crate) fn decode_user_data(user_data: u64) -> (u32, u16, u32) {
+    (
+        (user_data & 0xff_ffff) as u32,
+        ((user_data >> 24) & 0xff) as u16,
+        (user_data >> 32) as u32,
+    )
+}

@@ -1,0 +1,77 @@
+//! What a worker is sent ([`Msg`]) and its queues of blocks not yet started ([`WorkQueue`]).
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::job::{JobState, KeyFailure, Shared};
+use crate::key::Key;
+use crate::worker::shared::WorkerShared;
+
+/// Work for one shard: the indexes of the job's keys that hash to it.
+pub(crate) struct Part {
+    pub job: Arc<JobState>,
+    pub items: Vec<u32>,
+}
+
+pub(crate) enum Msg {
+    Work(Part),
+    /// Mark these keys recently used (the caller served them from its own cache).
+    Touch(Vec<Key>),
+    Stop,
+}
+
+#[derive(Default)]
+pub(crate) struct WorkQueue {
+    pub parts: VecDeque<Part>,
+    pub cursor: usize,
+    /// Blocks not yet taken (mirrors the metrics gauge).
+    pub blocks: usize,
+}
+
+impl WorkQueue {
+    pub fn push(&mut self, part: Part) {
+        self.blocks += part.items.len();
+        self.parts.push_back(part);
+    }
+
+    pub fn peek(&self) -> Option<(&Arc<JobState>, usize)> {
+        let part = self.parts.front()?;
+        Some((&part.job, part.items[self.cursor] as usize))
+    }
+
+    /// Moves past the peeked item, which the worker has taken up, and gives back its queue room.
+    pub fn take(&mut self, me: &WorkerShared) {
+        me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
+        self.cursor += 1;
+        self.blocks -= 1;
+        if let Some(part) = self.parts.front() {
+            if self.cursor >= part.items.len() {
+                self.parts.pop_front();
+                self.cursor = 0;
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    /// Fails every block not yet taken with `KeyFailure::Shutdown`; returns how many.
+    pub fn cancel(&mut self, shared: &Shared) -> usize {
+        let cursor = self.cursor;
+        let parts: Vec<Part> = self.parts.drain(..).collect();
+        self.cursor = 0;
+        self.blocks = 0;
+        let mut n = 0;
+        for (i, part) in parts.iter().enumerate() {
+            let from = if i == 0 { cursor } else { 0 };
+            for &item in &part.items[from..] {
+                part.job
+                    .fail(shared, item as usize, KeyFailure::Shutdown, String::new());
+                n += 1;
+            }
+        }
+        n
+    }
+}

@@ -1,0 +1,87 @@
+//! The parts of a worker that the engine handle and other threads see, and the worker's sleep.
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+
+use crossbeam_channel::Receiver;
+use crossbeam_utils::CachePadded;
+
+use crate::io::{EventFd, IoBackend, Region};
+use crate::key::KeySet;
+use crate::metrics::ShardMetrics;
+use crate::worker::queue::Msg;
+
+/// The parts of a worker that the engine handle sees. `sleeping` (written by the worker, read by
+/// every submitter) and `queued_blocks` (written by both) sit on cache lines of their own, so
+/// neither bounces the line the other one or the metrics live on.
+pub(crate) struct WorkerShared {
+    pub published: RwLock<KeySet>,
+    pub metrics: ShardMetrics,
+    pub sleeping: CachePadded<AtomicBool>,
+    pub wake: Arc<EventFd>,
+    pub queued_blocks: CachePadded<AtomicUsize>,
+    pub tid: AtomicI32,
+}
+
+impl WorkerShared {
+    pub fn new(wake: Arc<EventFd>) -> WorkerShared {
+        WorkerShared {
+            published: RwLock::new(KeySet::default()),
+            metrics: ShardMetrics::default(),
+            sleeping: CachePadded::new(AtomicBool::new(false)),
+            wake,
+            queued_blocks: CachePadded::new(AtomicUsize::new(0)),
+            tid: AtomicI32::new(0),
+        }
+    }
+
+    /// Wakes the worker if it is (about to be) asleep. Pairs with the fence in `Worker::run`.
+    pub fn nudge(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.wake.notify();
+        }
+    }
+}
+
+/// Counts the CPU time of a thread from `/proc/self/task/<tid>/schedstat` (nanoseconds).
+pub(crate) fn thread_cpu_ns(tid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Submits what the worker queued; with no `progress` this turn, sleeps in the kernel until a
+/// completion or a submitter's wake-up. The sleeping flag and the fence pair with
+/// [`WorkerShared::nudge`], so a job sent while the worker decides to sleep is never missed.
+pub(crate) fn submit_or_sleep(
+    backend: &mut dyn IoBackend,
+    me: &WorkerShared,
+    rx: &Receiver<Msg>,
+    progress: bool,
+    other_work: impl Fn() -> bool,
+) -> std::io::Result<()> {
+    let mut wait = !progress;
+    if wait {
+        me.sleeping.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        // Checked after `sleeping` is set: whoever adds work after this check sees the flag
+        // and wakes the ring wait.
+        if !rx.is_empty() || other_work() {
+            wait = false;
+        }
+    }
+    let r = backend.submit(wait);
+    me.sleeping.store(false, Ordering::SeqCst);
+    me.metrics.submits.fetch_add(1, Ordering::Relaxed);
+    if wait {
+        me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
+    }
+    r
+}
+
+/// crc32c of a range of the primary region.
+pub(crate) fn region_crc(region: &Region, offset: usize, len: usize) -> u32 {
+    region.with_bytes(offset, len, crc32c::crc32c)
+}
