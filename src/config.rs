@@ -387,6 +387,38 @@ pub struct SchedulerConfig {
     pub ioprio: bool,
 }
 
+/// What the engine runs with, derived from a validated [`Config`] by [`Config::validate`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Derived {
+    pub block_bytes: u64,
+    /// The layout of every device (one engine runs one).
+    pub layout: Layout,
+    /// A store's write size while loads wait: `scheduler.store_chunk_bytes`, raised so a block
+    /// has at most 255 chunks (the chunk number travels in 8 bits of `user_data`), at most the
+    /// block.
+    pub store_chunk_bytes: u64,
+    /// Largest registered piece of a buffer: whole blocks, at most 1 GiB (one iovec's limit),
+    /// at least one block.
+    pub piece_bytes: usize,
+    /// `s3.write = "on_evict"`: evicted blocks are read into staging and demoted.
+    pub demote_on_evict: bool,
+    /// Staging slots per worker for demotion.
+    pub staging_blocks: usize,
+}
+
+/// Most chunks one block's store may be cut into.
+pub(crate) const MAX_STORE_CHUNKS: u64 = 255;
+/// Largest registered buffer piece (the kernel's limit per iovec).
+const REGISTERED_PIECE_MAX: u64 = 1 << 30;
+const DEMOTION_STAGING_BLOCKS: usize = 8;
+
+/// The store chunk for `configured` bytes and blocks of `block_bytes`: at least
+/// `block_bytes / 255` rounded up to 4 KiB, at most the block.
+pub(crate) fn store_chunk_bytes(configured: u64, block_bytes: u64) -> u64 {
+    let floor = block_bytes.div_ceil(MAX_STORE_CHUNKS).div_ceil(ALIGN_BYTES) * ALIGN_BYTES;
+    configured.max(floor).min(block_bytes)
+}
+
 /// `[events]`: the block event stream.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(try_from = "RawEvents")]
@@ -506,12 +538,13 @@ impl Config {
         })
     }
 
-    /// Checks every field and the relations between fields.
+    /// Checks every field and the relations between fields, and derives the sizes the engine
+    /// runs with from them (computed here once; nothing else recomputes them).
     ///
     /// # Errors
     ///
     /// [`ConfigError::Invalid`] for the first violation found.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub fn validate(&self) -> Result<Derived, ConfigError> {
         let block_size = self.block_size;
         ensure(
             block_size % ALIGN_BYTES == 0 && (ALIGN_BYTES..=BLOCK_SIZE_MAX).contains(&block_size),
@@ -561,7 +594,24 @@ impl Config {
             AT_LEAST_ONE,
         )?;
         self.validate_devices()?;
-        self.validate_s3()
+        self.validate_s3()?;
+        Ok(self.derive())
+    }
+
+    fn derive(&self) -> Derived {
+        let block_bytes = self.block_size;
+        let piece_blocks = (REGISTERED_PIECE_MAX / block_bytes).max(1);
+        Derived {
+            block_bytes,
+            layout: self.devices.first().map_or(Layout::Slab, |d| d.layout),
+            store_chunk_bytes: store_chunk_bytes(self.scheduler.store_chunk_bytes, block_bytes),
+            piece_bytes: (piece_blocks * block_bytes) as usize,
+            demote_on_evict: self
+                .s3
+                .as_ref()
+                .is_some_and(|s3| s3.write == S3Write::OnEvict),
+            staging_blocks: DEMOTION_STAGING_BLOCKS,
+        }
     }
 
     fn validate_s3(&self) -> Result<(), ConfigError> {

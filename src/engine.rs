@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 
+use crate::cold::ColdTier;
 use crate::config::{Config, Cores, Layout};
 use crate::error::{Error, Result};
 use crate::events::{Event, EventSink};
@@ -23,27 +24,13 @@ use crate::io::{BackendSettings, EventFd, Region, Storage};
 use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::metrics::Stats;
+use crate::route::{items_by_worker, Router};
 use crate::slab::layout::{DeviceSpec, SlabLayout};
 use crate::slab::prepare::prepare_slab;
 use crate::slab::Geometry;
-use crate::worker::{self, Msg, Part, Scheduler, Worker, WorkerParams, WorkerShared};
+use crate::worker::{self, Msg, Scheduler, Worker, WorkerParams, WorkerShared};
 
-/// Which tier answered a lookup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Tier {
-    Nvme,
-    /// The object store (`[s3]`).
-    S3,
-}
-
-/// The answer to a lookup, from the in-memory index (no I/O, no retry step).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Lookup {
-    Hit(Tier),
-    Miss,
-    /// Not known yet (reserved for tiers that answer asynchronously, such as S3).
-    Pending,
-}
+pub use crate::tier::{Lookup, Tier};
 
 /// One device as opened.
 #[derive(Clone, Debug)]
@@ -89,50 +76,6 @@ struct ShardHandle {
     shared: Arc<WorkerShared>,
 }
 
-/// Sends work to the workers: the engine's admitted jobs and its own internal jobs (promotions
-/// from S3, the NVMe half of write-through stores).
-pub(crate) struct Router {
-    shards: Vec<(Sender<Msg>, Arc<WorkerShared>)>,
-}
-
-impl Router {
-    /// Sends `items` of `job` to worker `shard` (their queue room is already reserved).
-    fn send(&self, shard: usize, job: &Arc<JobState>, items: Vec<u32>) {
-        let (tx, me) = &self.shards[shard];
-        // Cannot fail: the engine holds a receiver of every channel until it is dropped, and
-        // shutdown fails whatever is left in them.
-        let _ = tx.send(Msg::Work(Part {
-            job: Arc::clone(job),
-            items,
-        }));
-        me.nudge();
-    }
-
-    /// Sends every key of an internal job to its worker. Internal jobs are admitted with the
-    /// caller's job they serve, so they only count their queued blocks.
-    pub fn dispatch(&self, job: &Arc<JobState>) {
-        let parts = items_by_worker(&job.job.keys, self.shards.len());
-        for (s, items) in parts.into_iter().enumerate() {
-            if !items.is_empty() {
-                self.shards[s]
-                    .1
-                    .queued_blocks
-                    .fetch_add(items.len(), Ordering::AcqRel);
-                self.send(s, job, items);
-            }
-        }
-    }
-}
-
-/// The positions of `keys`, grouped by the worker each key routes to (in key order).
-fn items_by_worker(keys: &[Key], workers: usize) -> Vec<Vec<u32>> {
-    let mut parts: Vec<Vec<u32>> = vec![Vec::new(); workers];
-    for (i, key) in keys.iter().enumerate() {
-        parts[key.shard(workers)].push(i as u32);
-    }
-    parts
-}
-
 pub struct Engine {
     region_blocks: u64,
     block_bytes: u64,
@@ -142,8 +85,8 @@ pub struct Engine {
     shared: Arc<Shared>,
     shards: Vec<ShardHandle>,
     router: Arc<Router>,
-    #[cfg(feature = "s3")]
-    s3: Option<crate::s3::S3Tier>,
+    /// The cold tier (`[s3]`), when configured.
+    cold: Option<Box<dyn ColdTier>>,
     results: Receiver<JobResult>,
     shut: AtomicBool,
     /// Held shared by every submit and exclusively by shutdown while it sets `shut`.
@@ -173,8 +116,8 @@ impl Engine {
         storage: Arc<dyn Storage>,
     ) -> Result<Engine> {
         let started = std::time::Instant::now();
-        config.validate()?;
-        let block_bytes = config.block_size;
+        let derived = config.validate()?;
+        let block_bytes = derived.block_bytes;
         if (region.len() as u64) < block_bytes {
             return Err(Error::Memory(format!(
                 "the region is {} bytes, smaller than one block of {block_bytes}",
@@ -189,10 +132,7 @@ impl Engine {
         }
         let mut devices = Vec::with_capacity(config.devices.len());
         let mut summaries = Vec::with_capacity(config.devices.len());
-        let files_layout = config
-            .devices
-            .first()
-            .is_some_and(|d| d.layout == Layout::Files);
+        let files_layout = derived.layout == Layout::Files;
         let mut files_devices = Vec::new();
         let mut scanned = Vec::new();
         if files_layout && !storage.supports_files() {
@@ -279,21 +219,18 @@ impl Engine {
             ),
             miss_fallback: std::sync::OnceLock::new(),
         });
-        let piece_blocks = ((1u64 << 30) / block_bytes).max(1);
         let settings = BackendSettings {
             ring_entries: config.ring_entries,
             sqpoll: config.sqpoll,
             sqpoll_idle_ms: config.sqpoll_idle_ms,
             iopoll: config.iopoll,
             ioprio: config.scheduler.ioprio,
-            piece_bytes: (piece_blocks * block_bytes) as usize,
+            piece_bytes: derived.piece_bytes,
             files_layout,
         };
-        let demote_sink: Option<worker::DemoteSink> = config
-            .s3
-            .as_ref()
-            .filter(|s3| s3.write == crate::config::S3Write::OnEvict)
-            .map(|_| Arc::new(std::sync::OnceLock::new()));
+        let demote_sink: Option<worker::DemoteSink> = derived
+            .demote_on_evict
+            .then(|| Arc::new(std::sync::OnceLock::new()));
         let mut shards = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
         let (ready_tx, ready_rx) = crossbeam_channel::unbounded();
@@ -321,7 +258,9 @@ impl Engine {
                 me,
                 rx,
                 settings: settings.clone(),
-                config: config.clone(),
+                sched: Scheduler::new(&config.scheduler, block_bytes, derived.store_chunk_bytes),
+                ring_entries: config.ring_entries as usize,
+                staging_blocks: derived.staging_blocks,
                 ready: ready_tx.clone(),
                 demote_sink: demote_sink.clone(),
             };
@@ -351,6 +290,7 @@ impl Engine {
                 .iter()
                 .map(|h| (h.tx.clone(), Arc::clone(&h.shared)))
                 .collect(),
+            queue_blocks_max: config.queue_blocks_max,
         });
         let mut engine = Engine {
             region_blocks,
@@ -361,8 +301,7 @@ impl Engine {
             shared: Arc::clone(&shared),
             shards,
             router: Arc::clone(&router),
-            #[cfg(feature = "s3")]
-            s3: None,
+            cold: None,
             results,
             shut: AtomicBool::new(false),
             gate: RwLock::new(()),
@@ -396,12 +335,8 @@ impl Engine {
                     &worker_cores,
                 ) {
                     Ok(tier) => {
-                        if let Some(sink) = &demote_sink {
-                            let _ = sink.set(tier.demote_sink());
-                        }
-                        let _ = engine.shared.miss_fallback.set(tier.miss_fallback());
                         engine.info.s3 = Some(tier.summary().clone());
-                        engine.s3 = Some(tier);
+                        engine.attach_cold(Box::new(tier), demote_sink.as_ref());
                     }
                     Err(e) => {
                         engine.shutdown();
@@ -439,6 +374,16 @@ impl Engine {
             );
         }
         Ok(engine)
+    }
+
+    /// Connects the cold tier: workers hand it their misses and (with `on_evict`) demotions.
+    #[cfg_attr(not(feature = "s3"), allow(dead_code))]
+    fn attach_cold(&mut self, tier: Box<dyn ColdTier>, demote: Option<&worker::DemoteSink>) {
+        if let (Some(sink), Some(f)) = (demote, tier.demote_sink()) {
+            let _ = sink.set(f);
+        }
+        let _ = self.shared.miss_fallback.set(tier.miss_fallback());
+        self.cold = Some(tier);
     }
 
     pub fn info(&self) -> &EngineInfo {
@@ -479,38 +424,21 @@ impl Engine {
         }
         let workers = self.shards.len();
         let mut parts = items_by_worker(&job.keys, workers);
-        // Reserve queue room on every shard first, so a job is queued whole or not at all.
-        for s in 0..workers {
-            let n = parts[s].len();
-            if n == 0 {
-                continue;
-            }
-            let q = &self.shards[s].shared.queued_blocks;
-            let before = q.fetch_add(n, Ordering::AcqRel);
-            if before + n > self.queue_blocks_max {
-                for (t, part) in parts.iter().enumerate().take(s + 1) {
-                    if !part.is_empty() {
-                        self.shards[t]
-                            .shared
-                            .queued_blocks
-                            .fetch_sub(part.len(), Ordering::AcqRel);
-                    }
-                }
-                self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
-                self.notify_if_idle();
-                return Err(Error::Backpressure(format!(
-                    "worker {s} has {before} blocks queued, this job adds {n} (queue_blocks_max = {})",
-                    self.queue_blocks_max
-                )));
-            }
+        // Reserve queue room on every worker first, so a job is queued whole or not at all.
+        if let Err((s, before, n)) = self.router.reserve_or(&parts) {
+            self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.notify_if_idle();
+            return Err(Error::Backpressure(format!(
+                "worker {s} has {before} blocks queued, this job adds {n} (queue_blocks_max = {})",
+                self.queue_blocks_max
+            )));
         }
         let state = Arc::new(self.job_state(kind, job));
         if state.job.keys.is_empty() {
             state.publish(&self.shared);
             return Ok(());
         }
-        #[cfg(feature = "s3")]
-        if let (JobKind::Load, Some(s3)) = (kind, &self.s3) {
+        if let (JobKind::Load, Some(cold)) = (kind, &self.cold) {
             // Keys not held locally are loaded from the bucket; their queue room is returned.
             let mut remote = Vec::new();
             for (s, items) in parts.iter_mut().enumerate() {
@@ -531,7 +459,7 @@ impl Engine {
                 }
             }
             if !remote.is_empty() {
-                s3.load(&state, remote);
+                cold.load(&state, remote);
             }
         }
         for (s, items) in parts.into_iter().enumerate() {
@@ -544,10 +472,8 @@ impl Engine {
 
     /// The state of an admitted job: write-through stores report after their upload.
     fn job_state(&self, kind: JobKind, job: Job) -> JobState {
-        #[cfg(feature = "s3")]
-        if let (JobKind::Store, Some(s3)) = (kind, &self.s3) {
-            if s3.write_mode() == crate::config::S3Write::Through {
-                let then = s3.after_store(job.keys.clone(), job.blocks.clone());
+        if let (JobKind::Store, Some(cold)) = (kind, &self.cold) {
+            if let Some(then) = cold.write_through(&job.keys, &job.blocks) {
                 return JobState::internal(kind, job, then);
             }
         }
@@ -557,12 +483,11 @@ impl Engine {
     /// Whether the NVMe tier holds `key` (stored here, or published by another process into a
     /// shared files directory).
     fn is_local(&self, key: &Key) -> bool {
-        let set = self.shards[key.shard(self.shards.len())]
+        self.shards[key.shard(self.shards.len())]
             .shared
             .published
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        set.contains(key) || self.published_elsewhere(key)
+            .contains(key)
+            || self.published_elsewhere(key)
     }
 
     fn invalid(&self, job: &Job) -> Option<(usize, String)> {
@@ -631,8 +556,7 @@ impl Engine {
                 }
             })
             .collect();
-        #[cfg(feature = "s3")]
-        if let Some(s3) = &self.s3 {
+        if let Some(cold) = &self.cold {
             let missing: Vec<Key> = keys
                 .iter()
                 .zip(&out)
@@ -640,7 +564,7 @@ impl Engine {
                 .map(|(k, _)| *k)
                 .collect();
             if !missing.is_empty() {
-                let mut remote = s3.lookup(&missing).into_iter();
+                let mut remote = cold.lookup(&missing).into_iter();
                 for l in &mut out {
                     if *l == Lookup::Miss {
                         *l = remote.next().unwrap_or(Lookup::Miss);
@@ -667,21 +591,15 @@ impl Engine {
 
     /// The object name `key` has in the S3 tier (`None` without one, or for a key too short to
     /// hold a block hash).
-    #[cfg(feature = "s3")]
     pub fn s3_object_name(&self, key: &Key) -> Option<String> {
-        self.s3.as_ref().and_then(|t| t.object_name(key))
+        self.cold.as_ref().and_then(|t| t.object_name(key))
     }
 
     /// Every key currently stored (completed stores, not yet evicted), in no particular order.
     pub fn keys(&self) -> Vec<Key> {
         let mut out = Vec::new();
         for h in &self.shards {
-            let set = h
-                .shared
-                .published
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            out.extend(set.iter().copied());
+            h.shared.published.collect_into(&mut out);
         }
         out
     }
@@ -747,9 +665,8 @@ impl Engine {
         }
         // S3 first: queued requests fail, running ones end within the timeout; promotions they
         // start still reach running workers.
-        #[cfg(feature = "s3")]
-        if let Some(s3) = &self.s3 {
-            s3.close();
+        if let Some(cold) = &self.cold {
+            cold.close();
         }
         for h in &self.shards {
             let _ = h.tx.send(Msg::Stop);
@@ -784,9 +701,8 @@ impl Engine {
             }
         }
         // Write-through jobs whose NVMe half just ended report from the reactor: let them.
-        #[cfg(feature = "s3")]
-        if let Some(s3) = &self.s3 {
-            s3.stop();
+        if let Some(cold) = &self.cold {
+            cold.stop();
         }
     }
 
@@ -805,10 +721,7 @@ impl Engine {
             }
         }
         s.jobs_in_flight = self.jobs_in_flight() as u64;
-        #[cfg(feature = "s3")]
-        {
-            s.s3 = self.s3.as_ref().map(|t| t.metrics().snapshot());
-        }
+        s.s3 = self.cold.as_ref().map(|c| c.stats());
         s.events_dropped = self.shared.events.dropped();
         s
     }
@@ -837,7 +750,9 @@ struct WorkerCtx {
     me: Arc<WorkerShared>,
     rx: Receiver<Msg>,
     settings: BackendSettings,
-    config: Config,
+    sched: Scheduler,
+    ring_entries: usize,
+    staging_blocks: usize,
     ready: Sender<(usize, std::result::Result<WorkerSummary, String>)>,
     /// Set with `s3.write = "on_evict"` on the slab layout.
     demote_sink: Option<worker::DemoteSink>,
@@ -870,11 +785,11 @@ fn worker_main(ctx: WorkerCtx) {
         }
     };
     // Demotion staging: a few blocks per worker, registered as buffer 2.
-    let staging_blocks = 8usize;
+    let staging_blocks = ctx.staging_blocks;
     let demote = match &ctx.demote_sink {
         None => None,
         Some(sink) => {
-            let len = staging_blocks * ctx.config.block_size as usize;
+            let len = staging_blocks * ctx.sched.block_bytes() as usize;
             match Region::allocate(len, kvtier_sys::mem::HugePages::Off) {
                 Ok(r) => Some(worker::Demote::new(
                     Arc::new(r),
@@ -912,8 +827,8 @@ fn worker_main(ctx: WorkerCtx) {
         rx: ctx.rx,
         shared: ctx.shared,
         me: Arc::clone(&ctx.me),
-        sched: Scheduler::new(&ctx.config.scheduler, ctx.config.block_size),
-        ring_entries: ctx.config.ring_entries as usize,
+        sched: ctx.sched,
+        ring_entries: ctx.ring_entries,
         demote,
     };
     let summary = |backend: String, recovered_blocks: u64| WorkerSummary {

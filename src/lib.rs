@@ -19,6 +19,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod cold;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -29,10 +30,14 @@ pub mod job;
 pub mod key;
 pub mod metrics;
 pub mod region;
+mod route;
 #[cfg(feature = "s3")]
 pub mod s3;
+#[cfg(any(test, feature = "sim"))]
+#[doc(hidden)]
 pub mod sim;
 pub mod slab;
+mod tier;
 pub mod uring;
 mod worker;
 

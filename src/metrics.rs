@@ -208,6 +208,9 @@ pub struct S3Metrics {
     pub lookup_pending: AtomicU64,
     pub promotions: AtomicU64,
     pub promotions_failed: AtomicU64,
+    /// Promotions not started because the workers' queues were full (`queue_blocks_max`): the
+    /// load is served from the object store alone.
+    pub promotions_skipped: AtomicU64,
     /// Demoted blocks uploaded.
     pub demotions: AtomicU64,
     /// Demoted blocks not uploaded: the upload queue was full, or their crc32c did not match.
@@ -230,6 +233,7 @@ impl S3Metrics {
             lookup_pending: l(&self.lookup_pending),
             promotions: l(&self.promotions),
             promotions_failed: l(&self.promotions_failed),
+            promotions_skipped: l(&self.promotions_skipped),
             demotions: l(&self.demotions),
             demotions_dropped: l(&self.demotions_dropped),
             background_upload_failures: l(&self.background_upload_failures),
@@ -260,6 +264,8 @@ pub struct S3Stats {
     pub lookup_pending: u64,
     pub promotions: u64,
     pub promotions_failed: u64,
+    /// Promotions not started because the workers' queues were full.
+    pub promotions_skipped: u64,
     pub demotions: u64,
     pub demotions_dropped: u64,
     pub background_upload_failures: u64,

@@ -15,7 +15,8 @@ if ! command -v s3s-fs >/dev/null 2>&1; then
 fi
 s3s-fs --version
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+# `kvtier/sim`: the simulated device and the deterministic simulator, for tests only.
+cargo clippy --workspace --all-targets --locked --features kvtier/sim -- -D warnings
 cargo build --release --workspace --locked
 # The Python package, installed the way the README says (`pip install ./python`), into a venv
 # of its own; the build reuses the release artifacts above. vLLM's wheel (about 340 MB, no
@@ -35,9 +36,9 @@ fi
 : > /tmp/kvtier-test.log
 # Every suite runs even when one fails, so the summary below covers them all.
 rc=0
-cargo test --workspace --all-targets --locked 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
+cargo test --workspace --all-targets --locked --features kvtier/sim 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
 # Doc tests too (--all-targets skips them).
-cargo test --workspace --doc --locked 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
+cargo test --workspace --doc --locked --features kvtier/sim 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
 # The Python tests (from outside python/, so `import kvtier` is the installed package).
 (cd python/tests && "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs .) 2>&1 \
   | tee /tmp/kvtier-pytest.log || rc=1

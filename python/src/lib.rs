@@ -742,6 +742,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
             sd.set_item("lookup_pending", s3.lookup_pending)?;
             sd.set_item("promotions", s3.promotions)?;
             sd.set_item("promotions_failed", s3.promotions_failed)?;
+            sd.set_item("promotions_skipped", s3.promotions_skipped)?;
             sd.set_item("demotions", s3.demotions)?;
             sd.set_item("demotions_dropped", s3.demotions_dropped)?;
             sd.set_item("background_upload_failures", s3.background_upload_failures)?;

@@ -211,10 +211,6 @@ impl FilesLayout {
         let mut scanned = scanned;
         scanned.sort_by_key(|f| f.last_use_secs);
         let devices = w.devs.len();
-        let mut published = me
-            .published
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for f in scanned {
             let dev = f.key.device(devices) as u16;
             w.tick += 1;
@@ -229,9 +225,8 @@ impl FilesLayout {
                 },
             );
             w.lru.insert(w.tick, f.key);
-            published.insert(f.key);
         }
-        drop(published);
+        me.published.extend(w.index.keys().copied());
         let n = w.index.len() as u64;
         me.metrics.recovered_blocks.store(n, Ordering::Relaxed);
         me.metrics.blocks_stored.store(n, Ordering::Relaxed);
@@ -353,11 +348,7 @@ impl FilesLayout {
         let e = self.index.remove(key)?;
         self.lru.remove(&e.tick);
         if e.state == State::Valid {
-            core.me
-                .published
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(key);
+            core.me.published.remove(key);
             core.me
                 .metrics
                 .blocks_stored
@@ -389,11 +380,7 @@ impl FilesLayout {
             }
         }
         self.lru.insert(tick, key);
-        core.me
-            .published
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(key);
+        core.me.published.insert(key);
         core.me
             .metrics
             .blocks_stored
@@ -653,6 +640,17 @@ impl Layout for FilesLayout {
 
     fn idle(&self) -> bool {
         self.stalled.is_empty()
+    }
+
+    #[cfg(any(test, feature = "sim"))]
+    fn check_quiet(&self, _core: &Core<Op>) -> Result<(), String> {
+        if self.removals_in_flight != 0 || self.index.values().any(|e| e.pins != 0) {
+            return Err(format!(
+                "{} removals in flight, or pins left",
+                self.removals_in_flight
+            ));
+        }
+        Ok(())
     }
 }
 

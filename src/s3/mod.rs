@@ -29,13 +29,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::Semaphore;
 
+use crate::cold::{ColdTier, DemoteFn};
 use crate::config::{S3Config, S3Write, WriteAck};
-use crate::engine::{Lookup, Router, Tier};
 use crate::error::{Error, Result};
 use crate::files::mapper::{split_key, AgnosticOptIn, FileMapper};
 use crate::job::{Job, JobFailure, JobKind, JobResult, JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::metrics::S3Metrics;
+use crate::metrics::S3Stats;
+use crate::route::Router;
+use crate::tier::{Lookup, Tier};
 use crate::Region;
 
 use client::{Failure, ObjectClient};
@@ -298,23 +301,17 @@ impl S3Tier {
     pub fn summary(&self) -> &S3Summary {
         &self.summary
     }
+}
 
-    pub fn metrics(&self) -> &S3Metrics {
-        &self.inner.metrics
-    }
-
-    pub fn write_mode(&self) -> S3Write {
-        self.inner.cfg.write
-    }
-
+impl ColdTier for S3Tier {
     /// The object name of `key` (`None` for keys too short to hold a block hash).
-    pub fn object_name(&self, key: &Key) -> Option<String> {
+    fn object_name(&self, key: &Key) -> Option<String> {
         self.inner.object_name(key)
     }
 
     /// Answers for keys not held locally: `Hit(S3)` or `Miss` when known, else `Pending` while
     /// one HEAD per key (all of this call's unknown keys in one batch) runs on the reactor.
-    pub fn lookup(&self, keys: &[Key]) -> Vec<Lookup> {
+    fn lookup(&self, keys: &[Key]) -> Vec<Lookup> {
         let inner = &self.inner;
         let mut batch = Vec::new();
         let answers = {
@@ -350,7 +347,7 @@ impl S3Tier {
     }
 
     /// Loads `items` of `job` (keys not held locally) from the bucket into their blocks.
-    pub fn load(&self, job: &Arc<JobState>, items: Vec<u32>) {
+    fn load(&self, job: &Arc<JobState>, items: Vec<u32>) {
         for item in items {
             let me = Arc::clone(&self.inner);
             let job = Arc::clone(job);
@@ -361,7 +358,7 @@ impl S3Tier {
 
     /// For workers: a load whose key the NVMe tier no longer holds is loaded from the bucket.
     /// Holds the tier weakly (the tier holds the state the workers share).
-    pub fn miss_fallback(&self) -> crate::job::MissFallback {
+    fn miss_fallback(&self) -> crate::job::MissFallback {
         let weak = Arc::downgrade(&self.inner);
         let shared = Arc::downgrade(&self.inner.shared);
         Box::new(
@@ -381,21 +378,28 @@ impl S3Tier {
     }
 
     /// A write-through store: `then` for the NVMe half, which uploads and reports the job.
-    pub fn after_store(&self, keys: Vec<Key>, blocks: Vec<u32>) -> crate::job::Then {
+    fn write_through(&self, keys: &[Key], blocks: &[u32]) -> Option<crate::job::Then> {
+        if self.inner.cfg.write != S3Write::Through {
+            return None;
+        }
+        let (keys, blocks) = (keys.to_vec(), blocks.to_vec());
         let me = Arc::clone(&self.inner);
         let submitted = Instant::now();
-        Box::new(move |nvme: JobResult| {
+        Some(Box::new(move |nvme: JobResult| {
             let inner = Arc::clone(&me);
             me.spawn(async move { inner.upload_job(nvme, keys, blocks, submitted).await });
-        })
+        }))
     }
 
     /// Where the NVMe workers hand evicted blocks (`write = "on_evict"`). Never blocks: the
     /// block is copied out of its staging slot on the reactor, then uploaded; with the upload
     /// queue full it is dropped and counted.
-    pub fn demote_sink(&self) -> Box<dyn Fn(crate::worker::Demotion) + Send + Sync> {
+    fn demote_sink(&self) -> Option<DemoteFn> {
+        if self.inner.cfg.write != S3Write::OnEvict {
+            return None;
+        }
         let inner = Arc::clone(&self.inner);
-        Box::new(move |d: crate::worker::Demotion| {
+        Some(Box::new(move |d: crate::worker::Demotion| {
             let Ok(permit) = inner.upload_queue.try_acquire() else {
                 inner
                     .metrics
@@ -431,12 +435,16 @@ impl S3Tier {
                 }
                 me.upload_queue.add_permits(1);
             });
-        })
+        }))
+    }
+
+    fn stats(&self) -> S3Stats {
+        self.inner.metrics.snapshot()
     }
 
     /// Stops new requests and retries, and waits (bounded) for the tasks under way. Their jobs
     /// still report: queued requests fail with `Shutdown`, running ones end within the timeout.
-    pub fn close(&self) {
+    fn close(&self) {
         self.inner.closing.store(true, Ordering::Release);
         self.inner.permits.close();
         self.inner.upload_queue.close();
@@ -444,7 +452,7 @@ impl S3Tier {
     }
 
     /// After the workers stopped: waits for the last tasks and stops the reactor.
-    pub fn stop(&self) {
+    fn stop(&self) {
         self.wait_tasks();
         let rt = self
             .runtime
@@ -455,7 +463,9 @@ impl S3Tier {
             rt.shutdown_timeout(Duration::from_secs(1));
         }
     }
+}
 
+impl S3Tier {
     fn wait_tasks(&self) {
         let o = &self.inner.outstanding;
         // A running attempt ends within the timeout; one backoff may follow before the retry
@@ -635,7 +645,7 @@ impl Inner {
             Ok(bytes) => {
                 self.mark(key, Verdict::Present);
                 if self.cfg.promote_on_load && !self.closing.load(Ordering::Acquire) {
-                    self.promote(job, index, key, block as u32, bytes);
+                    self.promote(&job, index, key, block as u32, bytes);
                 } else {
                     job.succeed(shared, index, bytes);
                 }
@@ -653,13 +663,14 @@ impl Inner {
     /// (it reads the caller's block, which is the caller's again once the load reports).
     fn promote(
         self: Arc<Self>,
-        parent: Arc<JobState>,
+        parent: &Arc<JobState>,
         index: usize,
         key: Key,
         block: u32,
         bytes: u64,
     ) {
         let me = Arc::clone(&self);
+        let waiting = Arc::clone(parent);
         let then: crate::job::Then = Box::new(move |r: JobResult| {
             let counter = if r.success {
                 &me.metrics.promotions
@@ -667,14 +678,22 @@ impl Inner {
                 &me.metrics.promotions_failed
             };
             counter.fetch_add(1, Ordering::Relaxed);
-            parent.succeed(&me.shared, index, bytes);
+            waiting.succeed(&me.shared, index, bytes);
         });
         let state = Arc::new(JobState::internal(
             JobKind::Store,
             Job::new(0, vec![key], vec![block]),
             then,
         ));
-        self.router.dispatch(&state);
+        if !self.router.try_dispatch(&state) {
+            // The workers' queues are full: serve the load from the object store alone rather
+            // than queue past `queue_blocks_max`.
+            // The internal job was never sent, so its `then` never runs.
+            self.metrics
+                .promotions_skipped
+                .fetch_add(1, Ordering::Relaxed);
+            parent.succeed(&self.shared, index, bytes);
+        }
     }
 
     fn copy_block(&self, block: u32) -> Bytes {

@@ -156,11 +156,7 @@ impl SlabLayout {
 
     pub(super) fn unindex(&mut self, core: &Core<Op>, key: Key) {
         self.index.remove(&key);
-        core.me
-            .published
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(&key);
+        core.me.published.remove(&key);
     }
 
     pub(super) fn free_slot(&mut self, d: usize, local: u32) {

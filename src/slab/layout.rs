@@ -322,11 +322,7 @@ impl SlabLayout {
             s.state = SlotState::Valid;
             s.crc = crc;
             let key = s.key.expect("writing slot has a key");
-            core.me
-                .published
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(key);
+            core.me.published.insert(key);
             let seq = self.seq;
             self.seq += 1;
             self.write_entry(
@@ -530,6 +526,54 @@ impl Layout for SlabLayout {
 
     fn idle(&self) -> bool {
         self.dirty_pages.is_empty() && self.finalize.is_empty()
+    }
+
+    #[cfg(any(test, feature = "sim"))]
+    fn check_quiet(&self, core: &Core<Op>) -> Result<(), String> {
+        if self.store_ops != 0 || self.table_in_flight != 0 || !self.finalize.is_empty() {
+            return Err(format!(
+                "{} stores, {} table writes, {} finalizations left",
+                self.store_ops,
+                self.table_in_flight,
+                self.finalize.len()
+            ));
+        }
+        for (d, dev) in self.devs.iter().enumerate() {
+            for (local, s) in dev.slots.iter().enumerate() {
+                if s.pins != 0 || s.state == SlotState::Writing || s.state == SlotState::Doomed {
+                    return Err(format!(
+                        "device {d} slot {local}: {:?} with {} pins",
+                        s.state, s.pins
+                    ));
+                }
+            }
+            let free = dev
+                .slots
+                .iter()
+                .filter(|s| s.state == SlotState::Free)
+                .count();
+            if free != dev.free.len() {
+                return Err(format!(
+                    "device {d}: {free} free slots but {} on the free list",
+                    dev.free.len()
+                ));
+            }
+        }
+        for (key, &(d, local)) in &self.index {
+            let s = &self.devs[d as usize].slots[local as usize];
+            if s.state != SlotState::Valid || s.key != Some(*key) {
+                return Err(format!("index entry {key:?} names a {:?} slot", s.state));
+            }
+            if !core.me.published.contains(key) {
+                return Err(format!("{key:?} is indexed but not published"));
+            }
+        }
+        let mut published = Vec::new();
+        core.me.published.collect_into(&mut published);
+        if let Some(k) = published.iter().find(|k| !self.index.contains_key(k)) {
+            return Err(format!("{k:?} is published but not indexed"));
+        }
+        Ok(())
     }
 }
 

@@ -259,16 +259,11 @@ impl SlabLayout {
             .rev()
             .filter(|&s| dev.slots[s as usize].state == SlotState::Free)
             .collect();
-        let mut published = core
-            .me
-            .published
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for (key, _, _) in &keep {
-            if self.index.contains_key(key) {
-                published.insert(*key);
-            }
-        }
+        core.me.published.extend(
+            keep.iter()
+                .map(|k| k.0)
+                .filter(|key| self.index.contains_key(key)),
+        );
         recovered
     }
 

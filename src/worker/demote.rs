@@ -9,6 +9,7 @@ use crate::worker::shared::WorkerShared;
 
 /// An evicted block read into a staging slot, handed to the S3 tier for upload. Dropping it
 /// gives the staging slot back to its worker.
+#[cfg_attr(not(feature = "s3"), allow(dead_code))]
 pub(crate) struct Demotion {
     pub key: Key,
     pub staging: Arc<Region>,

@@ -20,6 +20,7 @@
 
 pub(crate) mod demote;
 pub(crate) mod ops;
+pub(crate) mod published;
 pub(crate) mod queue;
 pub(crate) mod sched;
 pub(crate) mod shared;
@@ -129,6 +130,10 @@ pub(crate) trait Layout {
 
     /// Whether the layout has nothing left to do (the worker may exit when stopping).
     fn idle(&self) -> bool;
+
+    /// For the simulator, once the worker is idle: what the layout would have leaked.
+    #[cfg(any(test, feature = "sim"))]
+    fn check_quiet(&self, core: &Core<Self::Op>) -> Result<(), String>;
 }
 
 /// The parts of a worker a layout acts through.
@@ -366,6 +371,50 @@ impl<L: Layout> Worker<L> {
             }
         }
         self.core.publish_gauges();
+    }
+
+    /// One turn and a submit that never sleeps, for the simulator (which steps every worker
+    /// from one thread); true if anything moved or is still in flight.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn step(&mut self) -> bool {
+        let progress = self.turn();
+        self.core.publish_gauges();
+        let r = self.core.backend.submit(false);
+        self.layout.after_submit(&mut self.core);
+        assert!(r.is_ok(), "the simulated backend cannot fail a submit");
+        progress || self.core.backend.in_flight() > 0
+    }
+
+    /// For the simulator, once idle: nothing leaked (ops, queue room, in-flight counts, and
+    /// what the layout holds).
+    #[cfg(any(test, feature = "sim"))]
+    pub fn check_quiet(&self) -> Result<(), String> {
+        let c = &self.core;
+        let live = c.ops.live();
+        let queued = c.me.queued_blocks.load(Ordering::Acquire);
+        let checks = [
+            (live == 0, format!("{live} ops still live")),
+            (
+                queued == 0,
+                format!("{queued} blocks of queue room not given back"),
+            ),
+            (
+                c.sched.loads_in_flight() == 0,
+                format!("{} loads counted in flight", c.sched.loads_in_flight()),
+            ),
+            (
+                c.sched.store_bytes_in_flight() == 0,
+                format!(
+                    "{} store bytes counted in flight",
+                    c.sched.store_bytes_in_flight()
+                ),
+            ),
+            (c.idle(), "queues or in-flight I/O left".to_owned()),
+        ];
+        if let Some((_, why)) = checks.into_iter().find(|(ok, _)| !ok) {
+            return Err(why);
+        }
+        self.layout.check_quiet(c)
     }
 
     /// One turn of the loop without submitting or sleeping; true if anything moved.

@@ -46,6 +46,12 @@ impl<T: TableOp> OpTable<T> {
         self.free.push(idx);
     }
 
+    /// Ops in use.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn live(&self) -> usize {
+        self.live.iter().filter(|&&l| l).count()
+    }
+
     pub fn user_data(&self, idx: u32, chunk: u16) -> u64 {
         encode_user_data(idx, self.gens[idx as usize], chunk)
     }

@@ -12,7 +12,7 @@
 //!   `store_chunk_bytes` when loads wait (so a load never queues behind a whole large block).
 //!   A block has at most 255 chunks (the chunk number travels in 8 bits of `user_data`).
 
-use crate::config::SchedulerConfig;
+use crate::config::{SchedulerConfig, MAX_STORE_CHUNKS};
 use crate::job::KeyFailure;
 
 #[derive(Clone, Debug)]
@@ -26,17 +26,15 @@ pub(crate) struct Scheduler {
     store_bytes_in_flight: u64,
 }
 
-/// Most chunks one block's store may be cut into.
-const MAX_CHUNKS: u64 = 255;
-
 impl Scheduler {
-    pub fn new(cfg: &SchedulerConfig, block_bytes: u64) -> Scheduler {
-        let chunk_floor = block_bytes.div_ceil(MAX_CHUNKS).div_ceil(4096) * 4096;
+    /// `chunk_bytes`: the derived store chunk ([`crate::config::Derived::store_chunk_bytes`]).
+    pub fn new(cfg: &SchedulerConfig, block_bytes: u64, chunk_bytes: u64) -> Scheduler {
+        debug_assert!(block_bytes.div_ceil(chunk_bytes) <= MAX_STORE_CHUNKS);
         Scheduler {
             load_inflight_max: cfg.load_inflight_max,
             store_inflight_max: cfg.store_inflight_max,
             store_inflight_max_while_loading: cfg.store_inflight_max_while_loading,
-            chunk_bytes: cfg.store_chunk_bytes.max(chunk_floor).min(block_bytes),
+            chunk_bytes,
             block_bytes,
             loads_in_flight: 0,
             store_bytes_in_flight: 0,
@@ -71,7 +69,7 @@ impl Scheduler {
         self.loads_in_flight -= 1;
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "sim"))]
     pub fn loads_in_flight(&self) -> usize {
         self.loads_in_flight
     }
@@ -121,7 +119,7 @@ impl Scheduler {
         self.store_bytes_in_flight -= bytes;
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "sim"))]
     pub fn store_bytes_in_flight(&self) -> u64 {
         self.store_bytes_in_flight
     }
@@ -174,6 +172,7 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn sched(block: u64, chunk: u64) -> Scheduler {
+        let chunk = crate::config::store_chunk_bytes(chunk, block);
         Scheduler::new(
             &SchedulerConfig {
                 load_inflight_max: 2,
@@ -183,6 +182,7 @@ mod tests {
                 ioprio: true,
             },
             block,
+            chunk,
         )
     }
 

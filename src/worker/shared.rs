@@ -1,21 +1,21 @@
 //! The parts of a worker that the engine handle and other threads see, and the worker's sleep.
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use crossbeam_channel::Receiver;
 use crossbeam_utils::CachePadded;
 
 use crate::io::{EventFd, IoBackend, Region};
-use crate::key::KeySet;
 use crate::metrics::ShardMetrics;
+use crate::worker::published::PublishedKeys;
 use crate::worker::queue::Msg;
 
 /// The parts of a worker that the engine handle sees. `sleeping` (written by the worker, read by
 /// every submitter) and `queued_blocks` (written by both) sit on cache lines of their own, so
 /// neither bounces the line the other one or the metrics live on.
 pub(crate) struct WorkerShared {
-    pub published: RwLock<KeySet>,
+    pub published: PublishedKeys,
     pub metrics: ShardMetrics,
     pub sleeping: CachePadded<AtomicBool>,
     pub wake: Arc<EventFd>,
@@ -26,7 +26,7 @@ pub(crate) struct WorkerShared {
 impl WorkerShared {
     pub fn new(wake: Arc<EventFd>) -> WorkerShared {
         WorkerShared {
-            published: RwLock::new(KeySet::default()),
+            published: PublishedKeys::default(),
             metrics: ShardMetrics::default(),
             sleeping: CachePadded::new(AtomicBool::new(false)),
             wake,

@@ -9,7 +9,15 @@
 //! time, so a read never sees a write that has not completed, and a reordered completion is a
 //! reordered effect. Every pushed request is logged, in push order, for scheduling tests.
 //!
+//! Durability: with [`SimStorage::track_durability`] every completed write is journaled as
+//! not yet durable (the slab never syncs, so nothing after open is); [`SimStorage::power_loss`]
+//! then keeps, drops, tears or misdirects each of them, drawn from a seed, as a device's
+//! volatile cache may at power loss. [`cluster`] steps workers on these devices from one thread,
+//! so a seed replays the schedule too.
+//!
 //! Set `KVTIER_SIM_SEED` to replay a failing seed; [`seed_from_env`] prints the seed in use.
+
+pub mod cluster;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -111,6 +119,24 @@ struct State {
     paused: AtomicBool,
     log: Mutex<Vec<LogEntry>>,
     log_enabled: AtomicBool,
+    /// Completed writes not yet durable, oldest first (`None`: not tracking).
+    journal: Mutex<Option<Vec<Undo>>>,
+}
+
+/// A completed write not yet durable: where it went and the bytes it replaced.
+struct Undo {
+    dev: usize,
+    offset: u64,
+    old: Vec<u8>,
+}
+
+/// What [`SimStorage::power_loss`] did with the writes that were not durable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PowerLoss {
+    pub kept: u64,
+    pub dropped: u64,
+    pub torn: u64,
+    pub misdirected: u64,
 }
 
 impl SimStorage {
@@ -132,6 +158,7 @@ impl SimStorage {
                 paused: AtomicBool::new(false),
                 log: Mutex::new(Vec::new()),
                 log_enabled: AtomicBool::new(false),
+                journal: Mutex::new(None),
             }),
         })
     }
@@ -160,6 +187,66 @@ impl SimStorage {
             .writes_until_crash
             .store(u64::MAX, Ordering::SeqCst);
         self.set_faults(Faults::default());
+    }
+
+    /// Starts (or stops) journaling completed writes as not yet durable; see
+    /// [`SimStorage::power_loss`].
+    pub fn track_durability(&self, on: bool) {
+        *self
+            .state
+            .journal
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = on.then(Vec::new);
+    }
+
+    /// Power goes out: every journaled write is, drawn from `seed`, kept (45 %), dropped (30 %:
+    /// its old bytes come back), torn (20 %: a random run of its sectors reverts) or misdirected
+    /// (5 %: it reverts where it was aimed and lands at another sector of the same disk).
+    /// Undone newest first, so a write dropped under a later kept one may take part of that one
+    /// with it: harsher than a real cache, never kinder. The journal is cleared.
+    pub fn power_loss(&self, seed: u64) -> PowerLoss {
+        let journal = self
+            .state
+            .journal
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
+        let mut rng = Rng::new(seed);
+        let mut out = PowerLoss::default();
+        for undo in journal.into_iter().rev() {
+            let mut d = self.state.disks[undo.dev]
+                .bytes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let start = undo.offset as usize;
+            let len = undo.old.len();
+            let sectors = (len / 512).max(1);
+            match rng.below(100) {
+                0..45 => out.kept += 1,
+                45..75 => {
+                    d[start..start + len].copy_from_slice(&undo.old);
+                    out.dropped += 1;
+                }
+                75..95 => {
+                    let a = rng.below(sectors as u64) as usize * 512;
+                    let b =
+                        (a + (rng.below((sectors - a / 512) as u64) as usize + 1) * 512).min(len);
+                    d[start + a..start + b].copy_from_slice(&undo.old[a..b]);
+                    out.torn += 1;
+                }
+                _ => {
+                    let new = d[start..start + len].to_vec();
+                    d[start..start + len].copy_from_slice(&undo.old);
+                    let slots = (d.len() - len) / 512;
+                    let to = rng.below(slots as u64 + 1) as usize * 512;
+                    d[to..to + len].copy_from_slice(&new);
+                    out.misdirected += 1;
+                }
+            }
+        }
+        out
     }
 
     /// While paused, no I/O completes (requests are still accepted and logged).
@@ -251,7 +338,21 @@ impl State {
         let range = offset as usize..offset as usize + len;
         match kind {
             IoKind::Read => region.write(buf.offset, &d[range]),
-            IoKind::Write => region.read(buf.offset, &mut d[range]),
+            IoKind::Write => {
+                if let Some(journal) = self
+                    .journal
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .as_mut()
+                {
+                    journal.push(Undo {
+                        dev,
+                        offset,
+                        old: d[range.clone()].to_vec(),
+                    });
+                }
+                region.read(buf.offset, &mut d[range]);
+            }
         }
     }
 }

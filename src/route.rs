@@ -1,0 +1,93 @@
+//! Routing: a key goes to the worker its hash names. [`Router`] sends work to the workers, for
+//! the engine's admitted jobs and for internal jobs (promotions from the cold tier, the NVMe
+//! half of write-through stores).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crossbeam_channel::Sender;
+
+use crate::job::JobState;
+use crate::key::Key;
+use crate::worker::{Msg, Part, WorkerShared};
+
+/// Sends work to the workers: the engine's admitted jobs and its own internal jobs (promotions
+/// from S3, the NVMe half of write-through stores).
+pub(crate) struct Router {
+    pub shards: Vec<(Sender<Msg>, Arc<WorkerShared>)>,
+    /// The per-worker bound on queued blocks, which internal jobs respect too.
+    pub queue_blocks_max: usize,
+}
+
+impl Router {
+    /// Sends `items` of `job` to worker `shard` (their queue room is already reserved).
+    pub fn send(&self, shard: usize, job: &Arc<JobState>, items: Vec<u32>) {
+        let (tx, me) = &self.shards[shard];
+        // Cannot fail: the engine holds a receiver of every channel until it is dropped, and
+        // shutdown fails whatever is left in them.
+        let _ = tx.send(Msg::Work(Part {
+            job: Arc::clone(job),
+            items,
+        }));
+        me.nudge();
+    }
+
+    /// Sends every key of an internal job to its worker, if every worker has queue room for
+    /// its part (`queue_blocks_max`, as for the caller's jobs); false, with nothing sent, if
+    /// not. Internal jobs are admitted with the caller's job they serve, so they only count
+    /// their queued blocks.
+    #[cfg_attr(not(feature = "s3"), allow(dead_code))]
+    pub fn try_dispatch(&self, job: &Arc<JobState>) -> bool {
+        let parts = items_by_worker(&job.job.keys, self.shards.len());
+        if !self.reserve(&parts) {
+            return false;
+        }
+        for (s, items) in parts.into_iter().enumerate() {
+            if !items.is_empty() {
+                self.send(s, job, items);
+            }
+        }
+        true
+    }
+
+    /// Reserves queue room for `parts` on every worker, all or nothing.
+    #[cfg_attr(not(feature = "s3"), allow(dead_code))]
+    pub fn reserve(&self, parts: &[Vec<u32>]) -> bool {
+        self.reserve_or(parts).is_ok()
+    }
+
+    /// [`Router::reserve`], saying which worker was full: `(worker, queued before, adding)`.
+    pub fn reserve_or(&self, parts: &[Vec<u32>]) -> Result<(), (usize, usize, usize)> {
+        for (s, part) in parts.iter().enumerate() {
+            let n = part.len();
+            if n == 0 {
+                continue;
+            }
+            let before = self.shards[s]
+                .1
+                .queued_blocks
+                .fetch_add(n, Ordering::AcqRel);
+            if before + n > self.queue_blocks_max {
+                for (t, done) in parts.iter().enumerate().take(s + 1) {
+                    if !done.is_empty() {
+                        self.shards[t]
+                            .1
+                            .queued_blocks
+                            .fetch_sub(done.len(), Ordering::AcqRel);
+                    }
+                }
+                return Err((s, before, n));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The positions of `keys`, grouped by the worker each key routes to (in key order).
+pub(crate) fn items_by_worker(keys: &[Key], workers: usize) -> Vec<Vec<u32>> {
+    let mut parts: Vec<Vec<u32>> = vec![Vec::new(); workers];
+    for (i, key) in keys.iter().enumerate() {
+        parts[key.shard(workers)].push(i as u32);
+    }
+    parts
+}
