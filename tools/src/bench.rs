@@ -18,6 +18,8 @@
 //! whole blocks, because fio does no such per-block work and the bench thread shares the
 //! cores with the engine's workers.
 
+use crate::rng::{splitmix64, Rng};
+use crate::stats::percentile;
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::io::IsTerminal;
@@ -150,6 +152,10 @@ pub struct BenchArgs {
     /// [default: 16, or the config's max_concurrency].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     s3_concurrency: Option<u32>,
+    /// Threads that call `lookup` in a loop (64 keys a call, hits and misses) during the store
+    /// phase, to show that lookups do not slow stores; their rate is printed.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    lookup_threads: u32,
     /// --workload cold: rounds of PUT and GET (engine and plain loop alternate).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
@@ -446,12 +452,46 @@ fn run_phases(
     let duration = Duration::from_secs_f64(args.duration);
     let mut results = Vec::new();
 
-    let store = bench.run_phase(&Phase {
+    let store_phase = Phase {
         label: "store",
         load: false,
         store: Some(StoreUntil::Key(blocks)),
         duration: None,
-    })?;
+    };
+    let store = if args.lookup_threads == 0 {
+        bench.run_phase(&store_phase)?
+    } else {
+        let engine = bench.engine;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let looked = std::sync::atomic::AtomicU64::new(0);
+        let started = Instant::now();
+        let store = std::thread::scope(|s| {
+            for t in 0..args.lookup_threads {
+                let (stop, looked) = (&stop, &looked);
+                s.spawn(move || {
+                    let mut rng = Rng::new(SEED ^ u64::from(t));
+                    let mut keys = Vec::with_capacity(64);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        keys.clear();
+                        // Half of them among the keys the phase stores, half never stored.
+                        keys.extend((0..64).map(|_| key_of(rng.below(2 * blocks))));
+                        std::hint::black_box(engine.lookup(&keys));
+                        looked.fetch_add(64, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+            let r = bench.run_phase(&store_phase);
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            r
+        })?;
+        let n = looked.load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "lookups during the store phase: {} thread(s), {:.2} M keys/s",
+            args.lookup_threads,
+            n as f64 / started.elapsed().as_secs_f64() / 1e6
+        );
+        store
+    };
     tracing::info!(
         blocks,
         seconds = format!("{:.2}", store.seconds),
@@ -723,12 +763,12 @@ struct Tally {
 
 impl Tally {
     /// Reservoir sampling (Vitter's algorithm R) over every latency of the phase.
-    fn record_latency(&mut self, micros: u64, rng: &mut XorShift) {
+    fn record_latency(&mut self, micros: u64, rng: &mut Rng) {
         self.latencies_seen += 1;
         if self.latencies_us.len() < LATENCY_SAMPLES_MAX {
             self.latencies_us.push(micros);
         } else {
-            let slot = rng.next() % self.latencies_seen;
+            let slot = rng.next_u64() % self.latencies_seen;
             if let Some(kept) = self.latencies_us.get_mut(slot as usize) {
                 *kept = micros;
             }
@@ -788,15 +828,6 @@ impl PhaseOutcome {
     }
 }
 
-/// Nearest-rank percentile of sorted values; 0 when empty.
-fn percentile(sorted: &[u64], q: f64) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
 /// A job the bench has submitted and not yet seen finish; indexed by its region block.
 #[derive(Clone, Copy)]
 struct InFlight {
@@ -815,7 +846,7 @@ struct Bench<'e> {
     in_flight: Vec<Option<InFlight>>,
     next_seq: u64,
     results: Vec<JobResult>,
-    rng: XorShift,
+    rng: Rng,
     /// Keys whose store succeeded, oldest first; loads pick among them.
     pool: VecDeque<u64>,
     /// Bound on `pool`: more keys than slots cannot all be stored.
@@ -855,7 +886,7 @@ impl<'e> Bench<'e> {
             in_flight: vec![None; region_blocks as usize],
             next_seq: 0,
             results: Vec::with_capacity(2 * queue_depth),
-            rng: XorShift::new(SEED ^ 0x5eed),
+            rng: Rng::new(SEED ^ 0x5eed),
             pool: VecDeque::with_capacity(slots_total.min(1 << 20)),
             pool_max: slots_total.max(1),
             next_store_key: 0,
@@ -961,7 +992,7 @@ impl<'e> Bench<'e> {
             if self.pool.is_empty() {
                 return None;
             }
-            let i = (self.rng.next() % self.pool.len() as u64) as usize;
+            let i = (self.rng.next_u64() % self.pool.len() as u64) as usize;
             let key = self.pool[i];
             if self.engine.lookup(&[key_of(key)])[0] != Lookup::Miss {
                 return Some(key);
@@ -1116,32 +1147,6 @@ fn key_of(k: u64) -> Key {
     Key::vllm(&hash, 0).expect("a 32-byte hash and a group index fit in a key")
 }
 
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// xorshift64*: small, fast, reproducible.
-struct XorShift(u64);
-
-impl XorShift {
-    fn new(seed: u64) -> XorShift {
-        XorShift(seed | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
-
 /// Block contents: `content(k)` is pattern `k % PATTERNS` with `k` (u64 LE) stamped in its
 /// first and last 8 bytes. Patterns live in ordinary memory, generated once. With
 /// [`Check::Stamps`] only the stamps are written and checked.
@@ -1157,12 +1162,12 @@ impl Patterns {
             block_bytes >= POISON_STRIDE_BYTES,
             "blocks are at least one page"
         );
-        let mut rng = XorShift::new(SEED);
+        let mut rng = Rng::new(SEED);
         let patterns = (0..PATTERNS)
             .map(|_| {
                 let mut block = vec![0u8; block_bytes];
                 for chunk in block.chunks_mut(8) {
-                    let word = rng.next().to_le_bytes();
+                    let word = rng.next_u64().to_le_bytes();
                     chunk.copy_from_slice(&word[..chunk.len()]);
                 }
                 block
@@ -1234,16 +1239,6 @@ impl Patterns {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn percentiles_use_nearest_rank() {
-        let v: Vec<u64> = (1..=1000).collect();
-        assert_eq!(percentile(&v, 0.5), 500);
-        assert_eq!(percentile(&v, 0.99), 990);
-        assert_eq!(percentile(&v, 0.999), 999);
-        assert_eq!(percentile(&[], 0.5), 0);
-        assert_eq!(percentile(&[7], 0.999), 7);
-    }
 
     #[test]
     fn keys_are_distinct_and_vllm_shaped() {

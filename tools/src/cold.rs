@@ -9,6 +9,8 @@
 //! Every loaded block is compared with what was stored. Objects are written under
 //! `<prefix>/kvtier-bench-<run>/...` and deleted at the end.
 
+use crate::rng::Rng;
+use crate::stats::{median, percentile};
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -36,12 +38,9 @@ pub(crate) struct ColdParams<'a> {
 /// The block bytes for object `i` of round `r`: a cheap pattern with the indexes stamped in.
 fn pattern(run: u64, r: u64, i: u64, len: usize) -> Vec<u8> {
     let mut v = Vec::with_capacity(len);
-    let mut x = run ^ (r << 40) ^ (i << 8) ^ 0x9E37_79B9_7F4A_7C15;
+    let mut rng = Rng::new(run ^ (r << 40) ^ (i << 8));
     while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
+        v.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
     v.truncate(len);
     v
@@ -53,27 +52,6 @@ fn key_of(run: u64, r: u64, i: u64) -> Key {
     hash[8..16].copy_from_slice(&r.to_be_bytes());
     hash[16..].copy_from_slice(&i.to_be_bytes());
     Key::vllm(&hash, 0).expect("24-byte hash")
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        f64::midpoint(v[n / 2 - 1], v[n / 2])
-    }
-}
-
-fn quantile_us(sorted: &[u64], q: f64) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
 }
 
 /// The plain loop: aws-sdk-s3 on its own runtime, with the engine's endpoint, credentials and
@@ -532,9 +510,15 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
     drop(engine);
     plain.delete_all(engine_names.into_iter().chain(plain_names).collect());
 
-    let (pe, pp) = (median(&mut put_engine), median(&mut put_plain));
-    let (ge, gp) = (median(&mut get_engine), median(&mut get_plain));
-    let q = |l: &Latency, x| quantile_us(&l.nvme_us, x);
+    let (pe, pp) = (
+        median(put_engine.iter().copied()),
+        median(put_plain.iter().copied()),
+    );
+    let (ge, gp) = (
+        median(get_engine.iter().copied()),
+        median(get_plain.iter().copied()),
+    );
+    let q = |l: &Latency, x| percentile(&l.nvme_us, x);
     let busy_s3 = output::gib(busy.s3_bytes) / busy.seconds;
     let mut text = String::new();
     let _ = writeln!(

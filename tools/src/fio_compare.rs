@@ -44,6 +44,7 @@
 //! device is always refused. The job files are `tools/fio/*.fio`, compiled in; `--show-fio`
 //! prints them filled in for this target and exits without measuring.
 
+use crate::stats::{median, median_sorted};
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Read as _};
 use std::os::unix::fs::FileTypeExt;
@@ -1263,19 +1264,6 @@ impl Spread {
             max: v.last().copied().unwrap_or(0.0),
         }
     }
-}
-
-/// The median of sorted values (the mean of the middle two for an even count); 0 when empty.
-fn median_sorted(v: &[f64]) -> f64 {
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => f64::midpoint(v[n / 2 - 1], v[n / 2]),
-    }
-}
-
-fn median(values: impl IntoIterator<Item = f64>) -> f64 {
-    Spread::of(values).median
 }
 
 /// The run whose every number is the median of that number over `runs`.

@@ -17,6 +17,8 @@ mod inspect;
 mod interrupt;
 mod output;
 mod probe;
+mod rng;
+mod stats;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
