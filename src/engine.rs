@@ -546,10 +546,16 @@ impl Engine {
     /// `s3.lookup_cache_max`, trusted for `s3.lookup_ttl_ms`). A failed load from S3 makes its
     /// keys `Miss`.
     pub fn lookup(&self, keys: &[Key]) -> Vec<Lookup> {
+        let workers = self.shards.len();
+        let held: Vec<_> = self
+            .shards
+            .iter()
+            .map(|h| h.shared.published.snapshot())
+            .collect();
         let mut out: Vec<Lookup> = keys
             .iter()
             .map(|k| {
-                if self.is_local(k) {
+                if held[k.shard(workers)].contains(k) || self.published_elsewhere(k) {
                     Lookup::Hit(Tier::Nvme)
                 } else {
                     Lookup::Miss
@@ -596,10 +602,24 @@ impl Engine {
     }
 
     /// Every key currently stored (completed stores, not yet evicted), in no particular order.
+    ///
+    /// Asks every worker (each answers between two turns of its loop); empty after shutdown.
     pub fn keys(&self) -> Vec<Key> {
         let mut out = Vec::new();
+        if self.shut.load(Ordering::Acquire) {
+            return out;
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
         for h in &self.shards {
-            h.shared.published.collect_into(&mut out);
+            let _ = h.tx.send(Msg::Keys(tx.clone()));
+            h.shared.nudge();
+        }
+        drop(tx);
+        for _ in 0..self.shards.len() {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(keys) => out.extend(keys),
+                Err(_) => break,
+            }
         }
         out
     }
@@ -845,7 +865,9 @@ fn worker_main(ctx: WorkerCtx) {
             &ctx.me,
         );
         let indexed = layout.indexed();
-        let worker = Worker::new(params, layout, crate::files::layout::Op::empty);
+        let mut worker = Worker::new(params, layout, crate::files::layout::Op::empty);
+        let (layout, core) = worker.parts();
+        layout.publish_scanned(core);
         let _ = ctx
             .ready
             .send((id, Ok(summary(worker.describe(), indexed))));

@@ -226,11 +226,17 @@ impl FilesLayout {
             );
             w.lru.insert(w.tick, f.key);
         }
-        me.published.extend(w.index.keys().copied());
         let n = w.index.len() as u64;
         me.metrics.recovered_blocks.store(n, Ordering::Relaxed);
         me.metrics.blocks_stored.store(n, Ordering::Relaxed);
         w
+    }
+
+    /// Publishes every block the scan at open found (before the worker starts).
+    pub fn publish_scanned(&self, core: &mut Core<Op>) {
+        for key in self.index.keys() {
+            core.publisher.insert(key);
+        }
     }
 
     /// Blocks in the index (after the scan at open).
@@ -344,11 +350,11 @@ impl FilesLayout {
         }
     }
 
-    pub(super) fn unindex(&mut self, core: &Core<Op>, key: &Key) -> Option<Entry> {
+    pub(super) fn unindex(&mut self, core: &mut Core<Op>, key: &Key) -> Option<Entry> {
         let e = self.index.remove(key)?;
         self.lru.remove(&e.tick);
         if e.state == State::Valid {
-            core.me.published.remove(key);
+            core.publisher.remove(key);
             core.me
                 .metrics
                 .blocks_stored
@@ -357,7 +363,7 @@ impl FilesLayout {
         Some(e)
     }
 
-    pub(super) fn publish(&mut self, core: &Core<Op>, key: Key, dev: u16, counted: bool) {
+    pub(super) fn publish(&mut self, core: &mut Core<Op>, key: Key, dev: u16, counted: bool) {
         self.tick += 1;
         let tick = self.tick;
         let prev = self.index.insert(
@@ -380,7 +386,7 @@ impl FilesLayout {
             }
         }
         self.lru.insert(tick, key);
-        core.me.published.insert(key);
+        core.publisher.insert(&key);
         core.me
             .metrics
             .blocks_stored
@@ -632,6 +638,14 @@ impl Layout for FilesLayout {
 
     fn touch(&mut self, key: Key) {
         self.touch_key(key);
+    }
+
+    fn keys(&self) -> Vec<Key> {
+        self.index
+            .iter()
+            .filter(|(_, e)| e.state == State::Valid)
+            .map(|(k, _)| *k)
+            .collect()
     }
 
     fn unstall(&mut self, core: &mut Core<Op>) -> bool {

@@ -141,7 +141,7 @@ impl SlabLayout {
         None
     }
 
-    fn evict(&mut self, core: &Core<Op>, d: usize, local: u32) {
+    fn evict(&mut self, core: &mut Core<Op>, d: usize, local: u32) {
         let key = self.devs[d].slots[local as usize]
             .key
             .expect("valid slot has a key");
@@ -154,9 +154,9 @@ impl SlabLayout {
         core.shared.events.push(vec![key], true);
     }
 
-    pub(super) fn unindex(&mut self, core: &Core<Op>, key: Key) {
+    pub(super) fn unindex(&mut self, core: &mut Core<Op>, key: Key) {
         self.index.remove(&key);
-        core.me.published.remove(&key);
+        core.publisher.remove(&key);
     }
 
     pub(super) fn free_slot(&mut self, d: usize, local: u32) {

@@ -269,7 +269,7 @@ impl SlabLayout {
     }
 
     /// Removes a bad block from the index now; its slot is freed when the last load unpins it.
-    fn doom_slot(&mut self, core: &Core<Op>, d: usize, local: u32) {
+    fn doom_slot(&mut self, core: &mut Core<Op>, d: usize, local: u32) {
         let s = &mut self.devs[d].slots[local as usize];
         if s.state != SlotState::Valid {
             return;
@@ -322,7 +322,7 @@ impl SlabLayout {
             s.state = SlotState::Valid;
             s.crc = crc;
             let key = s.key.expect("writing slot has a key");
-            core.me.published.insert(key);
+            core.publisher.insert(&key);
             let seq = self.seq;
             self.seq += 1;
             self.write_entry(
@@ -514,6 +514,16 @@ impl Layout for SlabLayout {
         }
     }
 
+    fn keys(&self) -> Vec<Key> {
+        self.index
+            .iter()
+            .filter(|(_, &(d, local))| {
+                self.devs[d as usize].slots[local as usize].state == SlotState::Valid
+            })
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
     fn background(&mut self, core: &mut Core<Op>) -> bool {
         self.issue_table_writes(core)
     }
@@ -564,14 +574,16 @@ impl Layout for SlabLayout {
             if s.state != SlotState::Valid || s.key != Some(*key) {
                 return Err(format!("index entry {key:?} names a {:?} slot", s.state));
             }
-            if !core.me.published.contains(key) {
+            if !core.publisher.contains(key) {
                 return Err(format!("{key:?} is indexed but not published"));
             }
         }
-        let mut published = Vec::new();
-        core.me.published.collect_into(&mut published);
-        if let Some(k) = published.iter().find(|k| !self.index.contains_key(k)) {
-            return Err(format!("{k:?} is published but not indexed"));
+        if core.publisher.len() != self.index.len() {
+            return Err(format!(
+                "{} keys published but {} indexed",
+                core.publisher.len(),
+                self.index.len()
+            ));
         }
         Ok(())
     }

@@ -3,6 +3,7 @@
 //! and read at open to rebuild the index (recovery).
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use crate::io::{BufRef, IoClass, IoKind, IoRequest};
 use crate::key::Key;
@@ -204,12 +205,13 @@ impl SlabLayout {
         Ok(recovered)
     }
 
-    fn rebuild_device(&mut self, core: &Core<Op>, d: usize, devices: usize) -> u64 {
+    fn rebuild_device(&mut self, core: &mut Core<Op>, d: usize, devices: usize) -> u64 {
         let mut recovered = 0;
         let mut raw = [0u8; ENTRY_BYTES];
         let n = self.devs[d].slots.len();
         let mut keep: Vec<(Key, u32, u64)> = Vec::new();
-        let m = &core.me.metrics;
+        let me = Arc::clone(&core.me);
+        let m = &me.metrics;
         for local in 0..n {
             let off = self.devs[d].meta_offset + local * ENTRY_BYTES;
             self.meta.read(off, &mut raw);
@@ -259,11 +261,11 @@ impl SlabLayout {
             .rev()
             .filter(|&s| dev.slots[s as usize].state == SlotState::Free)
             .collect();
-        core.me.published.extend(
-            keep.iter()
-                .map(|k| k.0)
-                .filter(|key| self.index.contains_key(key)),
-        );
+        for (key, _, _) in &keep {
+            if self.index.contains_key(key) {
+                core.publisher.insert(key);
+            }
+        }
         recovered
     }
 

@@ -38,6 +38,7 @@ use crate::Errno;
 
 pub(crate) use demote::{Demote, DemoteSink, Demotion};
 pub(crate) use ops::{OpTable, TableOp};
+pub(crate) use published::Publisher;
 pub(crate) use queue::{Msg, Part, WorkQueue};
 pub(crate) use sched::{Chunks, Scheduler};
 pub(crate) use shared::{submit_or_sleep, WorkerShared};
@@ -110,6 +111,9 @@ pub(crate) trait Layout {
     /// The caller used `key`: keep it longer.
     fn touch(&mut self, key: Key);
 
+    /// Every key stored (published) now.
+    fn keys(&self) -> Vec<Key>;
+
     /// Pushes what earlier found the submission queue full; true if anything moved.
     fn unstall(&mut self, core: &mut Core<Self::Op>) -> bool {
         let _ = core;
@@ -154,6 +158,8 @@ pub(crate) struct Core<O> {
     pub store_issuing: VecDeque<u32>,
     pub stopping: bool,
     pub demote: Option<Demote>,
+    /// Publishes the keys this worker holds to callers (`Engine::lookup`).
+    pub publisher: Publisher,
     error_logs: u32,
 }
 
@@ -313,6 +319,7 @@ impl<L: Layout> Worker<L> {
     /// A worker whose op table is filled with `make()` ops.
     pub fn new(p: WorkerParams, layout: L, make: impl FnMut() -> L::Op) -> Worker<L> {
         let capacity = p.sched.ops_capacity(p.ring_entries);
+        let publisher = Publisher::new(Arc::clone(&p.me.published));
         Worker {
             core: Core {
                 id: p.id,
@@ -329,6 +336,7 @@ impl<L: Layout> Worker<L> {
                 store_issuing: VecDeque::new(),
                 stopping: false,
                 demote: p.demote,
+                publisher,
                 error_logs: 0,
             },
             layout,
@@ -447,6 +455,9 @@ impl<L: Layout> Worker<L> {
                     for key in keys {
                         self.layout.touch(key);
                     }
+                }
+                Msg::Keys(reply) => {
+                    let _ = reply.send(self.layout.keys());
                 }
                 Msg::Stop => self.stop(),
             }

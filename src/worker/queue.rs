@@ -18,6 +18,8 @@ pub(crate) enum Msg {
     Work(Part),
     /// Mark these keys recently used (the caller served them from its own cache).
     Touch(Vec<Key>),
+    /// Send back every key stored (`Engine::keys`).
+    Keys(crossbeam_channel::Sender<Vec<Key>>),
     Stop,
 }
 

@@ -15,7 +15,7 @@ use crate::worker::queue::Msg;
 /// every submitter) and `queued_blocks` (written by both) sit on cache lines of their own, so
 /// neither bounces the line the other one or the metrics live on.
 pub(crate) struct WorkerShared {
-    pub published: PublishedKeys,
+    pub published: Arc<PublishedKeys>,
     pub metrics: ShardMetrics,
     pub sleeping: CachePadded<AtomicBool>,
     pub wake: Arc<EventFd>,
@@ -26,7 +26,7 @@ pub(crate) struct WorkerShared {
 impl WorkerShared {
     pub fn new(wake: Arc<EventFd>) -> WorkerShared {
         WorkerShared {
-            published: PublishedKeys::default(),
+            published: Arc::new(PublishedKeys::default()),
             metrics: ShardMetrics::default(),
             sleeping: CachePadded::new(AtomicBool::new(false)),
             wake,
