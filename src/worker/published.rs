@@ -176,11 +176,13 @@ impl Publisher {
         }
     }
 
+    #[cfg(any(test, feature = "sim"))]
     pub fn contains(&self, key: &Key) -> bool {
         self.table.contains(fingerprint(key))
     }
 
     /// Keys published (fingerprints; keys sharing a hash count once).
+    #[cfg(any(test, feature = "sim"))]
     pub fn len(&self) -> usize {
         self.live
     }
