@@ -7,6 +7,8 @@
 
 use std::sync::Arc;
 
+use kvtier_sys::blocks::Lease;
+
 use crate::job::{JobState, MissFallback, Then};
 use crate::key::Key;
 use crate::metrics::S3Stats;
@@ -28,8 +30,9 @@ pub(crate) trait ColdTier: Send + Sync {
     fn miss_fallback(&self) -> MissFallback;
 
     /// For a store job: the continuation of its NVMe half, when this tier writes through
-    /// (`None` otherwise: the job reports when NVMe is done).
-    fn write_through(&self, keys: &[Key], blocks: &[u32]) -> Option<Then>;
+    /// (`None` otherwise: the job reports when NVMe is done). The continuation holds `lease`
+    /// (the job's blocks) until it has read them, and releases it before it reports.
+    fn write_through(&self, keys: &[Key], blocks: &[u32], lease: &Arc<Lease>) -> Option<Then>;
 
     /// Where workers hand evicted blocks, when this tier takes them on eviction.
     fn demote_sink(&self) -> Option<DemoteFn>;

@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 
+use kvtier_sys::blocks::Lease;
+
 use crate::cold::ColdTier;
 use crate::config::{Config, Cores, Layout};
 use crate::error::{Error, Result};
@@ -77,6 +79,7 @@ struct ShardHandle {
 }
 
 pub struct Engine {
+    region: Arc<Region>,
     region_blocks: u64,
     block_bytes: u64,
     files_devices: Arc<Vec<Arc<FilesDevice>>>,
@@ -125,6 +128,15 @@ impl Engine {
             )));
         }
         let region_blocks = region.len() as u64 / block_bytes;
+        if storage.guards_region() {
+            region.guard_blocks(block_bytes as usize).map_err(|e| {
+                Error::Memory(format!(
+                    "guarding the region in blocks of {block_bytes} bytes: {} (is it in use by \
+                     an engine with another block_size?)",
+                    e.desc()
+                ))
+            })?;
+        }
         if region_blocks > u64::from(u32::MAX) {
             return Err(Error::Memory(format!(
                 "{region_blocks} blocks: at most 2^32-1"
@@ -293,6 +305,7 @@ impl Engine {
             queue_blocks_max: config.queue_blocks_max,
         });
         let mut engine = Engine {
+            region: Arc::clone(&region),
             region_blocks,
             block_bytes,
             files_devices: Arc::clone(&files_devices),
@@ -417,11 +430,30 @@ impl Engine {
                 self.jobs_in_flight_max
             )));
         }
-        if let Some((index, detail)) = self.invalid(&job) {
+        if let Some((index, detail)) = self.invalid(kind, &job) {
             let state = JobState::new(kind, job);
             state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
             return Ok(());
         }
+        // The job's blocks: shared for a store (the device reads them), exclusive for a load.
+        let lease = match self.region.lease(&job.blocks, kind == JobKind::Load) {
+            Ok(lease) => Arc::new(lease),
+            Err(busy) => {
+                let index = job
+                    .blocks
+                    .iter()
+                    .position(|&b| b == busy.block)
+                    .unwrap_or(0);
+                let state = JobState::new(kind, job);
+                state.fail_whole(
+                    &self.shared,
+                    index,
+                    KeyFailure::InvalidJob,
+                    busy.to_string(),
+                );
+                return Ok(());
+            }
+        };
         let workers = self.shards.len();
         let mut parts = items_by_worker(&job.keys, workers);
         // Reserve queue room on every worker first, so a job is queued whole or not at all.
@@ -433,7 +465,7 @@ impl Engine {
                 self.queue_blocks_max
             )));
         }
-        let state = Arc::new(self.job_state(kind, job));
+        let state = Arc::new(self.job_state(kind, job, lease));
         if state.job.keys.is_empty() {
             state.publish(&self.shared);
             return Ok(());
@@ -471,13 +503,14 @@ impl Engine {
     }
 
     /// The state of an admitted job: write-through stores report after their upload.
-    fn job_state(&self, kind: JobKind, job: Job) -> JobState {
+    fn job_state(&self, kind: JobKind, job: Job, lease: Arc<Lease>) -> JobState {
         if let (JobKind::Store, Some(cold)) = (kind, &self.cold) {
-            if let Some(then) = cold.write_through(&job.keys, &job.blocks) {
-                return JobState::internal(kind, job, then);
+            if let Some(then) = cold.write_through(&job.keys, &job.blocks, &lease) {
+                // The upload releases the lease once it has read the blocks.
+                return JobState::internal(kind, job, then).borrowing_lease(Some(lease));
             }
         }
-        JobState::new(kind, job)
+        JobState::new(kind, job).with_lease(lease)
     }
 
     /// Whether the NVMe tier holds `key` (stored here, or published by another process into a
@@ -490,12 +523,25 @@ impl Engine {
             || self.published_elsewhere(key)
     }
 
-    fn invalid(&self, job: &Job) -> Option<(usize, String)> {
+    fn invalid(&self, kind: JobKind, job: &Job) -> Option<(usize, String)> {
         if job.keys.len() != job.blocks.len() {
             return Some((
                 0,
                 format!("{} keys but {} blocks", job.keys.len(), job.blocks.len()),
             ));
+        }
+        if kind == JobKind::Load {
+            let mut seen = std::collections::HashSet::with_capacity(job.blocks.len());
+            if let Some(i) = job.blocks.iter().position(|b| !seen.insert(*b)) {
+                return Some((
+                    i,
+                    format!(
+                        "block id {} appears twice (again at position {i}): a load writes each \
+                         block once",
+                        job.blocks[i]
+                    ),
+                ));
+            }
         }
         job.blocks
             .iter()

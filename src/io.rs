@@ -104,6 +104,12 @@ pub trait Storage: Send + Sync {
     fn supports_files(&self) -> bool {
         false
     }
+    /// Whether the engine guards the region's blocks ([`Region::guard_blocks`]): jobs lease
+    /// their blocks and the region's safe accessors refuse leased ones. The simulated device
+    /// copies through those accessors itself (it plays the kernel), so it turns this off.
+    fn guards_region(&self) -> bool {
+        true
+    }
     /// Synchronous read, used only while opening (headers, formatting).
     fn read_sync(
         &self,

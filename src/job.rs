@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use kvtier_sys::blocks::Lease;
+
 use crate::events::EventSink;
 use crate::key::Key;
 use crate::Errno;
@@ -175,6 +177,10 @@ pub(crate) struct JobState {
     /// Every key failure so far (at most one per key; bounded by the job's length).
     failures: Mutex<Vec<JobFailure>>,
     bytes: AtomicU64,
+    /// The region blocks this job holds (`Region::lease`): released when the job publishes its
+    /// result, unless borrowed from the caller's job this one serves (a promotion).
+    lease: Option<Arc<Lease>>,
+    owns_lease: bool,
     /// Set for the engine's own jobs (a promotion's store, the NVMe half of a write-through
     /// store): their result goes here, not to `poll_finished`, and they are not counted in
     /// `jobs_in_flight` (the caller's job they serve is).
@@ -191,8 +197,30 @@ impl JobState {
             remaining: AtomicUsize::new(n),
             failures: Mutex::new(Vec::new()),
             bytes: AtomicU64::new(0),
+            lease: None,
+            owns_lease: false,
             then: Mutex::new(None),
         }
+    }
+
+    /// Holds `lease` and releases it when the result is published.
+    pub fn with_lease(mut self, lease: Arc<Lease>) -> JobState {
+        self.lease = Some(lease);
+        self.owns_lease = true;
+        self
+    }
+
+    /// Works under the lease of the caller's job it serves (released by that job).
+    pub fn borrowing_lease(mut self, lease: Option<Arc<Lease>>) -> JobState {
+        self.lease = lease;
+        self.owns_lease = false;
+        self
+    }
+
+    /// The job's lease on its region blocks (none on an unguarded region, or for a store whose
+    /// lease the write-through upload holds).
+    pub fn lease(&self) -> Option<&Arc<Lease>> {
+        self.lease.as_ref()
     }
 
     /// An internal job whose result is handed to `then` (see the field).
@@ -270,6 +298,10 @@ impl JobState {
             bytes: self.bytes.load(Ordering::Relaxed),
             elapsed: self.submitted.elapsed(),
         };
+        if let (true, Some(lease)) = (self.owns_lease, &self.lease) {
+            // Before anyone can see the result: the caller may touch the blocks then.
+            lease.release();
+        }
         let then = self
             .then
             .lock()

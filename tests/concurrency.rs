@@ -31,10 +31,13 @@ fn concurrent_submitters_each_get_their_own_results() {
         Err(e) => panic!("{e}"),
     };
     // Phase 1: every thread stores its keys, 4 blocks per job, from its own 4 region blocks.
+    // Results polled by any thread land in `seen`, so each thread can wait for its own job.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut handles = Vec::new();
     for t in 0..THREADS {
         let engine = Arc::clone(&engine);
         let region = Arc::clone(&region);
+        let seen = Arc::clone(&seen);
         handles.push(std::thread::spawn(move || {
             for j in 0..PER_THREAD / 4 {
                 let ids: Vec<u64> = (0..4).map(|i| t * 1000 + j * 4 + i).collect();
@@ -42,13 +45,20 @@ fn concurrent_submitters_each_get_their_own_results() {
                 for (&b, &id) in blocks.iter().zip(&ids) {
                     put(&region, b, id);
                 }
-                let job = Job::new(t * 1000 + j, ids.iter().map(|&i| key(i)).collect(), blocks);
+                let id = t * 1000 + j;
+                let job = Job::new(id, ids.iter().map(|&i| key(i)).collect(), blocks);
                 engine.submit_store(job).expect("submit");
-                // The blocks are the job's until it finishes: wait for it via drain-free polling
-                // by the collector; here, simply wait until the engine has no job of ours left.
-                while engine.lookup(&[key(*ids.last().expect("id"))])[0]
-                    != kvtier::Lookup::Hit(kvtier::Tier::Nvme)
-                {
+                // The blocks are the job's until its result is out (the region refuses them
+                // before): wait for that result, whichever thread polled it.
+                loop {
+                    let mut got = Vec::new();
+                    engine.poll_finished(&mut got);
+                    let mut seen = seen.lock().expect("results");
+                    seen.extend(got);
+                    if seen.iter().any(|r: &kvtier::JobResult| r.id == id) {
+                        break;
+                    }
+                    drop(seen);
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
             }
@@ -58,7 +68,7 @@ fn concurrent_submitters_each_get_their_own_results() {
         h.join().expect("submitter");
     }
     engine.drain();
-    let mut results = Vec::new();
+    let mut results = std::mem::take(&mut *seen.lock().expect("results"));
     engine.poll_finished(&mut results);
     assert_eq!(results.len() as u64, THREADS * PER_THREAD / 4);
     assert!(

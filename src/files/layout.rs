@@ -31,7 +31,7 @@ use crate::files::device::{c_path, FilesDevice, ScannedFile};
 use crate::io::{BufRef, FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
-use crate::worker::shared::region_crc;
+use crate::worker::shared::block_crc;
 use crate::worker::{
     io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION, BUF_STAGING,
 };
@@ -462,7 +462,9 @@ impl FilesLayout {
             m.bytes_read.fetch_add(u64::from(wanted), Ordering::Relaxed);
             match crc {
                 Some(want) => {
-                    let got = region_crc(
+                    let job = op.job.as_ref().expect("load has a job");
+                    let got = block_crc(
+                        job,
                         &core.region,
                         block as usize * wanted as usize,
                         wanted as usize,

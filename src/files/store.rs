@@ -15,7 +15,7 @@ use std::sync::Arc;
 use crate::config::SyncMode;
 use crate::files::mapper::FileMapper;
 use crate::job::{JobState, KeyFailure};
-use crate::worker::shared::region_crc;
+use crate::worker::shared::block_crc;
 use crate::worker::{Core, Start};
 use crate::Errno;
 
@@ -81,7 +81,8 @@ impl FilesLayout {
         };
         let block = job.job.blocks[item];
         let crc = dev.checksums.then(|| {
-            region_crc(
+            block_crc(
+                job,
                 &core.region,
                 block as usize * core.block_bytes as usize,
                 core.block_bytes as usize,

@@ -15,6 +15,23 @@ use bytes::Bytes;
 use crate::metrics::{S3Metrics, S3OpMetrics};
 use crate::Region;
 
+/// Where a GET's bytes land: the load job's leased block, or the region itself when the job
+/// holds no lease.
+#[derive(Clone, Copy)]
+pub(crate) enum Landing<'a> {
+    Lease(&'a kvtier_sys::blocks::Lease),
+    Region(&'a Region),
+}
+
+impl Landing<'_> {
+    fn write(&self, offset: usize, data: &[u8]) {
+        match self {
+            Landing::Lease(l) => l.write(offset, data),
+            Landing::Region(r) => r.write(offset, data),
+        }
+    }
+}
+
 /// User metadata holding the block's crc32c (lowercase hex), written by kvtier's uploads and
 /// verified by its GETs when present; vLLM's objects have none and are accepted without.
 pub(crate) const CRC_METADATA: &str = "kvtier-crc32c";
@@ -187,7 +204,7 @@ impl ObjectClient {
     pub async fn get_into(
         &self,
         name: &str,
-        region: &Region,
+        into: Landing<'_>,
         offset: usize,
         len: usize,
     ) -> Result<u64, Failure> {
@@ -226,7 +243,7 @@ impl ObjectClient {
                                     want: len as u64,
                                 });
                             }
-                            region.write(offset + pos, &chunk);
+                            into.write(offset + pos, &chunk);
                             if expected.is_some() {
                                 crc = crc32c::crc32c_append(crc, &chunk);
                             }

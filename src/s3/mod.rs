@@ -29,6 +29,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::Semaphore;
 
+use kvtier_sys::blocks::Lease;
+
 use crate::cold::{ColdTier, DemoteFn};
 use crate::config::{S3Config, S3Write, WriteAck};
 use crate::error::{Error, Result};
@@ -378,16 +380,24 @@ impl ColdTier for S3Tier {
     }
 
     /// A write-through store: `then` for the NVMe half, which uploads and reports the job.
-    fn write_through(&self, keys: &[Key], blocks: &[u32]) -> Option<crate::job::Then> {
+    fn write_through(
+        &self,
+        keys: &[Key],
+        blocks: &[u32],
+        lease: &Arc<Lease>,
+    ) -> Option<crate::job::Then> {
         if self.inner.cfg.write != S3Write::Through {
             return None;
         }
         let (keys, blocks) = (keys.to_vec(), blocks.to_vec());
         let me = Arc::clone(&self.inner);
+        let lease = Arc::clone(lease);
         let submitted = Instant::now();
         Some(Box::new(move |nvme: JobResult| {
             let inner = Arc::clone(&me);
-            me.spawn(async move { inner.upload_job(nvme, keys, blocks, submitted).await });
+            me.spawn(async move {
+                inner.upload_job(nvme, keys, blocks, submitted, lease).await;
+            });
         }))
     }
 
@@ -631,13 +641,12 @@ impl Inner {
         let outcome = match self.permits.acquire(Class::Read).await {
             None => Err(Failure::Closed),
             Some(_permit) => {
+                let into = match job.lease() {
+                    Some(lease) => client::Landing::Lease(lease),
+                    None => client::Landing::Region(&self.region),
+                };
                 self.client
-                    .get_into(
-                        &name,
-                        &self.region,
-                        block * self.block_bytes,
-                        self.block_bytes,
-                    )
+                    .get_into(&name, into, block * self.block_bytes, self.block_bytes)
                     .await
             }
         };
@@ -680,11 +689,12 @@ impl Inner {
             counter.fetch_add(1, Ordering::Relaxed);
             waiting.succeed(&me.shared, index, bytes);
         });
-        let state = Arc::new(JobState::internal(
-            JobKind::Store,
-            Job::new(0, vec![key], vec![block]),
-            then,
-        ));
+        // The promotion reads the block under the load's lease (released when the load
+        // reports, after the promotion).
+        let state = Arc::new(
+            JobState::internal(JobKind::Store, Job::new(0, vec![key], vec![block]), then)
+                .borrowing_lease(parent.lease().cloned()),
+        );
         if !self.router.try_dispatch(&state) {
             // The workers' queues are full: serve the load from the object store alone rather
             // than queue past `queue_blocks_max`.
@@ -722,6 +732,7 @@ impl Inner {
         keys: Vec<Key>,
         blocks: Vec<u32>,
         submitted: Instant,
+        lease: Arc<Lease>,
     ) {
         if self.cfg.write_ack == WriteAck::Nvme {
             // Copy first, report, then upload in the background. The copies are bounded by
@@ -736,6 +747,7 @@ impl Inner {
                 copies.push((*key, self.copy_block(*block)));
             }
             let n_copied = copies.len();
+            lease.release();
             self.shared.finish(nvme);
             for (key, body) in copies {
                 let me = Arc::clone(&self);
@@ -790,6 +802,7 @@ impl Inner {
         }
         failures.sort_by_key(|f| f.key_index);
         let total = keys.len();
+        lease.release();
         self.shared.finish(JobResult {
             success: failures.is_empty(),
             succeeded_prefix: failures.first().map_or(total, |f| f.key_index),

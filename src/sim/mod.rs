@@ -358,6 +358,10 @@ impl State {
 }
 
 impl Storage for SimStorage {
+    fn guards_region(&self) -> bool {
+        false
+    }
+
     fn open_device(
         &self,
         index: usize,

@@ -21,7 +21,7 @@ use crate::io::{BufRef, IoClass, IoKind, IoRequest};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
-use crate::worker::shared::region_crc;
+use crate::worker::shared::block_crc;
 use crate::worker::{io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION};
 use crate::Errno;
 
@@ -237,7 +237,8 @@ impl SlabLayout {
         } else {
             m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
             let crc = (!slot.verified).then(|| {
-                region_crc(
+                block_crc(
+                    &job,
                     &core.region,
                     block as usize * wanted as usize,
                     wanted as usize,
@@ -313,7 +314,8 @@ impl SlabLayout {
         let finished = std::mem::take(&mut self.finalize);
         let block_bytes = core.block_bytes;
         for f in &finished {
-            let crc = region_crc(
+            let crc = block_crc(
+                &f.job,
                 &core.region,
                 f.block as usize * block_bytes as usize,
                 block_bytes as usize,

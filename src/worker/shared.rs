@@ -7,6 +7,7 @@ use crossbeam_channel::Receiver;
 use crossbeam_utils::CachePadded;
 
 use crate::io::{EventFd, IoBackend, Region};
+use crate::job::JobState;
 use crate::metrics::ShardMetrics;
 use crate::worker::published::PublishedKeys;
 use crate::worker::queue::Msg;
@@ -81,7 +82,12 @@ pub(crate) fn submit_or_sleep(
     r
 }
 
-/// crc32c of a range of the primary region.
-pub(crate) fn region_crc(region: &Region, offset: usize, len: usize) -> u32 {
-    region.with_bytes(offset, len, crc32c::crc32c)
+/// crc32c of `len` bytes at `offset` of the primary region, in a block of `job`: read through
+/// the job's lease when it holds one (a load's blocks are held exclusively, so only the lease
+/// reaches them), else through the region.
+pub(crate) fn block_crc(job: &JobState, region: &Region, offset: usize, len: usize) -> u32 {
+    match job.lease() {
+        Some(lease) => lease.with_bytes(offset, len, crc32c::crc32c),
+        None => region.with_bytes(offset, len, crc32c::crc32c),
+    }
 }

@@ -22,6 +22,7 @@
 pub use nix::errno::Errno;
 
 pub mod affinity;
+pub mod blocks;
 pub mod eventfd;
 pub mod file;
 pub mod mem;

@@ -6,16 +6,21 @@
 //! [`Region::allocate`] returns, and unmapped exactly once, on drop. Rust code never holds a
 //! reference into the memory except through [`Region::slice`] (which is `unsafe`): the safe
 //! accessors copy through raw pointers, so that the kernel writing a block by DMA is never
-//! aliased by a Rust `&`/`&mut`. The caller must not touch a block while I/O on it is in flight
-//! (its bytes are then unspecified), and must not copy into the same bytes from two threads at
-//! once (that is a data race, as it would be for any shared buffer).
+//! aliased by a Rust `&`/`&mut`. Once [`Region::guard_blocks`] gave the region a block size
+//! (the engine does at open), every block has an access state ([`crate::blocks`]): the safe
+//! accessors refuse (panic on) bytes of a block that a job in flight holds, or that another
+//! thread is copying into, and a job cannot take a block a caller is copying. Without that guard
+//! (a region no engine uses) the caller must not copy into the same bytes from two threads at
+//! once.
 //!
 //! Memory is mapped with `libc::mmap` directly. hugepage-rs was evaluated and rejected (no
 //! errno, no fallback, no page-size choice).
 
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::{Arc, OnceLock};
 
+use crate::blocks::{Blocks, Busy, Lease};
 use crate::Errno;
 
 const PAGE_4K: usize = 4096;
@@ -88,6 +93,8 @@ pub struct Region {
     backing: Backing,
     /// True if this Region mapped the memory and must unmap it.
     owned: bool,
+    /// Per-block access states, once [`Region::guard_blocks`] set a block size.
+    blocks: OnceLock<Blocks>,
 }
 
 // SAFETY: a Region is a pointer and a length to memory valid for its whole life (owned mapping,
@@ -105,6 +112,10 @@ impl fmt::Debug for Region {
             .field("len", &self.len)
             .field("backing", &self.backing)
             .field("owned", &self.owned)
+            .field(
+                "guarded_block_bytes",
+                &self.blocks.get().map(|b| b.block_bytes),
+            )
             .finish()
     }
 }
@@ -158,6 +169,7 @@ impl Region {
             len,
             backing: Backing::Foreign,
             owned: false,
+            blocks: OnceLock::new(),
         })
     }
 
@@ -181,10 +193,73 @@ impl Region {
         self.ptr.as_ptr() as usize
     }
 
+    /// Gives the region a block size: from now on the safe accessors check each block's
+    /// access state, and jobs lease blocks ([`Region::lease`]). Idempotent for the same size;
+    /// `EINVAL` for 0 or a size above the region, `EBUSY` if another size was set.
+    pub fn guard_blocks(&self, block_bytes: usize) -> Result<(), Errno> {
+        if block_bytes == 0 || block_bytes > self.len {
+            return Err(Errno::EINVAL);
+        }
+        let set = self
+            .blocks
+            .get_or_init(|| Blocks::new(block_bytes, self.len / block_bytes));
+        if set.block_bytes == block_bytes {
+            Ok(())
+        } else {
+            Err(Errno::EBUSY)
+        }
+    }
+
+    pub(crate) fn blocks(&self) -> Option<&Blocks> {
+        self.blocks.get()
+    }
+
+    /// Lends `blocks` (block indexes; repeats count once) to a job: shared for a store (the
+    /// device reads them), `exclusive` for a load (the device writes them). Until the lease is
+    /// released, the safe accessors refuse those blocks. `Err` names a block that a caller's
+    /// copy or another lease holds in a conflicting way; nothing is taken then. Without
+    /// [`Region::guard_blocks`] the lease checks nothing.
+    pub fn lease(self: &Arc<Self>, blocks: &[u32], exclusive: bool) -> Result<Lease, Busy> {
+        let mut blocks = blocks.to_vec();
+        blocks.sort_unstable();
+        blocks.dedup();
+        if let Some(g) = self.blocks() {
+            let n = (self.len / g.block_bytes) as u32;
+            blocks.retain(|&b| b < n);
+            g.take_all(&blocks, exclusive)?;
+        }
+        Ok(Lease::new(Arc::clone(self), blocks, exclusive))
+    }
+
+    /// Holds the blocks of `offset..offset + len` for one copy, or panics naming the conflict.
+    fn hold(&self, offset: usize, len: usize, exclusive: bool) -> Held<'_> {
+        let Some(g) = self.blocks() else {
+            return Held {
+                blocks: None,
+                range: 0..0,
+                exclusive,
+            };
+        };
+        let range = g.span(offset, len);
+        if let Err(busy) = g.access(range.clone(), exclusive) {
+            panic!(
+                "region bytes {offset}..{}: {busy}",
+                offset.saturating_add(len)
+            );
+        }
+        Held {
+            blocks: Some(g),
+            range,
+            exclusive,
+        }
+    }
+
     /// Copies `dst.len()` bytes starting at `offset` out of the region.
     ///
-    /// The bytes are unspecified if I/O writing them is in flight. Panics if out of range.
+    /// Panics if out of range, or (with [`Region::guard_blocks`]) if a load job in flight or
+    /// another thread's write holds one of the blocks.
     pub fn read(&self, offset: usize, dst: &mut [u8]) {
+        let _held = self.hold(offset, dst.len(), false);
         let src = self.range_ptr(offset, dst.len());
         // SAFETY: `range_ptr` checked that src..src+len lies inside the region, valid for reads
         // for the Region's life; `dst` is a distinct Rust buffer, so the ranges cannot overlap.
@@ -193,8 +268,16 @@ impl Region {
 
     /// Copies `src` into the region at `offset`.
     ///
-    /// The caller must not write a range that I/O is reading or writing. Panics if out of range.
+    /// Panics if out of range, or (with [`Region::guard_blocks`]) if a job in flight or another
+    /// thread's copy holds one of the blocks. Without the guard the caller must not write a
+    /// range that I/O is reading or writing.
     pub fn write(&self, offset: usize, src: &[u8]) {
+        let _held = self.hold(offset, src.len(), true);
+        self.copy_in(offset, src);
+    }
+
+    /// [`Region::write`] without the block check, for a lease holder ([`Lease::write`]).
+    pub(crate) fn copy_in(&self, offset: usize, src: &[u8]) {
         let dst = self.range_ptr(offset, src.len());
         // SAFETY: `range_ptr` checked that dst..dst+len lies inside the region, valid for writes
         // for the Region's life; `src` is a Rust slice and cannot alias region memory, which is
@@ -202,8 +285,9 @@ impl Region {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
     }
 
-    /// Sets `len` bytes at `offset` to `byte`. Panics if out of range.
+    /// Sets `len` bytes at `offset` to `byte`. Panics as [`Region::write`] does.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) {
+        let _held = self.hold(offset, len, true);
         let dst = self.range_ptr(offset, len);
         // SAFETY: `range_ptr` checked that dst..dst+len lies inside the region, valid for writes
         // for the Region's life.
@@ -226,15 +310,15 @@ impl Region {
     }
 
     /// Calls `f` with the `len` bytes at `offset` (checksumming or comparing without a copy).
-    /// Panics if out of range.
+    /// Panics as [`Region::read`] does.
     ///
-    /// Safe to call because the region is only ever modified through raw-pointer copies
-    /// ([`Region::write`], [`Region::fill`]) or by the kernel: never through a Rust `&mut`.
-    /// If a read I/O lands in the range meanwhile, `f` sees unspecified bytes; kvtier calls this
-    /// only on ranges it has no read in flight for.
+    /// With [`Region::guard_blocks`], the blocks are held shared while `f` runs: no load job
+    /// (the kernel writing them) and no other thread's write can reach them meanwhile. Without
+    /// the guard the caller must keep I/O and writers off the range.
     pub fn with_bytes<R>(&self, offset: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
-        // SAFETY: in range (checked inside `slice`); the engine keeps reads off the range while
-        // `f` runs (see above), and the slice does not escape `f`.
+        let _held = self.hold(offset, len, false);
+        // SAFETY: in range (checked inside `slice`); the blocks are held shared for the call
+        // (or, unguarded, the caller keeps writers off), and the slice does not escape `f`.
         f(unsafe { self.slice(offset, len) })
     }
 
@@ -247,6 +331,21 @@ impl Region {
             self.len
         );
         self.ptr.as_ptr().wrapping_add(offset)
+    }
+}
+
+/// Blocks held for one accessor copy; given back on drop.
+struct Held<'a> {
+    blocks: Option<&'a Blocks>,
+    range: std::ops::Range<u32>,
+    exclusive: bool,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.blocks {
+            g.give_range(self.range.clone(), self.exclusive);
+        }
     }
 }
 
@@ -349,6 +448,7 @@ fn map_hugetlb(len: usize) -> Result<Region, Errno> {
         len: map_len,
         backing: Backing::HugeTlb2M,
         owned: true,
+        blocks: OnceLock::new(),
     })
 }
 
@@ -368,6 +468,7 @@ fn map_anonymous(len: usize, thp: bool) -> Result<Region, Errno> {
             len: map_len,
             backing: Backing::Pages4K,
             owned: true,
+            blocks: OnceLock::new(),
         });
     }
 
@@ -399,6 +500,7 @@ fn map_anonymous(len: usize, thp: bool) -> Result<Region, Errno> {
         len: map_len,
         backing,
         owned: true,
+        blocks: OnceLock::new(),
     })
 }
 

@@ -1,0 +1,326 @@
+//! Per-block access states of a [`Region`](crate::mem::Region): what makes the region's safe
+//! accessors sound while I/O runs on some of its blocks.
+//!
+//! Once [`Region::guard_blocks`](crate::mem::Region::guard_blocks) has set a block size, every
+//! block has a state word, used as a reader-writer lock that never waits:
+//! * *shared* holders: a caller's [`read`](crate::mem::Region::read) /
+//!   [`with_bytes`](crate::mem::Region::with_bytes) while it runs, and a shared [`Lease`] (a
+//!   store job: the device reads the block);
+//! * the *exclusive* holder: a caller's [`write`](crate::mem::Region::write) /
+//!   [`fill`](crate::mem::Region::fill) while it runs, or an exclusive [`Lease`] (a load job: the
+//!   device writes the block).
+//!
+//! A conflicting access is refused, never waited for: the safe accessors panic (touching a block
+//! whose job is in flight is a bug in the caller, like a second `borrow_mut` of a `RefCell`),
+//! and taking a lease returns the busy block. The holder of a lease reaches the leased bytes
+//! through it ([`Lease::with_bytes`], [`Lease::write`]), at times it knows no I/O is running on
+//! them (after the completion), which is the engine's own invariant.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use crate::mem::Region;
+
+/// The exclusive holder's bit; the bits below it count shared holders.
+const EXCLUSIVE: u32 = 1 << 31;
+const SHARED_MAX: u32 = EXCLUSIVE - 1;
+
+pub(crate) struct Blocks {
+    pub(crate) block_bytes: usize,
+    states: Box<[AtomicU32]>,
+}
+
+/// The block a lease or an access could not take, and why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Busy {
+    pub block: u32,
+    /// It is held exclusively (a load in flight, or a caller writing it); else shared holders
+    /// (a store in flight, or a caller reading it) keep an exclusive lease out.
+    pub exclusive: bool,
+}
+
+impl std::fmt::Display for Busy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "block {} is in use ({}); touch a block only when no job naming it is in flight",
+            self.block,
+            if self.exclusive {
+                "a load job in flight writes it, or another thread is writing it"
+            } else {
+                "a store job in flight reads it, or another thread is reading it"
+            }
+        )
+    }
+}
+
+impl std::error::Error for Busy {}
+
+impl Blocks {
+    pub(crate) fn new(block_bytes: usize, blocks: usize) -> Blocks {
+        Blocks {
+            block_bytes,
+            states: (0..blocks).map(|_| AtomicU32::new(0)).collect(),
+        }
+    }
+
+    /// The blocks overlapping `offset..offset + len` (empty for `len == 0`).
+    pub(crate) fn span(&self, offset: usize, len: usize) -> std::ops::Range<u32> {
+        if len == 0 {
+            return 0..0;
+        }
+        let first = offset / self.block_bytes;
+        let last = (offset + len - 1) / self.block_bytes;
+        first as u32..(last as u32 + 1).min(self.states.len() as u32)
+    }
+
+    fn take(&self, block: u32, exclusive: bool) -> Result<(), Busy> {
+        let state = &self.states[block as usize];
+        let mut cur = state.load(Ordering::Relaxed);
+        loop {
+            let next = if exclusive {
+                if cur != 0 {
+                    return Err(Busy {
+                        block,
+                        exclusive: cur & EXCLUSIVE != 0,
+                    });
+                }
+                EXCLUSIVE
+            } else {
+                if cur & EXCLUSIVE != 0 || cur == SHARED_MAX {
+                    return Err(Busy {
+                        block,
+                        exclusive: true,
+                    });
+                }
+                cur + 1
+            };
+            match state.compare_exchange_weak(cur, next, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return Ok(()),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    fn give(&self, block: u32, exclusive: bool) {
+        let prev = self.states[block as usize]
+            .fetch_sub(if exclusive { EXCLUSIVE } else { 1 }, Ordering::Release);
+        debug_assert!(
+            if exclusive {
+                prev == EXCLUSIVE
+            } else {
+                prev & SHARED_MAX > 0
+            },
+            "block {block} released without being held"
+        );
+    }
+
+    /// Takes every block of `blocks` (each once), all or none.
+    pub(crate) fn take_all(&self, blocks: &[u32], exclusive: bool) -> Result<(), Busy> {
+        for (i, &b) in blocks.iter().enumerate() {
+            if let Err(busy) = self.take(b, exclusive) {
+                for &done in &blocks[..i] {
+                    self.give(done, exclusive);
+                }
+                return Err(busy);
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn give_all(&self, blocks: &[u32], exclusive: bool) {
+        for &b in blocks {
+            self.give(b, exclusive);
+        }
+    }
+
+    /// Takes the blocks of `range` for a caller's access of one copy, all or none.
+    pub(crate) fn access(&self, range: std::ops::Range<u32>, exclusive: bool) -> Result<(), Busy> {
+        for b in range.clone() {
+            if let Err(busy) = self.take(b, exclusive) {
+                self.give_range(range.start..b, exclusive);
+                return Err(busy);
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn give_range(&self, range: std::ops::Range<u32>, exclusive: bool) {
+        for b in range {
+            self.give(b, exclusive);
+        }
+    }
+}
+
+/// Blocks of a region lent to a job: until the lease is released (or dropped), the region's
+/// safe accessors refuse them, and no other lease can take them exclusively (nor, if this one
+/// is exclusive, at all).
+pub struct Lease {
+    region: Arc<Region>,
+    /// Sorted, each once.
+    blocks: Vec<u32>,
+    exclusive: bool,
+    released: std::sync::atomic::AtomicBool,
+}
+
+impl Lease {
+    pub(crate) fn new(region: Arc<Region>, blocks: Vec<u32>, exclusive: bool) -> Lease {
+        Lease {
+            region,
+            blocks,
+            exclusive,
+            released: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    pub fn exclusive(&self) -> bool {
+        self.exclusive
+    }
+
+    /// Gives the blocks back (once; later calls and the drop do nothing). The holder must not
+    /// reach the bytes through the lease afterwards: it panics.
+    pub fn release(&self) {
+        if !self.released.swap(true, Ordering::AcqRel) {
+            if let Some(g) = self.region.blocks() {
+                g.give_all(&self.blocks, self.exclusive);
+            }
+        }
+    }
+
+    /// Panics unless `offset..offset + len` lies in the leased blocks and the lease is held.
+    fn check(&self, offset: usize, len: usize) {
+        assert!(
+            !self.released.load(Ordering::Acquire),
+            "a released lease was used"
+        );
+        if let Some(g) = self.region.blocks() {
+            for b in g.span(offset, len) {
+                assert!(
+                    self.blocks.binary_search(&b).is_ok(),
+                    "bytes {offset}..{} reach block {b}, which this lease does not hold",
+                    offset + len
+                );
+            }
+        }
+    }
+
+    /// The holder's read of leased bytes (a checksum after a read landed).
+    pub fn with_bytes<R>(&self, offset: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        self.check(offset, len);
+        // SAFETY: the bytes lie in blocks this lease holds, so no caller access and no other
+        // exclusive lease can reach them; the holder calls this only when no I/O it started
+        // is running on them (the engine's invariant), and the slice does not escape `f`.
+        f(unsafe { self.region.slice(offset, len) })
+    }
+
+    /// The holder's write into leased bytes (an object-store GET landing in its block).
+    /// Panics unless the lease is exclusive.
+    pub fn write(&self, offset: usize, src: &[u8]) {
+        assert!(self.exclusive, "writing through a shared lease");
+        self.check(offset, src.len());
+        self.region.copy_in(offset, src);
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("blocks", &self.blocks)
+            .field("exclusive", &self.exclusive)
+            .field("released", &self.released)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::HugePages;
+
+    fn guarded(blocks: usize) -> Arc<Region> {
+        let r = Region::allocate(blocks * 4096, HugePages::Off).expect("allocate");
+        r.guard_blocks(4096).expect("guard");
+        Arc::new(r)
+    }
+
+    #[test]
+    fn a_load_lease_refuses_every_other_access_until_released() {
+        let r = guarded(4);
+        let lease = r.lease(&[1, 1, 2], true).expect("free blocks");
+        assert_eq!(
+            r.lease(&[2], false).expect_err("held exclusively"),
+            Busy {
+                block: 2,
+                exclusive: true
+            }
+        );
+        assert!(r.lease(&[0, 1], true).is_err(), "all or none");
+        let _other = r
+            .lease(&[0], true)
+            .expect("block 0 was not taken by the failed lease");
+        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut b = [0u8; 8];
+            r.read(4096 + 100, &mut b);
+        }));
+        assert!(read.is_err(), "a caller's read of a leased block panics");
+        // The holder reaches its blocks; bytes outside them are refused.
+        lease.write(4096, b"landed");
+        assert!(lease.with_bytes(4096, 6, |b| b == b"landed"));
+        let outside = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            lease.with_bytes(3 * 4096, 8, |_| ());
+        }));
+        assert!(outside.is_err());
+        lease.release();
+        let mut b = [0u8; 6];
+        r.read(4096, &mut b);
+        assert_eq!(&b, b"landed");
+        r.write(2 * 4096, b"free again");
+    }
+
+    #[test]
+    fn store_leases_share_with_reads_and_each_other_not_with_writes() {
+        let r = guarded(2);
+        let a = r.lease(&[0], false).expect("shared");
+        let b = r.lease(&[0], false).expect("shared twice");
+        assert_eq!(
+            r.with_bytes(0, 16, <[u8]>::len),
+            16,
+            "reads share with stores"
+        );
+        assert!(
+            r.lease(&[0], true).is_err(),
+            "no load into a block being stored"
+        );
+        let write = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.fill(0, 8, 1)));
+        assert!(write.is_err(), "no write into a block being stored");
+        drop(a);
+        assert!(r.lease(&[0], true).is_err(), "one store still holds it");
+        drop(b);
+        assert!(r.lease(&[0], true).is_ok());
+    }
+
+    #[test]
+    fn accessors_span_blocks_and_unguarded_regions_check_nothing() {
+        let r = guarded(3);
+        let _l = r.lease(&[2], true).expect("lease");
+        r.write(0, &[7u8; 8192]); // blocks 0 and 1
+        let across = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            r.write(4096, &[1u8; 8193]); // reaches block 2
+        }));
+        assert!(across.is_err());
+        // The failed write took nothing: block 1 is free.
+        r.write(4096, &[2u8; 16]);
+        let plain = Arc::new(Region::allocate(8192, HugePages::Off).expect("allocate"));
+        let l = plain.lease(&[0], true).expect("no guard: nothing to take");
+        plain.write(0, b"ok");
+        drop(l);
+        assert_eq!(r.guard_blocks(4096), Ok(()));
+        assert_eq!(r.guard_blocks(8192), Err(crate::Errno::EBUSY));
+    }
+}
