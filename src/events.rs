@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use crate::config::Locality;
-use crate::engine::Tier;
 use crate::key::Key;
+use crate::tier::Tier;
 
 /// Where the event's blocks live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
