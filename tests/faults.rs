@@ -18,6 +18,7 @@ const JOBS: u64 = 400;
 const REGION_BLOCKS: u32 = 48;
 
 #[test]
+#[allow(clippy::too_many_lines)] // one soak: setup, the job loop and its checks read best in one place
 fn soak_with_faults_never_serves_wrong_bytes() {
     let seed = kvtier::sim::seed_from_env();
     let mut rng = Rng::new(seed);

@@ -351,6 +351,7 @@ fn latency_phase(
     })
 }
 
+#[allow(clippy::too_many_lines)] // to be split with the one job driver the CLI commands will share
 pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliResult<ExitCode> {
     let s3 = base.s3.clone().ok_or_else(|| {
         CliError::usage(

@@ -362,6 +362,7 @@ fn files_data_dir(config: &Config, index: usize) -> CliResult<PathBuf> {
     Ok(data_dir)
 }
 
+#[allow(clippy::too_many_lines)] // to be split with the one job driver the CLI commands will share
 fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
     let mut keys: KeyMap<Stored> = KeyMap::default();
     let mut scans = Vec::with_capacity(config.devices.len());
@@ -497,6 +498,7 @@ fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
     Ok(exit(verify.as_ref()))
 }
 
+#[allow(clippy::too_many_lines)] // to be split with the one job driver the CLI commands will share
 fn run_files(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
     require_existing(&config, "inspect")?;
     let namespace = config

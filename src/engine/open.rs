@@ -1,0 +1,397 @@
+//! Opening an engine: check the region, open (format or recover) the devices, start one worker
+//! per core and wait until each has recovered its share, then connect the cold tier.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::Receiver;
+
+use crate::config::{Config, Cores, Derived, Layout};
+use crate::error::{Error, Result};
+use crate::events::EventSink;
+use crate::files::device::{FilesDevice, ScannedFile};
+use crate::io::{BackendSettings, EventFd, Region, Storage};
+use crate::job::{JobResult, Shared};
+use crate::route::Router;
+use crate::slab::layout::DeviceSpec;
+use crate::slab::prepare::prepare_slab;
+use crate::slab::Geometry;
+use crate::worker::{self, Scheduler, WorkerShared};
+
+use super::start::{worker_main, WorkerCtx};
+use super::{DeviceSummary, Engine, EngineInfo, ShardHandle, WorkerSummary};
+
+/// The devices as opened: slab devices for the workers, or `files` directories with what their
+/// scan found.
+struct Devices {
+    slab: Vec<DeviceSpec>,
+    files: Vec<Arc<FilesDevice>>,
+    scanned: Vec<ScannedFile>,
+    summaries: Vec<DeviceSummary>,
+}
+
+/// The workers as started.
+struct Started {
+    shards: Vec<ShardHandle>,
+    threads: Vec<JoinHandle<()>>,
+    summaries: Vec<WorkerSummary>,
+    /// The first worker that failed to start, if any (the others are running).
+    error: Option<Error>,
+}
+
+impl Engine {
+    /// Opens the engine on any [`Storage`] (the simulated one in tests).
+    #[allow(clippy::needless_pass_by_value)] // ownership is the natural API; clones go to workers
+    pub fn open_with(
+        config: &Config,
+        region: Arc<Region>,
+        storage: Arc<dyn Storage>,
+    ) -> Result<Engine> {
+        let started = std::time::Instant::now();
+        let derived = config.validate()?;
+        let region_blocks = check_region(&region, derived.block_bytes, storage.as_ref())?;
+        let devices = open_devices(config, &derived, storage.as_ref())?;
+        let cores = worker_cores(&config.cores);
+        let (shared, results) = new_shared(config);
+        let demote_sink: Option<worker::DemoteSink> = derived
+            .demote_on_evict
+            .then(|| Arc::new(std::sync::OnceLock::new()));
+        let files_devices = Arc::new(devices.files.clone());
+        let workers = start_workers(
+            config,
+            &derived,
+            &cores,
+            devices.slab,
+            &files_devices,
+            devices.scanned,
+            &storage,
+            &region,
+            &shared,
+            demote_sink.as_ref(),
+        )?;
+        let router = Arc::new(Router {
+            shards: workers
+                .shards
+                .iter()
+                .map(|h| (h.tx.clone(), Arc::clone(&h.shared)))
+                .collect(),
+            queue_blocks_max: config.queue_blocks_max,
+        });
+        let mut engine = Engine {
+            region: Arc::clone(&region),
+            region_blocks,
+            block_bytes: derived.block_bytes,
+            files_devices,
+            queue_blocks_max: config.queue_blocks_max,
+            jobs_in_flight_max: config.jobs_in_flight_max,
+            shared: Arc::clone(&shared),
+            shards: workers.shards,
+            router: Arc::clone(&router),
+            cold: None,
+            results,
+            shut: AtomicBool::new(false),
+            gate: RwLock::new(()),
+            shutting_down: Mutex::new(()),
+            threads: Mutex::new(workers.threads),
+            info: EngineInfo {
+                block_bytes: derived.block_bytes,
+                region_blocks,
+                region_backing: region.backing().as_str(),
+                devices: devices.summaries,
+                workers: workers.summaries,
+                #[cfg(feature = "s3")]
+                s3: None,
+                open_seconds: 0.0,
+            },
+        };
+        if let Some(e) = workers.error {
+            engine.shutdown();
+            return Err(e);
+        }
+        if let Err(e) = engine.open_cold(config, &cores, &region, shared, router, demote_sink) {
+            engine.shutdown();
+            return Err(e);
+        }
+        engine.info.open_seconds = started.elapsed().as_secs_f64();
+        engine.log_ready();
+        Ok(engine)
+    }
+
+    /// Opens the `[s3]` tier, if configured, and connects it.
+    #[allow(clippy::needless_pass_by_value)] // moved into the tier with the s3 feature
+    #[cfg_attr(not(feature = "s3"), allow(clippy::unused_self))]
+    fn open_cold(
+        &mut self,
+        config: &Config,
+        cores: &[Option<usize>],
+        region: &Arc<Region>,
+        shared: Arc<Shared>,
+        router: Arc<Router>,
+        demote_sink: Option<worker::DemoteSink>,
+    ) -> Result<()> {
+        let Some(s3) = &config.s3 else {
+            return Ok(());
+        };
+        #[cfg(feature = "s3")]
+        {
+            let worker_cores: Vec<usize> = cores.iter().flatten().copied().collect();
+            let tier = crate::s3::S3Tier::open(
+                s3,
+                self.block_bytes,
+                Arc::clone(region),
+                shared,
+                router,
+                &worker_cores,
+            )?;
+            self.info.s3 = Some(tier.summary().clone());
+            self.attach_cold(Box::new(tier), demote_sink.as_ref());
+            Ok(())
+        }
+        #[cfg(not(feature = "s3"))]
+        {
+            let _ = (s3, cores, region, shared, router, demote_sink);
+            Err(Error::S3(
+                "this kvtier was built without the `s3` feature; rebuild with it or remove the [s3] section".into(),
+            ))
+        }
+    }
+
+    fn log_ready(&self) {
+        let unroutable = self.stats().unroutable_entries;
+        if unroutable > 0 {
+            tracing::warn!(
+                blocks = unroutable,
+                "dropped stored blocks whose keys now route to another worker or device \
+                 (cores or devices changed since they were written)"
+            );
+        }
+        for (i, d) in self.info.devices.iter().enumerate() {
+            tracing::info!(
+                device = i,
+                path = %d.path.display(),
+                kind = d.kind,
+                direct = d.direct,
+                slots = d.geometry.slot_count,
+                formatted = d.formatted,
+                "device ready"
+            );
+        }
+    }
+}
+
+/// The region's block count, after checking it fits the engine and guarding its blocks.
+fn check_region(region: &Region, block_bytes: u64, storage: &dyn Storage) -> Result<u64> {
+    if (region.len() as u64) < block_bytes {
+        return Err(Error::Memory(format!(
+            "the region is {} bytes, smaller than one block of {block_bytes}",
+            region.len()
+        )));
+    }
+    let region_blocks = region.len() as u64 / block_bytes;
+    if region_blocks > u64::from(u32::MAX) {
+        return Err(Error::Memory(format!(
+            "{region_blocks} blocks: at most 2^32-1"
+        )));
+    }
+    if storage.guards_region() {
+        region.guard_blocks(block_bytes as usize).map_err(|e| {
+            Error::Memory(format!(
+                "guarding the region in blocks of {block_bytes} bytes: {} (is it in use by \
+                 an engine with another block_size?)",
+                e.desc()
+            ))
+        })?;
+    }
+    Ok(region_blocks)
+}
+
+/// Opens every device: formats or checks slab headers, or scans `files` directories.
+fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Result<Devices> {
+    let block_bytes = derived.block_bytes;
+    let mut out = Devices {
+        slab: Vec::new(),
+        files: Vec::new(),
+        scanned: Vec::new(),
+        summaries: Vec::with_capacity(config.devices.len()),
+    };
+    if derived.layout == Layout::Files && !storage.supports_files() {
+        return Err(Error::Worker(
+            "this storage backend cannot run the files layout (the simulated device is slab-only)"
+                .into(),
+        ));
+    }
+    for (i, dcfg) in config.devices.iter().enumerate() {
+        if derived.layout == Layout::Files {
+            let files_cfg = config.files.as_ref().ok_or_else(|| {
+                Error::from(crate::config::ConfigError::Invalid {
+                    field: "files".into(),
+                    value: "(missing)".into(),
+                    expected: "a [files] section for layout = \"files\"".into(),
+                })
+            })?;
+            let (dev, found, report) =
+                FilesDevice::open(i, dcfg, files_cfg, block_bytes, config.direct_io)?;
+            out.summaries.push(DeviceSummary {
+                path: dev.data_dir.clone(),
+                kind: "directory",
+                direct: dev.direct,
+                size_bytes: dcfg.capacity_bytes.unwrap_or(0),
+                geometry: Geometry {
+                    block_bytes,
+                    slot_bytes: block_bytes,
+                    slot_count: dcfg.capacity_bytes.map_or(0, |c| c / block_bytes),
+                    table_offset: 0,
+                    data_offset: 0,
+                },
+                formatted: false,
+                files: Some(report),
+            });
+            out.scanned.extend(found);
+            out.files.push(Arc::new(dev));
+            continue;
+        }
+        let info = storage.open_device(i, dcfg, config.direct_io)?;
+        let (geometry, formatted) = prepare_slab(storage, i, &info, block_bytes, dcfg.overwrite)?;
+        out.summaries.push(DeviceSummary {
+            path: info.path.clone(),
+            kind: info.kind,
+            direct: info.direct,
+            size_bytes: info.size_bytes,
+            geometry,
+            formatted,
+            files: None,
+        });
+        out.slab.push(DeviceSpec {
+            geometry,
+            fresh: formatted,
+        });
+    }
+    Ok(out)
+}
+
+/// One entry per worker: the core it is pinned to (`None`: unpinned, no core list known).
+fn worker_cores(cores: &Cores) -> Vec<Option<usize>> {
+    match cores {
+        Cores::Auto => {
+            let avail = kvtier_sys::affinity::available_cores();
+            if avail.is_empty() {
+                vec![None]
+            } else {
+                avail.into_iter().map(Some).collect()
+            }
+        }
+        Cores::List(list) => list.iter().copied().map(Some).collect(),
+    }
+}
+
+fn new_shared(config: &Config) -> (Arc<Shared>, Receiver<JobResult>) {
+    let (results_tx, results) = crossbeam_channel::unbounded();
+    let shared = Arc::new(Shared {
+        results_tx,
+        jobs_in_flight: std::sync::atomic::AtomicUsize::new(0),
+        idle_lock: Mutex::new(()),
+        idle: Condvar::new(),
+        events: EventSink::new(
+            config.events.enabled,
+            config.events.max,
+            config.events.locality,
+        ),
+        miss_fallback: std::sync::OnceLock::new(),
+    });
+    (shared, results)
+}
+
+/// Spawns one worker per core and waits until every one has recovered its share (or failed).
+#[allow(clippy::too_many_arguments)] // the pieces open_with just built, each handed on once
+fn start_workers(
+    config: &Config,
+    derived: &Derived,
+    cores: &[Option<usize>],
+    devices: Vec<DeviceSpec>,
+    files_devices: &Arc<Vec<Arc<FilesDevice>>>,
+    scanned: Vec<ScannedFile>,
+    storage: &Arc<dyn Storage>,
+    region: &Arc<Region>,
+    shared: &Arc<Shared>,
+    demote_sink: Option<&worker::DemoteSink>,
+) -> Result<Started> {
+    let workers = cores.len();
+    let devices = Arc::new(devices);
+    let mut scanned_per_worker: Vec<Vec<ScannedFile>> = vec![Vec::new(); workers];
+    for f in scanned {
+        scanned_per_worker[f.key.shard(workers)].push(f);
+    }
+    let settings = BackendSettings {
+        ring_entries: config.ring_entries,
+        sqpoll: config.sqpoll,
+        sqpoll_idle_ms: config.sqpoll_idle_ms,
+        iopoll: config.iopoll,
+        ioprio: config.scheduler.ioprio,
+        piece_bytes: derived.piece_bytes,
+        files_layout: derived.layout == Layout::Files,
+    };
+    let mut shards = Vec::with_capacity(workers);
+    let mut threads = Vec::with_capacity(workers);
+    let (ready_tx, ready_rx) = crossbeam_channel::unbounded();
+    for (id, core) in cores.iter().copied().enumerate() {
+        let wake =
+            Arc::new(EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?);
+        let me = Arc::new(WorkerShared::new(Arc::clone(&wake)));
+        let (tx, rx) = crossbeam_channel::unbounded();
+        shards.push(ShardHandle {
+            tx,
+            rx: rx.clone(),
+            shared: Arc::clone(&me),
+        });
+        let ctx = WorkerCtx {
+            id,
+            workers,
+            core,
+            storage: Arc::clone(storage),
+            region: Arc::clone(region),
+            devices: Arc::clone(&devices),
+            files_devices: Arc::clone(files_devices),
+            scanned: std::mem::take(&mut scanned_per_worker[id]),
+            shared: Arc::clone(shared),
+            me,
+            rx,
+            settings: settings.clone(),
+            sched: Scheduler::new(
+                &config.scheduler,
+                derived.block_bytes,
+                derived.store_chunk_bytes,
+            ),
+            ring_entries: config.ring_entries as usize,
+            staging_blocks: derived.staging_blocks,
+            ready: ready_tx.clone(),
+            demote_sink: demote_sink.cloned(),
+        };
+        let handle = std::thread::Builder::new()
+            .name(format!("kvtier-w{id}"))
+            .spawn(move || worker_main(ctx))
+            .map_err(|e| Error::Worker(format!("spawning worker {id}: {e}")))?;
+        threads.push(handle);
+    }
+    drop(ready_tx);
+    let mut summaries = vec![None; workers];
+    let mut error = None;
+    for _ in 0..workers {
+        match ready_rx.recv() {
+            Ok((id, Ok(w))) => summaries[id] = Some(w),
+            Ok((id, Err(e))) => {
+                error.get_or_insert(Error::Worker(format!("worker {id}: {e}")));
+            }
+            Err(_) => {
+                error.get_or_insert(Error::Worker("a worker died while starting".into()));
+                break;
+            }
+        }
+    }
+    Ok(Started {
+        shards,
+        threads,
+        summaries: summaries.into_iter().flatten().collect(),
+        error,
+    })
+}

@@ -1,0 +1,156 @@
+//! A worker thread's start: pinning, buffers, ring, recovery of its share, then its loop.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::files::device::{FilesDevice, ScannedFile};
+use crate::files::layout::FilesLayout;
+use crate::io::{BackendSettings, Region, Storage};
+use crate::job::Shared;
+use crate::slab::layout::{DeviceSpec, SlabLayout};
+use crate::worker::{self, Msg, Scheduler, Worker, WorkerParams, WorkerShared};
+
+use super::WorkerSummary;
+
+pub(super) struct WorkerCtx {
+    pub(super) id: usize,
+    pub(super) workers: usize,
+    pub(super) core: Option<usize>,
+    pub(super) storage: Arc<dyn Storage>,
+    pub(super) region: Arc<Region>,
+    pub(super) devices: Arc<Vec<DeviceSpec>>,
+    pub(super) files_devices: Arc<Vec<Arc<FilesDevice>>>,
+    pub(super) scanned: Vec<ScannedFile>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) me: Arc<WorkerShared>,
+    pub(super) rx: Receiver<Msg>,
+    pub(super) settings: BackendSettings,
+    pub(super) sched: Scheduler,
+    pub(super) ring_entries: usize,
+    pub(super) staging_blocks: usize,
+    pub(super) ready: Sender<(usize, std::result::Result<WorkerSummary, String>)>,
+    /// Set with `s3.write = "on_evict"` on the slab layout.
+    pub(super) demote_sink: Option<worker::DemoteSink>,
+}
+
+/// The body of worker thread `ctx.id`: pin, allocate its buffers, build its ring, recover its
+/// share of the devices, report ready (or why not), run until stopped.
+pub(super) fn worker_main(ctx: WorkerCtx) {
+    let id = ctx.id;
+    ctx.me
+        .tid
+        .store(nix::unistd::gettid().as_raw(), Ordering::Release);
+    let pinned = match ctx.core {
+        Some(core) => match kvtier_sys::affinity::pin_current_thread(core) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(worker = id, core, "could not pin worker: {}", e.desc());
+                false
+            }
+        },
+        None => false,
+    };
+    let (meta, demote) = match buffers(&ctx) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = ctx.ready.send((id, Err(e)));
+            return;
+        }
+    };
+    let mut buffers = vec![Arc::clone(&ctx.region), Arc::clone(&meta)];
+    if let Some(d) = &demote {
+        buffers.push(Arc::clone(&d.staging));
+    }
+    let backend = match ctx
+        .storage
+        .backend(id, buffers, Arc::clone(&ctx.me.wake), &ctx.settings)
+    {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = ctx.ready.send((id, Err(e.to_string())));
+            return;
+        }
+    };
+    let params = WorkerParams {
+        id,
+        backend,
+        region: ctx.region,
+        rx: ctx.rx,
+        shared: ctx.shared,
+        me: Arc::clone(&ctx.me),
+        sched: ctx.sched,
+        ring_entries: ctx.ring_entries,
+        demote,
+    };
+    let summary = |backend: String, recovered_blocks: u64| WorkerSummary {
+        core: ctx.core,
+        pinned,
+        backend,
+        recovered_blocks,
+    };
+    if !ctx.files_devices.is_empty() {
+        let layout = FilesLayout::new(
+            id,
+            ctx.files_devices.iter().cloned().collect(),
+            ctx.scanned,
+            &ctx.me,
+        );
+        let indexed = layout.indexed();
+        let mut worker = Worker::new(params, layout, crate::files::layout::Op::empty);
+        let (layout, core) = worker.parts();
+        layout.publish_scanned(core);
+        let _ = ctx
+            .ready
+            .send((id, Ok(summary(worker.describe(), indexed))));
+        drop(ctx.ready);
+        worker.run();
+        return;
+    }
+    let layout = SlabLayout::new(
+        id,
+        ctx.workers,
+        meta,
+        &ctx.devices,
+        &ctx.me.metrics.slots_total,
+    );
+    let mut worker = Worker::new(params, layout, || {
+        crate::slab::layout::Op::new(crate::slab::layout::OpKind::Load)
+    });
+    let (layout, core) = worker.parts();
+    match layout.recover(core, &ctx.devices) {
+        Ok(recovered) => {
+            let _ = ctx
+                .ready
+                .send((id, Ok(summary(worker.describe(), recovered))));
+        }
+        Err(e) => {
+            let _ = ctx.ready.send((id, Err(e)));
+            return;
+        }
+    }
+    drop(ctx.ready);
+    worker.run();
+}
+
+/// The worker's slot-table copy (buffer 1) and, with demotion, its staging slots (buffer 2).
+fn buffers(ctx: &WorkerCtx) -> std::result::Result<(Arc<Region>, Option<worker::Demote>), String> {
+    let meta_len = crate::slab::table::meta_bytes(&ctx.devices, ctx.id, ctx.workers);
+    let meta = Region::allocate(meta_len, kvtier_sys::mem::HugePages::Off)
+        .map_err(|e| format!("allocating {meta_len} bytes of slot table: {e}"))?;
+    let demote = match &ctx.demote_sink {
+        None => None,
+        Some(sink) => {
+            let len = ctx.staging_blocks * ctx.sched.block_bytes() as usize;
+            let staging = Region::allocate(len, kvtier_sys::mem::HugePages::Off)
+                .map_err(|e| format!("allocating {len} bytes of demotion staging: {e}"))?;
+            Some(worker::Demote::new(
+                Arc::new(staging),
+                ctx.staging_blocks,
+                Arc::clone(sink),
+            ))
+        }
+    };
+    Ok((Arc::new(meta), demote))
+}
