@@ -75,6 +75,11 @@ pub(crate) enum Step {
     Rename,
     UnlinkTmp,
     Unlink,
+    /// `sync = "data"`: after the rename, the directory is opened, fsynced (the new name is
+    /// durable; the store reports then) and closed, all on the ring.
+    OpenDir,
+    SyncDir,
+    CloseDir,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -299,7 +304,20 @@ impl FilesLayout {
                 offset: 0,
                 buf: block_buf,
             },
-            Step::Close | Step::CloseTmp => FileOp::Close { fd: op.fd },
+            Step::Close | Step::CloseTmp | Step::CloseDir => FileOp::Close { fd: op.fd },
+            Step::OpenDir => {
+                let dir = c_path(op.dest.parent().unwrap_or(&op.dest));
+                let open = FileOp::OpenAt {
+                    path: &dir,
+                    flags: O_RDONLY | O_DIRECTORY | O_CLOEXEC,
+                    mode: 0,
+                };
+                return core.backend.push_file(user_data, &open, class);
+            }
+            Step::SyncDir => FileOp::Fsync {
+                fd: op.fd,
+                data_only: false,
+            },
             Step::OpenTmp => FileOp::OpenAt {
                 path: &tmp,
                 flags: O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | direct,
@@ -634,6 +652,7 @@ impl Layout for FilesLayout {
             Step::Rename => self.on_rename(core, idx, result),
             Step::UnlinkTmp => Self::release(core, idx),
             Step::Unlink => self.on_unlink(core, idx, result),
+            Step::OpenDir | Step::SyncDir | Step::CloseDir => self.on_dir_step(core, idx, result),
             Step::Write => unreachable!("store writes are the worker's (LayoutOp::writing)"),
         }
     }
@@ -685,3 +704,4 @@ const O_CREAT: i32 = OFlag::O_CREAT.bits();
 const O_EXCL: i32 = OFlag::O_EXCL.bits();
 const O_CLOEXEC: i32 = OFlag::O_CLOEXEC.bits();
 const O_DIRECT: i32 = OFlag::O_DIRECT.bits();
+const O_DIRECTORY: i32 = OFlag::O_DIRECTORY.bits();

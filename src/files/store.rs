@@ -4,12 +4,14 @@
 //! reserve bytes ─► openat tmp (O_EXCL) [ENOENT: mkdirat <hh>_g<g> (and <hhh>), again]
 //!   ─► fsetxattr crc ─► write (the worker's chunks) ─► [fdatasync] ─► close
 //!   ─► renameat NOREPLACE (EEXIST = another writer won: success)
+//!   ─► [sync = "data": openat dir ─► fsync ─► (report) ─► close]
 //! ```
 //!
 //! A store's bytes are reserved in the shared usage counter before its temp file exists and
 //! released if it fails; every temp file is closed and removed on every failure path; ENOSPC
 //! gets one retry after evicting.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::config::SyncMode;
@@ -272,16 +274,56 @@ impl FilesLayout {
         }
         let counted = core.ops[idx as usize].bytes > 0;
         self.publish(core, key, dev, counted);
-        let d = Arc::clone(&self.devs[dev as usize]);
-        if d.sync == SyncMode::Data {
-            if let Some(parent) = core.ops[idx as usize].dest.parent() {
-                if let Err(e) = std::fs::File::open(parent).and_then(|f| f.sync_all()) {
-                    core.log_error(&format!("fsync of {}: {e}", parent.display()));
-                }
-            }
+        if self.devs[dev as usize].sync == SyncMode::Data {
+            // Make the new name durable before reporting: the directory's fsync, on the ring.
+            core.ops[idx as usize].step = Step::OpenDir;
+            self.push_step(core, idx);
+            return;
         }
         Self::succeed_store(core, idx, core.block_bytes);
         Self::release(core, idx);
+    }
+
+    /// The directory steps of a `sync = "data"` store: open, fsync (then the store reports),
+    /// close. A failure is logged and the store still reports success, as its data and name are
+    /// in place (only their durability across a power loss is in doubt).
+    pub(super) fn on_dir_step(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        let step = core.ops[idx as usize].step;
+        if result < 0 {
+            let e = Errno::from_raw(-result);
+            let dir = core.ops[idx as usize].dest.parent().map(Path::to_path_buf);
+            core.log_error(&format!(
+                "{} of the directory {}: {}",
+                match step {
+                    Step::OpenDir => "open",
+                    Step::SyncDir => "fsync",
+                    _ => "close",
+                },
+                dir.unwrap_or_default().display(),
+                e.desc()
+            ));
+        }
+        match step {
+            Step::OpenDir if result >= 0 => {
+                let op = &mut core.ops[idx as usize];
+                op.fd = result;
+                op.step = Step::SyncDir;
+                self.push_step(core, idx);
+            }
+            Step::SyncDir => {
+                Self::succeed_store(core, idx, core.block_bytes);
+                core.ops[idx as usize].step = Step::CloseDir;
+                self.push_step(core, idx);
+            }
+            // The directory could not be opened (logged), or it is closed: done.
+            _ => {
+                if step == Step::OpenDir {
+                    Self::succeed_store(core, idx, core.block_bytes);
+                }
+                core.ops[idx as usize].fd = -1;
+                Self::release(core, idx);
+            }
+        }
     }
 
     fn succeed_store(core: &mut Core<Op>, idx: u32, bytes: u64) {
