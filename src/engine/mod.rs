@@ -475,15 +475,10 @@ impl Engine {
         for h in &self.shards {
             while let Ok(msg) = h.rx.try_recv() {
                 if let Msg::Work(part) = msg {
-                    for &item in &part.items {
-                        h.shared.queued_blocks.fetch_sub(1, Ordering::AcqRel);
-                        part.job.fail(
-                            &self.shared,
-                            item as usize,
-                            KeyFailure::Shutdown,
-                            String::new(),
-                        );
-                    }
+                    h.shared
+                        .queued_blocks
+                        .fetch_sub(part.items.len(), Ordering::AcqRel);
+                    part.fail_from(0, &self.shared);
                 }
             }
         }

@@ -281,15 +281,11 @@ impl<O: LayoutOp> Core<O> {
     }
 
     fn cancel_part(&self, part: &Part) {
-        for &item in &part.items {
-            self.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
-            part.job.fail(
-                &self.shared,
-                item as usize,
-                KeyFailure::Shutdown,
-                String::new(),
-            );
-        }
+        // Queue room first, so a caller that sees the failure can submit again at once.
+        self.me
+            .queued_blocks
+            .fetch_sub(part.items.len(), Ordering::AcqRel);
+        part.fail_from(0, &self.shared);
     }
 }
 

@@ -14,6 +14,18 @@ pub(crate) struct Part {
     pub items: Vec<u32>,
 }
 
+impl Part {
+    /// Fails the items from `from` on with `KeyFailure::Shutdown`; returns how many (the
+    /// caller gives their queue room back).
+    pub fn fail_from(&self, from: usize, shared: &Shared) -> usize {
+        for &item in &self.items[from..] {
+            self.job
+                .fail(shared, item as usize, KeyFailure::Shutdown, String::new());
+        }
+        self.items.len() - from
+    }
+}
+
 pub(crate) enum Msg {
     Work(Part),
     /// Mark these keys recently used (the caller served them from its own cache).
@@ -65,15 +77,10 @@ impl WorkQueue {
         let parts: Vec<Part> = self.parts.drain(..).collect();
         self.cursor = 0;
         self.blocks = 0;
-        let mut n = 0;
-        for (i, part) in parts.iter().enumerate() {
-            let from = if i == 0 { cursor } else { 0 };
-            for &item in &part.items[from..] {
-                part.job
-                    .fail(shared, item as usize, KeyFailure::Shutdown, String::new());
-                n += 1;
-            }
-        }
-        n
+        parts
+            .iter()
+            .enumerate()
+            .map(|(i, part)| part.fail_from(if i == 0 { cursor } else { 0 }, shared))
+            .sum()
     }
 }
