@@ -141,6 +141,20 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// State for a new engine, and the receiver its results arrive on.
+    pub fn new(events: EventSink) -> (Arc<Shared>, crossbeam_channel::Receiver<JobResult>) {
+        let (results_tx, results) = crossbeam_channel::unbounded();
+        let shared = Arc::new(Shared {
+            results_tx,
+            jobs_in_flight: AtomicUsize::new(0),
+            idle_lock: Mutex::new(()),
+            idle: Condvar::new(),
+            events,
+            miss_fallback: std::sync::OnceLock::new(),
+        });
+        (shared, results)
+    }
+
     /// A load's key is not in the NVMe tier: ask the next tier, or fail the key as a miss. This
     /// catches a key evicted (or removed by another process) between `lookup` or submission
     /// and the worker reaching it.

@@ -2,17 +2,15 @@
 //! per core and wait until each has recovered its share, then connect the cold tier.
 
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
-
-use crossbeam_channel::Receiver;
 
 use crate::config::{Config, Cores, Derived, Layout};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
 use crate::io::{BackendSettings, EventFd, Region, Storage};
-use crate::job::{JobResult, Shared};
+use crate::job::Shared;
 use crate::route::Router;
 use crate::slab::layout::DeviceSpec;
 use crate::slab::prepare::prepare_slab;
@@ -53,7 +51,11 @@ impl Engine {
         let region_blocks = check_region(&region, derived.block_bytes, storage.as_ref())?;
         let devices = open_devices(config, &derived, storage.as_ref())?;
         let cores = worker_cores(&config.cores);
-        let (shared, results) = new_shared(config);
+        let (shared, results) = Shared::new(EventSink::new(
+            config.events.enabled,
+            config.events.max,
+            config.events.locality,
+        ));
         let demote_sink: Option<worker::DemoteSink> = derived
             .demote_on_evict
             .then(|| Arc::new(std::sync::OnceLock::new()));
@@ -283,23 +285,6 @@ fn worker_cores(cores: &Cores) -> Vec<Option<usize>> {
         }
         Cores::List(list) => list.iter().copied().map(Some).collect(),
     }
-}
-
-fn new_shared(config: &Config) -> (Arc<Shared>, Receiver<JobResult>) {
-    let (results_tx, results) = crossbeam_channel::unbounded();
-    let shared = Arc::new(Shared {
-        results_tx,
-        jobs_in_flight: std::sync::atomic::AtomicUsize::new(0),
-        idle_lock: Mutex::new(()),
-        idle: Condvar::new(),
-        events: EventSink::new(
-            config.events.enabled,
-            config.events.max,
-            config.events.locality,
-        ),
-        miss_fallback: std::sync::OnceLock::new(),
-    });
-    (shared, results)
 }
 
 /// Spawns one worker per core and waits until every one has recovered its share (or failed).

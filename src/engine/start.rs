@@ -108,28 +108,18 @@ pub(super) fn worker_main(ctx: WorkerCtx) {
         worker.run();
         return;
     }
-    let layout = SlabLayout::new(
-        id,
-        ctx.workers,
-        meta,
-        &ctx.devices,
-        &ctx.me.metrics.slots_total,
-    );
-    let mut worker = Worker::new(params, layout, || {
-        crate::slab::layout::Op::new(crate::slab::layout::OpKind::Load)
-    });
-    let (layout, core) = worker.parts();
-    match layout.recover(core, &ctx.devices) {
-        Ok(recovered) => {
+    let worker = match SlabLayout::recovered_worker(params, ctx.workers, meta, &ctx.devices) {
+        Ok((worker, recovered)) => {
             let _ = ctx
                 .ready
                 .send((id, Ok(summary(worker.describe(), recovered))));
+            worker
         }
         Err(e) => {
             let _ = ctx.ready.send((id, Err(e)));
             return;
         }
-    }
+    };
     drop(ctx.ready);
     worker.run();
 }

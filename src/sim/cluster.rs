@@ -8,7 +8,7 @@
 //! lets the storage lose what was not durable; [`Cluster::open`] on the same storage recovers.
 //! [`campaign`] is the seeded check that runs on it.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use crossbeam_channel::Receiver;
 
@@ -18,7 +18,7 @@ use crate::events::EventSink;
 use crate::io::{BackendSettings, EventFd, Region, Storage};
 use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
 use crate::route::{items_by_worker, Router};
-use crate::slab::layout::{DeviceSpec, Op, OpKind, SlabLayout};
+use crate::slab::layout::{DeviceSpec, SlabLayout};
 use crate::slab::prepare::prepare_slab;
 use crate::worker::{Scheduler, Worker, WorkerParams, WorkerShared};
 
@@ -58,15 +58,7 @@ impl Cluster {
                 prepare_slab(storage.as_ref(), i, &info, block_bytes, dcfg.overwrite)?;
             devices.push(DeviceSpec { geometry, fresh });
         }
-        let (results_tx, results) = crossbeam_channel::unbounded();
-        let shared = Arc::new(Shared {
-            results_tx,
-            jobs_in_flight: std::sync::atomic::AtomicUsize::new(0),
-            idle_lock: Mutex::new(()),
-            idle: Condvar::new(),
-            events: EventSink::new(false, 1, None),
-            miss_fallback: std::sync::OnceLock::new(),
-        });
+        let (shared, results) = Shared::new(EventSink::new(false, 1, None));
         let settings = BackendSettings {
             ring_entries: config.ring_entries,
             sqpoll: false,
@@ -96,7 +88,6 @@ impl Cluster {
                 wake,
                 &settings,
             )?;
-            let layout = SlabLayout::new(id, workers, meta, &devices, &me.metrics.slots_total);
             let params = WorkerParams {
                 id,
                 backend,
@@ -108,10 +99,7 @@ impl Cluster {
                 ring_entries: config.ring_entries as usize,
                 demote: None,
             };
-            let mut worker = Worker::new(params, layout, || Op::new(OpKind::Load));
-            let (layout, core) = worker.parts();
-            layout
-                .recover(core, &devices)
+            let (worker, _) = SlabLayout::recovered_worker(params, workers, meta, &devices)
                 .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;
             list.push(worker);
         }

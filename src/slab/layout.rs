@@ -22,7 +22,9 @@ use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
 use crate::worker::shared::block_crc;
-use crate::worker::{io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION};
+use crate::worker::{
+    io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, Worker, WorkerParams, BUF_REGION,
+};
 use crate::Errno;
 
 use super::table::PageState;
@@ -205,6 +207,27 @@ impl SlabLayout {
             seq: 1,
             scratch_entry: [0; ENTRY_BYTES],
         }
+    }
+
+    /// A worker running the slab layout: worker `params.id` of `workers`' share of `devices`,
+    /// its slot table copy in `meta`, recovered from the devices; and how many blocks it holds.
+    pub fn recovered_worker(
+        params: WorkerParams,
+        workers: usize,
+        meta: Arc<crate::io::Region>,
+        devices: &[DeviceSpec],
+    ) -> Result<(Worker<SlabLayout>, u64), String> {
+        let layout = SlabLayout::new(
+            params.id,
+            workers,
+            meta,
+            devices,
+            &params.me.metrics.slots_total,
+        );
+        let mut worker = Worker::new(params, layout, || Op::new(OpKind::Load));
+        let (layout, core) = worker.parts();
+        let recovered = layout.recover(core, devices)?;
+        Ok((worker, recovered))
     }
 
     fn block_buf(core: &Core<Op>, block: u32) -> BufRef {
