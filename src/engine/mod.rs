@@ -151,29 +151,13 @@ impl Engine {
                 self.jobs_in_flight_max
             )));
         }
-        if let Some((index, detail)) = self.invalid(kind, &job) {
+        if let Some((index, detail)) = self.invalid(&job) {
             let state = JobState::new(kind, job);
             state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
             return Ok(());
         }
-        // The job's blocks: shared for a store (the device reads them), exclusive for a load.
-        let lease = match self.region.lease(&job.blocks, kind == JobKind::Load) {
-            Ok(lease) => Arc::new(lease),
-            Err(busy) => {
-                let index = job
-                    .blocks
-                    .iter()
-                    .position(|&b| b == busy.block)
-                    .unwrap_or(0);
-                let state = JobState::new(kind, job);
-                state.fail_whole(
-                    &self.shared,
-                    index,
-                    KeyFailure::InvalidJob,
-                    busy.to_string(),
-                );
-                return Ok(());
-            }
+        let Some((lease, job)) = self.lease(kind, job) else {
+            return Ok(());
         };
         let workers = self.shards.len();
         let mut parts = items_by_worker(&job.keys, workers);
@@ -223,6 +207,52 @@ impl Engine {
         Ok(())
     }
 
+    /// Leases the job's blocks: shared for a store (the device reads them), exclusive for a
+    /// load. `None` when the job was refused and reported failed instead.
+    fn lease(&self, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
+        match self.region.lease(&job.blocks, kind == JobKind::Load) {
+            // The lease holds each block once: fewer than the job names means a repeat, which
+            // a load cannot have (two keys would land in one block).
+            Ok(lease) if kind == JobKind::Load && lease.len() < job.blocks.len() => {
+                drop(lease);
+                let mut seen = std::collections::HashSet::new();
+                let i = job
+                    .blocks
+                    .iter()
+                    .position(|b| !seen.insert(*b))
+                    .unwrap_or(0);
+                let detail = format!(
+                    "block id {} appears twice (again at position {i}): a load writes each \
+                     block once",
+                    job.blocks[i]
+                );
+                JobState::new(kind, job).fail_whole(
+                    &self.shared,
+                    i,
+                    KeyFailure::InvalidJob,
+                    detail,
+                );
+                None
+            }
+            Ok(lease) => Some((Arc::new(lease), job)),
+            Err(busy) => {
+                let index = job
+                    .blocks
+                    .iter()
+                    .position(|&b| b == busy.block)
+                    .unwrap_or(0);
+                let state = JobState::new(kind, job);
+                state.fail_whole(
+                    &self.shared,
+                    index,
+                    KeyFailure::InvalidJob,
+                    busy.to_string(),
+                );
+                None
+            }
+        }
+    }
+
     /// The state of an admitted job: write-through stores report after their upload.
     fn job_state(&self, kind: JobKind, job: Job, lease: Arc<Lease>) -> JobState {
         if let (JobKind::Store, Some(cold)) = (kind, &self.cold) {
@@ -244,25 +274,12 @@ impl Engine {
             || self.published_elsewhere(key)
     }
 
-    fn invalid(&self, kind: JobKind, job: &Job) -> Option<(usize, String)> {
+    fn invalid(&self, job: &Job) -> Option<(usize, String)> {
         if job.keys.len() != job.blocks.len() {
             return Some((
                 0,
                 format!("{} keys but {} blocks", job.keys.len(), job.blocks.len()),
             ));
-        }
-        if kind == JobKind::Load {
-            let mut seen = std::collections::HashSet::with_capacity(job.blocks.len());
-            if let Some(i) = job.blocks.iter().position(|b| !seen.insert(*b)) {
-                return Some((
-                    i,
-                    format!(
-                        "block id {} appears twice (again at position {i}): a load writes each \
-                         block once",
-                        job.blocks[i]
-                    ),
-                ));
-            }
         }
         job.blocks
             .iter()

@@ -280,6 +280,18 @@ impl<O: LayoutOp> Core<O> {
             .store(self.backend.in_flight() as u64, Ordering::Relaxed);
     }
 
+    /// Stops: fails every queued block and retry; returns the stores that were still issuing
+    /// chunks (the caller cuts them).
+    fn cancel_queued(&mut self) -> Vec<u32> {
+        self.stopping = true;
+        let cancelled = self.loads.cancel(&self.shared) + self.stores.cancel(&self.shared);
+        self.me.queued_blocks.fetch_sub(cancelled, Ordering::AcqRel);
+        for (job, item) in self.retry.drain(..) {
+            job.fail(&self.shared, item, KeyFailure::Shutdown, String::new());
+        }
+        self.store_issuing.drain(..).collect()
+    }
+
     fn cancel_part(&self, part: &Part) {
         // Queue room first, so a caller that sees the failure can submit again at once.
         self.me
@@ -464,14 +476,7 @@ impl<L: Layout> Worker<L> {
     /// Fails everything queued and not yet started; stores stop issuing chunks (and fail once
     /// the issued ones complete); I/O in flight runs to completion.
     fn stop(&mut self) {
-        let core = &mut self.core;
-        core.stopping = true;
-        let cancelled = core.loads.cancel(&core.shared) + core.stores.cancel(&core.shared);
-        core.me.queued_blocks.fetch_sub(cancelled, Ordering::AcqRel);
-        for (job, item) in core.retry.drain(..) {
-            job.fail(&core.shared, item, KeyFailure::Shutdown, String::new());
-        }
-        let issuing: Vec<u32> = core.store_issuing.drain(..).collect();
+        let issuing = self.core.cancel_queued();
         for idx in issuing {
             let chunks = self.core.ops[idx as usize]
                 .writing()

@@ -110,17 +110,19 @@ pub(crate) struct Publisher {
 }
 
 impl Publisher {
+    /// The only writer of `view`, which starts empty.
     pub fn new(view: Arc<PublishedKeys>) -> Publisher {
-        let table = view.table();
-        let mut p = Publisher {
+        let table = Arc::new(Table::new(MIN_CAPACITY));
+        *view
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::clone(&table);
+        Publisher {
             view,
             table,
             live: 0,
             gone: 0,
-        };
-        // Start from an empty table whatever the view held.
-        p.rebuild(MIN_CAPACITY, false);
-        p
+        }
     }
 
     /// Publishes `key` (a no-op if it is already published).
@@ -153,7 +155,7 @@ impl Publisher {
         if (self.live + self.gone) * 4 >= t.capacity() * 3 {
             let grow = self.live * 2 >= t.capacity();
             let capacity = if grow { t.capacity() * 2 } else { t.capacity() };
-            self.rebuild(capacity, true);
+            self.rebuild(capacity);
         }
     }
 
@@ -187,23 +189,19 @@ impl Publisher {
         self.live
     }
 
-    /// A fresh table of `capacity` holding the live fingerprints (`keep`), swapped in for
-    /// callers. Runs when the table is three quarters full of keys and removal marks: O(table)
-    /// every O(table) changes.
-    fn rebuild(&mut self, capacity: usize, keep: bool) {
+    /// A fresh table of `capacity` holding the live fingerprints, swapped in for callers. Runs
+    /// when the table is three quarters full of keys and removal marks: O(table) every
+    /// O(table) changes.
+    fn rebuild(&mut self, capacity: usize) {
         let fresh = Table::new(capacity);
-        if keep {
-            for v in self.table.slots.iter().map(|s| s.load(Ordering::Relaxed)) {
-                if v > GONE {
-                    let mut i = v as usize & fresh.mask;
-                    while fresh.slots[i].load(Ordering::Relaxed) != EMPTY {
-                        i = (i + 1) & fresh.mask;
-                    }
-                    fresh.slots[i].store(v, Ordering::Relaxed);
+        for v in self.table.slots.iter().map(|s| s.load(Ordering::Relaxed)) {
+            if v > GONE {
+                let mut i = v as usize & fresh.mask;
+                while fresh.slots[i].load(Ordering::Relaxed) != EMPTY {
+                    i = (i + 1) & fresh.mask;
                 }
+                fresh.slots[i].store(v, Ordering::Relaxed);
             }
-        } else {
-            self.live = 0;
         }
         self.gone = 0;
         self.table = Arc::new(fresh);

@@ -177,6 +177,15 @@ impl Lease {
         self.exclusive
     }
 
+    /// Distinct blocks held.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
     /// Gives the blocks back (once; later calls and the drop do nothing). The holder must not
     /// reach the bytes through the lease afterwards: it panics.
     pub fn release(&self) {
