@@ -10,8 +10,8 @@
 //!   a root ending in `/` gives `//`, and the object-store prefix `"kv"` gives `kv//...` (contract
 //!   §3). Model names only have `/` replaced by `_`; nothing else is escaped.
 //! * JSON text is byte-identical to Python's `json.dumps(sort_keys=True)` (ASCII-only output with
-//!   `\u00e9`-style four-hex-digit escapes, UTF-16 surrogate pairs above U+FFFF) with compact separators for the digest
-//!   and `indent=2` for `config.json`; keys are sorted here, whatever order `serde_json::Map` keeps.
+//!   four-hex-digit escapes such as `\u00e9`, UTF-16 surrogate pairs above U+FFFF) with compact
+//!   separators for the digest and `indent=2` for `config.json`; keys are sorted here, whatever order `serde_json::Map` keeps.
 //! * Keys are vLLM offload keys: block hash followed by the group index as 4 big-endian bytes.
 //!   [`FileMapper::parse_block_path`] accepts exactly the paths [`FileMapper::block_path`] produces
 //!   under this mapper's data directory, so temp files and strays are never mistaken for blocks.
@@ -545,8 +545,8 @@ fn write_close(out: &mut String, indent: Option<usize>, level: usize) {
 }
 
 /// A JSON string as Python's encoder writes it with `ensure_ascii=True`: printable ASCII as is,
-/// the short escapes for `"` `\` and `\n \r \t \b \f`, everything else as a `\u` escape of four lowercase hex digits (e.g. `\u00e9`,
-/// UTF-16 surrogate pairs above U+FFFF), including DEL.
+/// the short escapes for `"` `\` and `\n \r \t \b \f`, everything else as a `\u` escape of four
+/// lowercase hex digits (e.g. `\u00e9`; UTF-16 surrogate pairs above U+FFFF), including DEL.
 fn write_string(out: &mut String, s: &str) {
     out.push('"');
     for c in s.chars() {
