@@ -11,7 +11,8 @@
 //!   §3). Model names only have `/` replaced by `_`; nothing else is escaped.
 //! * JSON text is byte-identical to Python's `json.dumps(sort_keys=True)` (ASCII-only output with
 //!   four-hex-digit escapes such as `\u00e9`, UTF-16 surrogate pairs above U+FFFF) with compact
-//!   separators for the digest and `indent=2` for `config.json`; keys are sorted here, whatever order `serde_json::Map` keeps.
+//!   separators for the digest and `indent=2` for `config.json`; keys are sorted here, whatever
+//!   order `serde_json::Map` keeps.
 //! * Keys are vLLM offload keys: block hash followed by the group index as 4 big-endian bytes.
 //!   [`FileMapper::parse_block_path`] accepts exactly the paths [`FileMapper::block_path`] produces
 //!   under this mapper's data directory, so temp files and strays are never mistaken for blocks.
