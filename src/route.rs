@@ -39,7 +39,7 @@ impl Router {
     #[cfg_attr(not(feature = "s3"), allow(dead_code))]
     pub fn try_dispatch(&self, job: &Arc<JobState>) -> bool {
         let parts = items_by_worker(&job.job.keys, self.shards.len());
-        if !self.reserve(&parts) {
+        if self.reserve_or(&parts).is_err() {
             return false;
         }
         for (s, items) in parts.into_iter().enumerate() {
@@ -50,13 +50,8 @@ impl Router {
         true
     }
 
-    /// Reserves queue room for `parts` on every worker, all or nothing.
-    #[cfg_attr(not(feature = "s3"), allow(dead_code))]
-    pub fn reserve(&self, parts: &[Vec<u32>]) -> bool {
-        self.reserve_or(parts).is_ok()
-    }
-
-    /// [`Router::reserve`], saying which worker was full: `(worker, queued before, adding)`.
+    /// Reserves queue room for `parts` on every worker, all or nothing; `Err` names the worker
+    /// that was full: `(worker, queued before, adding)`.
     pub fn reserve_or(&self, parts: &[Vec<u32>]) -> Result<(), (usize, usize, usize)> {
         for (s, part) in parts.iter().enumerate() {
             let n = part.len();
