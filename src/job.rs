@@ -63,6 +63,9 @@ pub enum KeyFailure {
     /// The object store failed the request after the configured retries (or it timed out);
     /// the detail names the operation, the object and the cause.
     Remote,
+    /// Files layout: a symlink or a non-regular file (FIFO, socket, device node, directory)
+    /// is at the block's path; kvtier never follows or reads it. The detail names the path.
+    Refused,
 }
 
 impl std::fmt::Display for KeyFailure {
@@ -79,6 +82,7 @@ impl std::fmt::Display for KeyFailure {
             KeyFailure::Shutdown => write!(f, "engine shut down"),
             KeyFailure::InvalidJob => write!(f, "invalid job"),
             KeyFailure::Remote => write!(f, "object store request failed"),
+            KeyFailure::Refused => write!(f, "refused: not a regular file"),
         }
     }
 }

@@ -107,6 +107,9 @@ pub struct ShardMetrics {
     pub table_writes: AtomicU64,
     pub evictions: AtomicU64,
     pub checksum_failures: AtomicU64,
+    /// Files layout: block paths refused because a symlink or a non-regular file (FIFO,
+    /// socket, device node, directory) was found there.
+    pub files_refused: AtomicU64,
     pub io_errors: AtomicU64,
     pub queued_loads: AtomicU64,
     pub queued_stores: AtomicU64,
@@ -142,6 +145,7 @@ pub struct Stats {
     pub table_writes: u64,
     pub evictions: u64,
     pub checksum_failures: u64,
+    pub files_refused: u64,
     pub io_errors: u64,
     pub queued_loads: u64,
     pub queued_stores: u64,
@@ -289,6 +293,7 @@ impl Stats {
         self.table_writes += l(&m.table_writes);
         self.evictions += l(&m.evictions);
         self.checksum_failures += l(&m.checksum_failures);
+        self.files_refused += l(&m.files_refused);
         self.io_errors += l(&m.io_errors);
         self.queued_loads += l(&m.queued_loads);
         self.queued_stores += l(&m.queued_stores);

@@ -135,7 +135,13 @@ impl Storage for KernelStorage {
                     ));
                 };
                 if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(parent).map_err(|e| {
+                    // Missing parents are owner-only, like the slab file (0600) itself.
+                    std::os::unix::fs::DirBuilderExt::mode(
+                        std::fs::DirBuilder::new().recursive(true),
+                        0o700,
+                    )
+                    .create(parent)
+                    .map_err(|e| {
                         Error::device(path, format!("creating {}: {e}", parent.display()))
                     })?;
                 }

@@ -38,6 +38,8 @@ fn files_config(root: &Path, capacity: Option<u64>) -> Config {
         sync: SyncMode::None,
         temp_grace_secs: 600,
         checksums: true,
+        file_mode: FilesConfig::DEFAULT_FILE_MODE,
+        dir_mode: FilesConfig::DEFAULT_DIR_MODE,
     });
     c.events.enabled = true;
     c
@@ -481,4 +483,155 @@ fn files_layout_config_is_checked() {
     let good = text.replace("\"always\"", "\"data\"");
     let cfg = Config::from_toml_str(&good).expect("valid");
     assert_eq!(cfg.files.expect("files").sync, SyncMode::Data);
+}
+
+/// The only failure of `r`, which must be a refusal naming `what`.
+fn assert_refused(r: &kvtier::JobResult, what: &str) {
+    let f = r
+        .failure()
+        .unwrap_or_else(|| panic!("expected a refusal: {r:?}"));
+    assert_eq!(f.reason, KeyFailure::Refused, "{r:?}");
+    assert!(
+        f.detail.contains(what),
+        "`{what}` missing from: {}",
+        f.detail
+    );
+}
+
+fn empty_dir(path: &Path) -> bool {
+    std::fs::read_dir(path).expect("read_dir").next().is_none()
+}
+
+// A symlink planted at a block path or at any directory below the root, and a FIFO, a socket
+// or a directory at a block path, are refused with a reason and counted: never followed, never
+// read, never blocking, and no byte of what a symlink points at reaches the region. Stores
+// through a planted directory symlink fail and create nothing at its target.
+#[test]
+fn symlinks_and_non_regular_files_below_the_root_are_refused_never_followed() {
+    use std::os::unix::fs::symlink;
+    let dir = scratch_dir();
+    let outside = scratch_dir();
+    let cfg = files_config(dir.path(), None);
+    let region = region(4);
+    let Some(engine) = open(&cfg, &region) else {
+        return;
+    };
+    // What a followed symlink would serve: a block-sized file elsewhere, other bytes.
+    let secret = outside.path().join("secret.bin");
+    std::fs::write(&secret, content(999, BLOCK as usize)).expect("secret");
+    let plant = |id: u64| {
+        let p = path_of(dir.path(), id);
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        p
+    };
+
+    symlink(&secret, plant(1)).expect("symlink");
+    assert_eq!(
+        engine.lookup(&[key(1)]),
+        vec![Lookup::Miss],
+        "a symlink is not a block"
+    );
+    let r = load(&engine, &region, 1, &[1]);
+    assert_refused(&r, "symlink");
+    assert!(!holds(&region, 0, 999), "the symlink's target was served");
+
+    nix::unistd::mkfifo(&plant(2), nix::sys::stat::Mode::from_bits_truncate(0o600))
+        .expect("mkfifo");
+    assert_refused(&load(&engine, &region, 2, &[2]), "a FIFO");
+    std::fs::create_dir(plant(3)).expect("dir at a block path");
+    assert_refused(&load(&engine, &region, 3, &[3]), "a directory");
+    // Bound at a short path (SUN_LEN) and renamed into place: the socket node moves with it.
+    let short = std::env::temp_dir().join(format!("kvtier-sock-{}", std::process::id()));
+    let socket = std::os::unix::net::UnixListener::bind(&short).expect("socket");
+    std::fs::rename(&short, plant(4)).expect("move the socket");
+    assert_refused(&load(&engine, &region, 4, &[4]), "a socket");
+    drop(socket);
+
+    // A stored block whose leaf directory is then swapped for a symlink to a copy of it.
+    let a = 0x2220_0000_0000_0000;
+    assert!(store(&engine, &region, 5, &[a]).success);
+    let leaf = path_of(dir.path(), a).parent().expect("leaf").to_path_buf();
+    let moved = outside.path().join("moved");
+    std::fs::rename(&leaf, &moved).expect("move the leaf out");
+    symlink(&moved, &leaf).expect("symlink the leaf");
+    assert_refused(&load(&engine, &region, 6, &[a]), "symlink");
+
+    assert!(
+        !holds(&region, 0, a),
+        "served through a symlinked directory"
+    );
+
+    // A store below a symlinked <hhh> fails and makes nothing at the symlink's target.
+    let b = 0x3330_0000_0000_0000;
+    let top = path_of(dir.path(), b)
+        .ancestors()
+        .nth(2)
+        .expect("<hhh>")
+        .to_path_buf();
+    let target = outside.path().join("target");
+    std::fs::create_dir(&target).expect("target");
+    symlink(&target, &top).expect("symlink <hhh>");
+    let r = store(&engine, &region, 7, &[b]);
+    let f = r
+        .failure()
+        .unwrap_or_else(|| panic!("store through a symlink: {r:?}"));
+    assert!(f.detail.contains("symlink"), "{}", f.detail);
+    assert!(empty_dir(&target), "created something through the symlink");
+
+    // Five loads (symlink, FIFO, directory, socket, symlinked leaf) and one store.
+    assert_eq!(engine.stats().files_refused, 6);
+    // Nothing hostile was removed or altered; the secret is intact.
+    assert!(std::fs::symlink_metadata(path_of(dir.path(), 1)).is_ok_and(|m| m.is_symlink()));
+    assert_eq!(
+        std::fs::read(&secret).expect("secret"),
+        content(999, BLOCK as usize)
+    );
+    // Ordinary keys still round-trip.
+    assert!(store(&engine, &region, 8, &[10, 11]).success);
+    assert!(load(&engine, &region, 9, &[10, 11]).success);
+}
+
+fn mode_of(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o7777
+}
+
+// Everything kvtier creates in a files directory is owner-only by default, and exactly the
+// configured modes when set, whatever the umask takes away.
+#[test]
+fn files_and_directories_get_exactly_the_configured_modes() {
+    for (file_mode, dir_mode) in [(0o600, 0o700), (0o660, 0o770), (0o644, 0o755)] {
+        let dir = scratch_dir();
+        let mut cfg = files_config(dir.path(), None);
+        let files = cfg.files.as_mut().expect("files");
+        (files.file_mode, files.dir_mode) = (file_mode, dir_mode);
+        let region = region(4);
+        let Some(engine) = open(&cfg, &region) else {
+            return;
+        };
+        assert!(store(&engine, &region, 1, &[1, 2]).success);
+        let m = mapper(dir.path());
+        let block = path_of(dir.path(), 1);
+        for p in [
+            block.clone(),
+            m.config_file_path(),
+            m.data_dir().join(".kvtier-usage"),
+            m.data_dir().join(".kvtier-lock"),
+        ] {
+            assert_eq!(mode_of(&p), file_mode, "{}", p.display());
+        }
+        for p in [
+            m.base_path(),
+            m.data_dir(),
+            block.parent().expect("leaf").to_path_buf(),
+            block.ancestors().nth(2).expect("<hhh>").to_path_buf(),
+        ] {
+            assert_eq!(mode_of(&p), dir_mode, "{}", p.display());
+        }
+        engine.shutdown();
+    }
 }

@@ -94,6 +94,8 @@ _COUNTERS = {
                                "stores_skipped_present"),
     "evictions": ("Blocks evicted to make room.", "evictions"),
     "checksum_failures": ("Blocks dropped: their crc32c did not match.", "checksum_failures"),
+    "files_refused": ("Block paths refused: a symlink or a non-regular file was there.",
+                      "files_refused"),
     "io_errors": ("Device I/O errors.", "io_errors"),
 }
 _GAUGES = {

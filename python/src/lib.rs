@@ -212,6 +212,7 @@ fn reason_name(r: KeyFailure) -> &'static str {
         KeyFailure::Shutdown => "shutdown",
         KeyFailure::InvalidJob => "invalid_job",
         KeyFailure::Remote => "remote",
+        KeyFailure::Refused => "refused",
     }
 }
 
@@ -705,6 +706,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
         table_writes,
         evictions,
         checksum_failures,
+        files_refused,
         io_errors,
         queued_loads,
         queued_stores,

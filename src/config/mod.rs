@@ -376,6 +376,39 @@ pub struct FilesConfig {
     pub temp_grace_secs: u64,
     /// Keep a crc32c of each block in the `user.kvtier.crc32c` xattr and verify it on load.
     pub checksums: bool,
+    /// Permission bits of every file kvtier creates in the directory (blocks, temp files,
+    /// `config.json`, `.kvtier-usage`, `.kvtier-lock`), exactly (not reduced by the umask).
+    /// Default 0600: only this user reads the cached prompts' KV.
+    #[serde(serialize_with = "serialize_mode")]
+    pub file_mode: u32,
+    /// Permission bits of every directory kvtier creates there. Default 0700.
+    #[serde(serialize_with = "serialize_mode")]
+    pub dir_mode: u32,
+}
+
+impl FilesConfig {
+    /// Default file mode: owner read and write.
+    pub const DEFAULT_FILE_MODE: u32 = 0o600;
+    /// Default directory mode: owner only.
+    pub const DEFAULT_DIR_MODE: u32 = 0o700;
+
+    /// The `[files]` section for `namespace` with every other field at its default.
+    pub fn new(namespace: crate::files::mapper::Namespace) -> FilesConfig {
+        FilesConfig {
+            namespace,
+            sync: SyncMode::None,
+            temp_grace_secs: 600,
+            checksums: true,
+            file_mode: Self::DEFAULT_FILE_MODE,
+            dir_mode: Self::DEFAULT_DIR_MODE,
+        }
+    }
+}
+
+/// A mode as TOML writes it back: an octal string, `"0640"`.
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `serialize_with` passes a reference
+fn serialize_mode<S: serde::Serializer>(mode: &u32, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&format!("{mode:04o}"))
 }
 
 /// `[scheduler]`: how each worker shares its ring between loads and stores.

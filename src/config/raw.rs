@@ -199,6 +199,8 @@ pub(super) struct RawFiles {
     sync: Option<Value>,
     temp_grace_secs: Option<Value>,
     checksums: Option<Value>,
+    file_mode: Option<Value>,
+    dir_mode: Option<Value>,
 }
 
 impl TryFrom<RawFiles> for FilesConfig {
@@ -228,7 +230,53 @@ impl TryFrom<RawFiles> for FilesConfig {
                 "an integer number of seconds",
             )?,
             checksums: bool_or("files.checksums", raw.checksums, true)?,
+            file_mode: mode_or(
+                "files.file_mode",
+                raw.file_mode,
+                FilesConfig::DEFAULT_FILE_MODE,
+                0o600,
+                "owner read and write (0600)",
+            )?,
+            dir_mode: mode_or(
+                "files.dir_mode",
+                raw.dir_mode,
+                FilesConfig::DEFAULT_DIR_MODE,
+                0o700,
+                "owner read, write and search (0700)",
+            )?,
         })
+    }
+}
+
+/// A permission mode: an octal TOML integer (`0o640`) or an octal string (`"0640"`,
+/// `"0o640"`), at most 0777, including the bits `needs` (kvtier must use what it creates).
+fn mode_or(
+    field: &str,
+    value: Option<Value>,
+    default: u32,
+    needs: u32,
+    needs_text: &str,
+) -> Result<u32, ConfigError> {
+    let Some(value) = value else {
+        return Ok(default);
+    };
+    let expected = format!(
+        "permission bits in octal, at most 0777 and including {needs_text}: e.g. 0o640 \
+         (a TOML octal integer) or \"0640\"; a decimal integer such as 640 is not octal"
+    );
+    let mode = match &value {
+        Value::Integer(n) => u32::try_from(*n).ok(),
+        Value::String(text) => {
+            let digits = text.strip_prefix("0o").unwrap_or(text);
+            (!digits.is_empty() && digits.len() <= 4)
+                .then(|| u32::from_str_radix(digits, 8).ok())
+                .flatten()
+        }
+        _ => None,
+    };
+    match mode {
+        Some(mode) if mode <= 0o777 && mode & needs == needs => Ok(mode),
+        _ => Err(invalid(field, value, expected)),
     }
 }
 

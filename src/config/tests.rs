@@ -404,6 +404,8 @@ fn toml_round_trip() {
         sync: SyncMode::Data,
         temp_grace_secs: 60,
         checksums: false,
+        file_mode: 0o640,
+        dir_mode: 0o750,
     });
     config.validate().expect("valid");
     let text = config.to_toml_string();
@@ -411,6 +413,8 @@ fn toml_round_trip() {
     assert!(text.contains("capacity_bytes = \"1 GiB\""), "{text}");
     assert!(text.contains("store_inflight_max = \"2560 KiB\""), "{text}");
     assert!(text.contains("capacity_bytes = 20000000"), "{text}");
+    assert!(text.contains("file_mode = \"0640\""), "{text}");
+    assert!(text.contains("dir_mode = \"0750\""), "{text}");
     assert!(text.contains("locality = \"LOCAL\""), "{text}");
     assert_eq!(
         Config::from_toml_str(&text).expect("printed config"),
@@ -576,4 +580,40 @@ fn the_example_s3_section_parses_when_uncommented() {
     );
     assert_eq!(s3.access_key_id.as_ref().map(Secret::expose), Some("..."));
     assert!(!format!("{s3:?}").contains("\"...\""));
+}
+
+// Modes default to owner-only, parse from octal integers and strings, and every mistake names
+// the field, the value and what is accepted.
+#[test]
+fn files_modes_parse_and_errors_name_field_value_and_accepted() {
+    let files = |lines: &str| {
+        format!(
+            "{ONE_DEVICE}[files]\n{lines}\n[files.namespace]\nmodel_name = \"f\"\n\
+             dtype = \"x\"\ntokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n"
+        )
+    };
+    let modes = |lines: &str| {
+        let c = Config::from_toml_str(&files(lines)).expect("valid [files]");
+        let f = c.files.expect("files");
+        (f.file_mode, f.dir_mode)
+    };
+    assert_eq!(modes(""), (0o600, 0o700));
+    assert_eq!(
+        modes("file_mode = 0o660\ndir_mode = \"0770\""),
+        (0o660, 0o770)
+    );
+    assert_eq!(modes("file_mode = \"0o644\""), (0o644, 0o700));
+    for (line, field, value) in [
+        ("file_mode = 640", "files.file_mode", "640"),
+        ("file_mode = 0o400", "files.file_mode", "256"),
+        ("file_mode = 0o4600", "files.file_mode", "2432"),
+        ("file_mode = \"rw-------\"", "files.file_mode", "rw-------"),
+        ("dir_mode = 0o600", "files.dir_mode", "384"),
+        ("dir_mode = true", "files.dir_mode", "true"),
+    ] {
+        assert_mentions(
+            &error_of(&files(line)),
+            &[field, value, "octal", "at most 0777"],
+        );
+    }
 }

@@ -366,7 +366,8 @@ impl Engine {
     }
 
     /// For the files layout: whether another process (kvtier or vLLM) published `key` since
-    /// this engine scanned the directory. One `stat` per missing key.
+    /// this engine scanned the directory. One `fstatat` per missing key; a symlink or any
+    /// non-regular file there is not a block.
     fn published_elsewhere(&self, key: &Key) -> bool {
         let Some(dev) = self
             .files_devices
@@ -374,9 +375,7 @@ impl Engine {
         else {
             return false;
         };
-        dev.path_of(key)
-            .and_then(|p| std::fs::metadata(p).ok())
-            .is_some_and(|m| m.is_file() && m.len() == self.block_bytes)
+        dev.has_block_file(key, self.block_bytes)
     }
 
     /// The object name `key` has in the S3 tier (`None` without one, or for a key too short to

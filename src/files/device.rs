@@ -16,12 +16,17 @@
 //! what its scan found, which repairs any drift a crashed process left. Files written by vLLM
 //! itself are counted when a scan sees them, not when vLLM writes them.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
+use kvtier_sys::dir::{self as confined, NodeKind};
 use kvtier_sys::shared::{FileLock, SharedCounter};
+use kvtier_sys::Errno;
 
 use crate::config::{DeviceConfig, DirectIo, FilesConfig, SyncMode};
 use crate::error::{Error, Result};
@@ -55,6 +60,15 @@ pub struct ScanReport {
 pub(crate) struct FilesDevice {
     pub mapper: FileMapper,
     pub data_dir: PathBuf,
+    /// The data directory, open: every block path is resolved below it without following a
+    /// symlink (module docs of `kvtier_sys::dir`).
+    pub dir: OwnedFd,
+    /// `[files] file_mode` / `dir_mode`, and whether the umask would strip bits of them (then
+    /// kvtier `fchmod`s what it creates).
+    pub file_mode: u32,
+    pub dir_mode: u32,
+    pub chmod_files: bool,
+    pub chmod_dirs: bool,
     pub direct: bool,
     pub capacity_bytes: Option<u64>,
     pub usage: SharedCounter,
@@ -77,13 +91,26 @@ impl FilesDevice {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
             Error::device(&cfg.path, format!("devices[{index}]: {what}: {e}"))
         };
+        let (dir_mode, file_mode) = (files.dir_mode, files.file_mode);
+        // The configured root is trusted (it may be a symlink); nothing below it is followed.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(dir_mode)
+            .create(&cfg.path)
+            .map_err(|e| fail(&format!("creating {}", cfg.path.display()), &e))?;
+        let root = confined::open_root(&cfg.path)
+            .map_err(|e| fail(&format!("opening {}", cfg.path.display()), &e.desc()))?;
+        let below = |path: &Path| -> Result<OwnedFd> {
+            let rel = path.strip_prefix(&cfg.path).unwrap_or(path);
+            confined::make_dirs_confined(root.as_raw_fd(), rel, dir_mode)
+                .map_err(|e| fail(&format!("creating {}", path.display()), &confined_error(e)))
+        };
         let base = mapper.base_path();
-        std::fs::create_dir_all(&base)
-            .map_err(|e| fail(&format!("creating {}", base.display()), &e))?;
-        write_config_if_absent(&mapper).map_err(|e| fail("writing config.json", &e))?;
+        let base_dir = below(&base)?;
+        write_config_if_absent(&mapper, base_dir.as_raw_fd(), file_mode)
+            .map_err(|e| fail("writing config.json", &confined_error(e)))?;
         let data_dir = mapper.data_dir();
-        std::fs::create_dir_all(&data_dir)
-            .map_err(|e| fail(&format!("creating {}", data_dir.display()), &e))?;
+        let dir = below(&data_dir)?;
         let direct = match direct_io {
             DirectIo::Off => false,
             DirectIo::Auto | DirectIo::Required => {
@@ -101,10 +128,10 @@ impl FilesDevice {
                 ok
             }
         };
-        let lock = FileLock::open(&data_dir.join(".kvtier-lock"))
-            .map_err(|e| fail("opening .kvtier-lock", &e.desc()))?;
-        let usage = SharedCounter::open(&data_dir.join(".kvtier-usage"))
-            .map_err(|e| fail("opening .kvtier-usage", &e.desc()))?;
+        let lock = FileLock::open_in(dir.as_raw_fd(), c".kvtier-lock", file_mode)
+            .map_err(|e| fail("opening .kvtier-lock", &confined_error(e)))?;
+        let usage = SharedCounter::open_in(dir.as_raw_fd(), c".kvtier-usage", file_mode)
+            .map_err(|e| fail("opening .kvtier-usage", &confined_error(e)))?;
         let (found, mut report) = scan(
             &mapper,
             &data_dir,
@@ -137,6 +164,11 @@ impl FilesDevice {
             FilesDevice {
                 mapper,
                 data_dir,
+                dir,
+                file_mode,
+                dir_mode,
+                chmod_files: confined::needs_chmod(file_mode),
+                chmod_dirs: confined::needs_chmod(dir_mode),
                 direct,
                 capacity_bytes: cfg.capacity_bytes,
                 usage,
@@ -154,24 +186,76 @@ impl FilesDevice {
     pub fn path_of(&self, key: &Key) -> Option<PathBuf> {
         self.mapper.key_path(key.as_bytes())
     }
+
+    /// `path` (one of this device's block, temp or leaf-directory paths) relative to the data
+    /// directory, for the ring's `*at` operations on [`FilesDevice::dir`].
+    pub fn rel(&self, path: &Path) -> CString {
+        c_path(path.strip_prefix(&self.data_dir).unwrap_or(path))
+    }
+
+    pub fn dir_fd(&self) -> RawFd {
+        self.dir.as_raw_fd()
+    }
+
+    /// Whether `key`'s block file exists below the data directory as a regular file of
+    /// `block_bytes` (never following a symlink at the file itself).
+    pub fn has_block_file(&self, key: &Key, block_bytes: u64) -> bool {
+        self.path_of(key).is_some_and(|p| {
+            confined::kind_at(self.dir_fd(), &self.rel(&p))
+                .is_ok_and(|(kind, len)| kind == NodeKind::Regular && len == block_bytes)
+        })
+    }
 }
 
-/// Writes `config.json` only if it does not exist (vLLM's rule), atomically so a concurrent
-/// opener never reads half a file.
-fn write_config_if_absent(mapper: &FileMapper) -> std::io::Result<()> {
-    let path = mapper.config_file_path();
-    if path.exists() {
-        return Ok(());
+/// An errno from a confined open or mkdir, said in words (ELOOP and EXDEV are kvtier's refusal
+/// of a symlink below the configured root, not a loop).
+pub(crate) fn confined_error(e: Errno) -> String {
+    match e {
+        Errno::ELOOP => "a symlink is in the way below the configured root, and kvtier never \
+                         follows symlinks there (ELOOP); remove it"
+            .to_owned(),
+        Errno::EXDEV => "the path leaves the configured root (EXDEV)".to_owned(),
+        Errno::EINVAL => "not a regular file or directory (EINVAL)".to_owned(),
+        e => e.desc().to_owned(),
     }
-    let tmp = FileMapper::temp_path(&path, u64::from(std::process::id()));
-    std::fs::write(&tmp, mapper.config_json_text())?;
+}
+
+/// Writes `config.json` in the base directory `base` only if it does not exist (vLLM's rule),
+/// atomically so a concurrent opener never reads half a file, with exactly `mode`.
+fn write_config_if_absent(mapper: &FileMapper, base: RawFd, mode: u32) -> Result<(), Errno> {
+    let name = c"config.json";
+    match confined::kind_at(base, name) {
+        Ok((NodeKind::Regular, _)) => return Ok(()),
+        Ok(_) => return Err(Errno::EINVAL),
+        Err(Errno::ENOENT) => {}
+        Err(e) => return Err(e),
+    }
+    let tmp = CString::new(format!("config.json_{}.tmp", std::process::id()))
+        .map_err(|_| Errno::EINVAL)?;
+    let flags =
+        nix::libc::O_WRONLY | nix::libc::O_CREAT | nix::libc::O_TRUNC | nix::libc::O_NOFOLLOW;
+    let fd = confined::open_confined(base, &tmp, flags, mode)?;
+    if confined::needs_chmod(mode) {
+        confined::fchmod(fd.as_raw_fd(), mode)?;
+    }
+    let written = std::fs::File::from(fd)
+        .write_all(mapper.config_json_text().as_bytes())
+        .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(nix::libc::EIO)));
     // A hard link fails with EEXIST if another process won the race; both wrote the same text.
-    let linked = std::fs::hard_link(&tmp, &path);
-    let _ = std::fs::remove_file(&tmp);
+    let linked = written.and_then(|()| link_at(base, &tmp, name));
+    unlink_at(base, &tmp);
     match linked {
-        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
-        _ => Ok(()),
+        Err(Errno::EEXIST) | Ok(()) => Ok(()),
+        Err(e) => Err(e),
     }
+}
+
+fn link_at(dir: RawFd, from: &CStr, to: &CStr) -> Result<(), Errno> {
+    nix::unistd::linkat(Some(dir), from, Some(dir), to, nix::fcntl::AtFlags::empty())
+}
+
+fn unlink_at(dir: RawFd, name: &CStr) {
+    let _ = nix::unistd::unlinkat(Some(dir), name, nix::unistd::UnlinkatFlags::NoRemoveDir);
 }
 
 /// Walks `<data_dir>/<hhh>/<hh>_g<g>/` for published blocks and temp files.

@@ -5,12 +5,21 @@
 //! demotion in [`super::evict`].
 //!
 //! ```text
-//! load:  openat ─► read ─► (verify crc from xattr) ─► close        short or corrupt ─► unlink
-//! store: reserve bytes ─► openat tmp (O_EXCL) [ENOENT: mkdirat <hh>_g<g> (and <hhh>), again]
+//! load:  openat2 ─► read ─► (verify crc from xattr) ─► close       short or corrupt ─► unlink
+//! store: reserve bytes ─► openat2 tmp (O_EXCL)
+//!          [ENOENT: openat2 <hhh> O_PATH (ENOENT: mkdirat <hhh>) ─► mkdirat <hh>_g<g> at it]
 //!        ─► fsetxattr crc ─► write (one write; chunks while loads wait)
 //!        ─► [fdatasync] ─► close ─► renameat NOREPLACE (EEXIST = another writer won: success)
 //! evict: unlink ─► release bytes
 //! ```
+//!
+//! Every path is relative to the device's open data directory and every open is `openat2`
+//! with `RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH`: a symlink planted anywhere below the configured
+//! root, or a FIFO, socket, device node or directory at a block path, fails the key with
+//! [`KeyFailure::Refused`] (loads; counted in `files_refused`) and is never read or followed.
+//! Renames, unlinks and mkdirs never follow a final symlink; the directories they resolve were
+//! opened or created confined just before (a swap of a directory for a symlink in between needs
+//! write access to the tree, which `dir_mode` 0700 gives to no one else).
 //!
 //! A load result is published when its read completes; the close follows as a trailing op. Keys
 //! this worker has not indexed are still tried on load (another process may have published
@@ -36,10 +45,9 @@ use crate::worker::{
     io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION, BUF_STAGING,
 };
 use crate::Errno;
+use kvtier_sys::dir::{self as confined, NodeKind};
 
 pub(super) const RENAME_NOREPLACE: u32 = 1;
-/// Mode of the fan-out directories a store creates (before the umask), as `mkdir -p` does.
-pub(super) const DIR_MODE: u32 = 0o777;
 /// Blocks evicted at once when a store finds the device full.
 pub(super) const EVICT_BATCH: usize = 4;
 
@@ -65,9 +73,13 @@ pub(crate) enum Step {
     Read,
     Close,
     OpenTmp,
-    /// `mkdirat` of the temp file's directory `<hhh>/<hh>_g<g>` (first block there).
+    /// A confined `O_PATH` open of `<hhh>`, the parent of the temp file's directory, when the
+    /// temp file's directory is missing (first block there); its fd is the op's `fd` until
+    /// `MkdirLeaf` completes.
+    OpenParent,
+    /// `mkdirat(<hhh> fd, "<hh>_g<g>")`.
     MkdirLeaf,
-    /// `mkdirat` of `<hhh>`, when the leaf's parent is missing too.
+    /// `mkdirat` of `<hhh>` below the data directory, when it is missing too.
     MkdirParent,
     Write,
     Sync,
@@ -126,12 +138,17 @@ pub(crate) struct Op {
 }
 
 impl Op {
-    /// The directory a `MkdirLeaf` / `MkdirParent` step creates: the temp file's directory
-    /// `<hhh>/<hh>_g<g>`, or its parent `<hhh>`.
+    /// The temp file's directory `<data>/<hhh>/<hh>_g<g>`.
+    pub fn leaf_dir(&self) -> &Path {
+        self.tmp.parent().unwrap_or(&self.tmp)
+    }
+
+    /// The directory a `MkdirLeaf` / `MkdirParent` / `OpenParent` step creates or opens: the
+    /// leaf, or its parent `<hhh>`.
     pub fn mkdir_target(&self) -> &Path {
-        let leaf = self.tmp.parent().unwrap_or(&self.tmp);
+        let leaf = self.leaf_dir();
         match self.step {
-            Step::MkdirParent => leaf.parent().unwrap_or(leaf),
+            Step::MkdirParent | Step::OpenParent => leaf.parent().unwrap_or(leaf),
             _ => leaf,
         }
     }
@@ -279,8 +296,9 @@ impl FilesLayout {
             Kind::Store | Kind::Remove => IoClass::Store,
         };
         let user_data = core.ops.user_data(idx, 0);
-        let dest = c_path(&op.dest);
-        let tmp = c_path(&op.tmp);
+        let at = dev.dir_fd();
+        let dest = dev.rel(&op.dest);
+        let tmp = dev.rel(&op.tmp);
         let block_buf = match op.staging {
             Some(slot) => BufRef {
                 region: BUF_STAGING,
@@ -294,10 +312,14 @@ impl FilesLayout {
             },
         };
         let file_op = match op.step {
+            // O_NONBLOCK: a FIFO planted at the path must not block the ring (it is refused
+            // once open); no effect on a regular file.
             Step::Open => FileOp::OpenAt {
+                dir: at,
                 path: &dest,
-                flags: O_RDONLY | O_CLOEXEC | direct,
+                flags: O_RDONLY | O_NONBLOCK | O_NOCTTY | direct,
                 mode: 0,
+                confined: true,
             },
             Step::Read => FileOp::ReadFd {
                 fd: op.fd,
@@ -305,46 +327,97 @@ impl FilesLayout {
                 buf: block_buf,
             },
             Step::Close | Step::CloseTmp | Step::CloseDir => FileOp::Close { fd: op.fd },
-            Step::OpenDir => {
-                let dir = c_path(op.dest.parent().unwrap_or(&op.dest));
-                let open = FileOp::OpenAt {
-                    path: &dir,
-                    flags: O_RDONLY | O_DIRECTORY | O_CLOEXEC,
-                    mode: 0,
-                };
-                return core.backend.push_file(user_data, &open, class);
-            }
             Step::SyncDir => FileOp::Fsync {
                 fd: op.fd,
                 data_only: false,
             },
             Step::OpenTmp => FileOp::OpenAt {
+                dir: at,
                 path: &tmp,
-                flags: O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | direct,
-                mode: 0o644,
+                flags: O_CREAT | O_EXCL | O_WRONLY | direct,
+                mode: dev.file_mode,
+                confined: true,
             },
             Step::Sync => FileOp::Fsync {
                 fd: op.fd,
                 data_only: true,
             },
+            // Both names are in the leaf directory the temp file was created in (confined).
             Step::Rename => FileOp::RenameAt {
+                dir: at,
                 from: &tmp,
                 to: &dest,
                 flags: RENAME_NOREPLACE,
             },
-            Step::UnlinkTmp => FileOp::UnlinkAt { path: &tmp },
-            Step::Unlink => FileOp::UnlinkAt { path: &dest },
-            Step::MkdirLeaf | Step::MkdirParent => {
-                let dir = c_path(op.mkdir_target());
-                let mkdir = FileOp::MkdirAt {
-                    path: &dir,
-                    mode: DIR_MODE,
-                };
-                return core.backend.push_file(user_data, &mkdir, class);
+            Step::UnlinkTmp => FileOp::UnlinkAt {
+                dir: at,
+                path: &tmp,
+            },
+            Step::Unlink => FileOp::UnlinkAt {
+                dir: at,
+                path: &dest,
+            },
+            Step::OpenDir | Step::OpenParent | Step::MkdirParent | Step::MkdirLeaf => {
+                return self.push_dir_step(core, idx, class);
             }
             Step::Write => unreachable!("writes are pushed chunk by chunk"),
         };
         core.backend.push_file(user_data, &file_op, class)
+    }
+
+    /// The directory steps of `idx`: opening the block's directory (to fsync it) or `<hhh>`,
+    /// and making `<hhh>` or the leaf.
+    fn push_dir_step(&self, core: &mut Core<Op>, idx: u32, class: IoClass) -> bool {
+        let op = &core.ops[idx as usize];
+        let dev = &self.devs[op.dev as usize];
+        let at = dev.dir_fd();
+        let user_data = core.ops.user_data(idx, 0);
+        match op.step {
+            Step::OpenDir => {
+                let dir = dev.rel(op.dest.parent().unwrap_or(&op.dest));
+                let open = FileOp::OpenAt {
+                    dir: at,
+                    path: &dir,
+                    flags: O_RDONLY | O_DIRECTORY,
+                    mode: 0,
+                    confined: true,
+                };
+                core.backend.push_file(user_data, &open, class)
+            }
+            Step::OpenParent => {
+                let parent = dev.rel(op.leaf_dir().parent().unwrap_or(&op.tmp));
+                let open = FileOp::OpenAt {
+                    dir: at,
+                    path: &parent,
+                    flags: O_PATH | O_DIRECTORY,
+                    mode: 0,
+                    confined: true,
+                };
+                core.backend.push_file(user_data, &open, class)
+            }
+            // `<hhh>` below the data directory (one component: mkdirat never follows a final
+            // symlink), or the leaf `<hh>_g<g>` below the `<hhh>` the confined `OpenParent`
+            // opened: no component is resolved through a symlink.
+            Step::MkdirParent => {
+                let parent = dev.rel(op.leaf_dir().parent().unwrap_or(&op.tmp));
+                let mkdir = FileOp::MkdirAt {
+                    dir: at,
+                    path: &parent,
+                    mode: dev.dir_mode,
+                };
+                core.backend.push_file(user_data, &mkdir, class)
+            }
+            Step::MkdirLeaf => {
+                let leaf = c_path(Path::new(op.leaf_dir().file_name().unwrap_or_default()));
+                let mkdir = FileOp::MkdirAt {
+                    dir: op.fd,
+                    path: &leaf,
+                    mode: dev.dir_mode,
+                };
+                core.backend.push_file(user_data, &mkdir, class)
+            }
+            _ => unreachable!("not a directory step"),
+        }
     }
 
     fn push_stalled(&mut self, core: &mut Core<Op>) -> bool {
@@ -415,8 +488,26 @@ impl FilesLayout {
     // Loads
 
     fn on_open(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        let refused = self.refusal(core, idx, result);
         if core.ops[idx as usize].kind == Kind::Remove {
+            let result = if refused.is_some() {
+                -(Errno::ELOOP as i32)
+            } else {
+                result
+            };
             self.on_demote_open(core, idx, result);
+            return;
+        }
+        if let Some(why) = refused {
+            core.me
+                .metrics
+                .files_refused
+                .fetch_add(1, Ordering::Relaxed);
+            core.log_error(&why);
+            let key = core.ops[idx as usize].key.expect("load has a key");
+            self.forget(core, &key);
+            Self::finish_load(core, idx, Err((KeyFailure::Refused, why)));
+            self.end_load(core, idx);
             return;
         }
         if result < 0 {
@@ -425,14 +516,7 @@ impl FilesLayout {
             if e == Errno::ENOENT {
                 // Gone (evicted by another process, or never stored): a miss, and forget it.
                 core.me.metrics.load_misses.fetch_add(1, Ordering::Relaxed);
-                if let Some(entry) = self.index.get(&key).copied() {
-                    if entry.pins <= 1 {
-                        let removed = self.unindex(core, &key);
-                        if removed.is_some() {
-                            core.shared.events.push(vec![key], true);
-                        }
-                    }
-                }
+                self.forget(core, &key);
                 Self::finish_load(core, idx, Err((KeyFailure::Miss, String::new())));
             } else {
                 core.me.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
@@ -457,6 +541,56 @@ impl FilesLayout {
         op.crc = crc;
         op.step = Step::Read;
         self.push_step(core, idx);
+    }
+
+    /// Unindexes `key` (its file is gone or refused) unless other loads still read it.
+    fn forget(&mut self, core: &mut Core<Op>, key: &Key) {
+        if self.index.get(key).is_some_and(|e| e.pins <= 1) && self.unindex(core, key).is_some() {
+            core.shared.events.push(vec![*key], true);
+        }
+    }
+
+    /// Why the node an `Open` step reached (or failed to reach) must not be read: a symlink on
+    /// the way (the confined open's ELOOP/EXDEV), or something other than a regular file (an
+    /// open fd of it is closed here). `None` for a regular file and for ordinary errors.
+    fn refusal(&self, core: &Core<Op>, idx: u32, result: i32) -> Option<String> {
+        let op = &core.ops[idx as usize];
+        let dev = &self.devs[op.dev as usize];
+        let kind = if result >= 0 {
+            match confined::fd_kind(result) {
+                Ok(NodeKind::Regular) | Err(_) => return None,
+                Ok(kind) => {
+                    // Not a file kvtier reads; a plain close of what was opened O_NONBLOCK.
+                    let _ = nix::unistd::close(result);
+                    kind
+                }
+            }
+        } else {
+            match Errno::from_raw(-result) {
+                Errno::ENOENT | Errno::EACCES | Errno::EPERM | Errno::EMFILE | Errno::ENFILE => {
+                    return None
+                }
+                Errno::ELOOP | Errno::EXDEV => NodeKind::Symlink,
+                // ENXIO (a socket), EISDIR/EINVAL (a directory with O_DIRECT), ...: look.
+                _ => match confined::kind_at(dev.dir_fd(), &dev.rel(&op.dest)) {
+                    Ok((kind, _)) if kind != NodeKind::Regular => kind,
+                    _ => return None,
+                },
+            }
+        };
+        Some(if kind == NodeKind::Symlink {
+            format!(
+                "{}: a symlink is at or above this block path; kvtier never follows symlinks \
+                 below the configured root: refused",
+                op.dest.display()
+            )
+        } else {
+            format!(
+                "{} is {}, not a regular file: refused",
+                op.dest.display(),
+                kind.describe()
+            )
+        })
     }
 
     fn on_read(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
@@ -646,6 +780,7 @@ impl Layout for FilesLayout {
             Step::Read => self.on_read(core, idx, result),
             Step::Close => self.on_close(core, idx),
             Step::OpenTmp => self.on_open_tmp(core, idx, result),
+            Step::OpenParent => self.on_open_parent(core, idx, result),
             Step::MkdirLeaf | Step::MkdirParent => self.on_mkdir(core, idx, result),
             Step::Sync => self.on_sync(core, idx, result),
             Step::CloseTmp => self.on_close_tmp(core, idx, result),
@@ -702,6 +837,8 @@ const O_RDONLY: i32 = OFlag::O_RDONLY.bits();
 const O_WRONLY: i32 = OFlag::O_WRONLY.bits();
 const O_CREAT: i32 = OFlag::O_CREAT.bits();
 const O_EXCL: i32 = OFlag::O_EXCL.bits();
-const O_CLOEXEC: i32 = OFlag::O_CLOEXEC.bits();
 const O_DIRECT: i32 = OFlag::O_DIRECT.bits();
 const O_DIRECTORY: i32 = OFlag::O_DIRECTORY.bits();
+const O_NONBLOCK: i32 = OFlag::O_NONBLOCK.bits();
+const O_NOCTTY: i32 = OFlag::O_NOCTTY.bits();
+const O_PATH: i32 = OFlag::O_PATH.bits();

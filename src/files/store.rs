@@ -1,8 +1,9 @@
 //! Stores of the `files` layout, one io_uring step at a time:
 //!
 //! ```text
-//! reserve bytes ─► openat tmp (O_EXCL) [ENOENT: mkdirat <hh>_g<g> (and <hhh>), again]
-//!   ─► fsetxattr crc ─► write (the worker's chunks) ─► [fdatasync] ─► close
+//! reserve bytes ─► openat2 tmp (O_EXCL, confined, file_mode) [ENOENT: openat2 <hhh> O_PATH
+//!   (ENOENT: mkdirat <hhh>, again) ─► mkdirat <hh>_g<g> at it ─► close, again]
+//!   ─► [fchmod if the umask took bits of file_mode] ─► fsetxattr crc ─► write (the worker's chunks) ─► [fdatasync] ─► close
 //!   ─► renameat NOREPLACE (EEXIST = another writer won: success)
 //!   ─► [sync = "data": openat dir ─► fsync ─► (report) ─► close]
 //! ```
@@ -12,9 +13,13 @@
 //! gets one retry after evicting.
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use kvtier_sys::dir as confined;
+
 use crate::config::SyncMode;
+use crate::files::device::c_path;
 use crate::files::mapper::FileMapper;
 use crate::job::{JobState, KeyFailure};
 use crate::worker::shared::block_crc;
@@ -123,28 +128,37 @@ impl FilesLayout {
 
     pub(super) fn on_open_tmp(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         if result == -(Errno::ENOENT as i32) && !core.ops[idx as usize].mkdir_tried {
-            // First block under this <hhh>/<hh>_g<g> directory: create it (an io_uring mkdirat,
-            // so the ring thread never blocks in the file system) and try again.
+            // First block under this <hhh>/<hh>_g<g> directory: create it (io_uring ops, so
+            // the ring thread never blocks in the file system) and try again.
             let op = &mut core.ops[idx as usize];
             op.mkdir_tried = true;
-            op.step = Step::MkdirLeaf;
+            op.step = Step::OpenParent;
             self.push_step(core, idx);
             return;
         }
         if result < 0 {
             let e = Errno::from_raw(-result);
-            self.fail_store(
-                core,
-                idx,
-                KeyFailure::Io(e),
-                format!("creating the temp file: {}", e.desc()),
+            let detail = format!(
+                "creating the temp file {}: {}",
+                core.ops[idx as usize].tmp.display(),
+                Self::refused_or(core, e)
             );
+            self.fail_store(core, idx, KeyFailure::Io(e), detail);
             return;
         }
         let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
         let op = &mut core.ops[idx as usize];
         op.fd = result;
         op.tmp_exists = true;
+        if dev.chmod_files {
+            // The umask took bits of `file_mode`: give them back (inode metadata, no I/O).
+            if let Err(e) = confined::fchmod(op.fd, dev.file_mode) {
+                let detail = format!("fchmod of the temp file: {}", e.desc());
+                self.fail_store(core, idx, KeyFailure::Io(e), detail);
+                return;
+            }
+        }
+        let op = &mut core.ops[idx as usize];
         if let Some(crc) = op.crc {
             if let Err(e) = kvtier_sys::file::fsetxattr(op.fd, &dev.xattr_name, &crc.to_le_bytes())
             {
@@ -162,34 +176,71 @@ impl FilesLayout {
         core.begin_writing(idx);
     }
 
+    /// The error text of a failed confined open or mkdir; a symlink in the way is counted.
+    fn refused_or(core: &Core<Op>, e: Errno) -> String {
+        if matches!(e, Errno::ELOOP | Errno::EXDEV) {
+            core.me
+                .metrics
+                .files_refused
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        crate::files::device::confined_error(e)
+    }
+
+    /// `<hhh>` was opened (`O_PATH`, confined) to make the leaf in it, or is missing too.
+    pub(super) fn on_open_parent(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        let op = &mut core.ops[idx as usize];
+        if result >= 0 {
+            op.fd = result;
+            op.step = Step::MkdirLeaf;
+        } else if result == -(Errno::ENOENT as i32) && !op.mkdir_parent_tried {
+            op.mkdir_parent_tried = true;
+            op.step = Step::MkdirParent;
+        } else {
+            let e = Errno::from_raw(-result);
+            let detail = format!(
+                "opening {}: {}",
+                core.ops[idx as usize].mkdir_target().display(),
+                Self::refused_or(core, e)
+            );
+            self.fail_store(core, idx, KeyFailure::Io(e), detail);
+            return;
+        }
+        self.push_step(core, idx);
+    }
+
     /// A directory for a store's temp file was made (or already existed: another writer).
     pub(super) fn on_mkdir(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         let step = core.ops[idx as usize].step;
-        let next = match result {
-            r if r >= 0 || r == -(Errno::EEXIST as i32) => {
-                if step == Step::MkdirLeaf {
-                    Step::OpenTmp
-                } else {
-                    Step::MkdirLeaf
+        if result < 0 && result != -(Errno::EEXIST as i32) {
+            // A failed MkdirLeaf leaves the parent's fd in `fd`: the failure path closes it.
+            let e = Errno::from_raw(-result);
+            let detail = format!(
+                "creating {}: {}",
+                core.ops[idx as usize].mkdir_target().display(),
+                e.desc()
+            );
+            self.fail_store(core, idx, KeyFailure::Io(e), detail);
+            return;
+        }
+        let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
+        let op = &mut core.ops[idx as usize];
+        let target = op.mkdir_target().file_name().map(|n| c_path(Path::new(n)));
+        let next = if step == Step::MkdirLeaf {
+            let parent = std::mem::replace(&mut op.fd, -1);
+            if result >= 0 && dev.chmod_dirs {
+                if let Some(name) = &target {
+                    let _ = confined::chmod_at(parent, name, dev.dir_mode);
                 }
             }
-            r if r == -(Errno::ENOENT as i32)
-                && step == Step::MkdirLeaf
-                && !core.ops[idx as usize].mkdir_parent_tried =>
-            {
-                core.ops[idx as usize].mkdir_parent_tried = true;
-                Step::MkdirParent
+            // An O_PATH descriptor: closing it does no I/O.
+            let _ = nix::unistd::close(parent);
+            Step::OpenTmp
+        } else {
+            if result >= 0 && dev.chmod_dirs {
+                let _ = confined::chmod_at(dev.dir_fd(), &dev.rel(op.mkdir_target()), dev.dir_mode);
             }
-            r => {
-                let e = Errno::from_raw(-r);
-                let detail = format!(
-                    "creating {}: {}",
-                    core.ops[idx as usize].mkdir_target().display(),
-                    e.desc()
-                );
-                self.fail_store(core, idx, KeyFailure::Io(e), detail);
-                return;
-            }
+            Step::OpenParent
         };
         core.ops[idx as usize].step = next;
         self.push_step(core, idx);

@@ -39,7 +39,7 @@ pub enum FileKind {
 /// How to open a [`DeviceFile`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct OpenOptions {
-    /// Create a regular file (mode 0644) if it does not exist.
+    /// Create a regular file (mode 0600: one process owns a slab) if it does not exist.
     pub create: bool,
     /// Open with `O_DIRECT` (bypass the page cache).
     pub direct: bool,
@@ -66,13 +66,13 @@ pub struct DeviceFile {
 }
 
 impl DeviceFile {
-    /// `open(2)` with `O_RDWR` (or `O_RDONLY`) | `O_CLOEXEC` | (`O_CREAT`, mode 0644, if
+    /// `open(2)` with `O_RDWR` (or `O_RDONLY`) | `O_CLOEXEC` | (`O_CREAT`, mode 0600, if
     /// `create`) | (`O_DIRECT` if `direct`). `create` is ignored with `read_only` (a read-only
     /// open of a missing file is ENOENT). Paths that are neither regular files nor block devices
     /// are EINVAL.
     pub fn open(path: &Path, opts: OpenOptions) -> Result<DeviceFile, Errno> {
         let mut o = std::fs::OpenOptions::new();
-        o.read(true).write(!opts.read_only).mode(0o644);
+        o.read(true).write(!opts.read_only).mode(0o600);
         if opts.create && !opts.read_only {
             o.create(true);
         }
@@ -420,6 +420,11 @@ mod tests {
         let f = DeviceFile::open(&path, opts).expect("open O_DIRECT");
         assert!(f.is_direct());
         assert_eq!(f.kind(), FileKind::Regular);
+        // A slab file holds cached prompts' KV: owner-only.
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&path).expect("metadata").permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o600);
         f.fallocate(1 << 20).expect("fallocate");
         assert_eq!(f.size_bytes(), Ok(1 << 20));
         let lbs = f.logical_block_bytes().expect("logical block size");

@@ -23,6 +23,7 @@ pub use nix::errno::Errno;
 
 pub mod affinity;
 pub mod blocks;
+pub mod dir;
 pub mod eventfd;
 pub mod file;
 pub mod mem;

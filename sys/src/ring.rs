@@ -124,8 +124,9 @@ pub const RENAME_NOREPLACE: u32 = libc::RENAME_NOREPLACE;
 
 /// A file-system operation for [`Ring::push_file_op`]. Paths are copied into ring-owned storage
 /// at push time and freed when the completion is popped by [`Ring::complete`], so the caller's
-/// `&CStr` need not outlive the push. Relative paths resolve against the current directory
-/// (`AT_FDCWD`) when the kernel prepares the operation, i.e. at submit time.
+/// `&CStr` need not outlive the push. Relative paths resolve against `dir`, a directory fd (or
+/// [`AT_FDCWD`] for the current directory), when the kernel prepares the operation, i.e. at
+/// submit time; `dir` must stay open until then.
 ///
 /// A plain fd given to `ReadFd`, `WriteFd`, `Fsync` or `Close` must stay open, and keep naming
 /// the same file, until the operation completes: that is the caller's job (the engine closes a
@@ -134,12 +135,16 @@ pub const RENAME_NOREPLACE: u32 = libc::RENAME_NOREPLACE;
 /// EBADF, a reused fd number reaches the wrong file.
 #[derive(Clone, Copy, Debug)]
 pub enum FileOp<'a> {
-    /// `openat(AT_FDCWD, path, flags | O_CLOEXEC, mode)`; the result is a plain fd (not a
-    /// fixed/direct descriptor), owned by the caller, who closes it (e.g. with `Close`).
+    /// `openat2(dir, path, {flags | O_CLOEXEC, mode, resolve})`; the result is a plain fd (not
+    /// a fixed/direct descriptor), owned by the caller, who closes it (e.g. with `Close`). With
+    /// `confined`, `resolve` is [`RESOLVE_CONFINED`]: no symlink is followed anywhere in `path`
+    /// (ELOOP) and `path` cannot leave `dir` (EXDEV).
     OpenAt {
+        dir: RawFd,
         path: &'a CStr,
         flags: i32,
         mode: u32,
+        confined: bool,
     },
     /// `READ_FIXED` of `buf.len` bytes at byte `offset` of plain fd `fd` into registered `buf`.
     ReadFd { fd: RawFd, offset: u64, buf: BufRef },
@@ -147,23 +152,37 @@ pub enum FileOp<'a> {
     WriteFd { fd: RawFd, offset: u64, buf: BufRef },
     /// `close(fd)`.
     Close { fd: RawFd },
-    /// `renameat2(AT_FDCWD, from, AT_FDCWD, to, flags)`, e.g. [`RENAME_NOREPLACE`].
+    /// `renameat2(dir, from, dir, to, flags)`, e.g. [`RENAME_NOREPLACE`].
     RenameAt {
+        dir: RawFd,
         from: &'a CStr,
         to: &'a CStr,
         flags: u32,
     },
-    /// `unlinkat(AT_FDCWD, path, 0)` (files only, not directories).
-    UnlinkAt { path: &'a CStr },
+    /// `unlinkat(dir, path, 0)` (files only, not directories).
+    UnlinkAt { dir: RawFd, path: &'a CStr },
     /// `fdatasync(fd)` if `data_only`, else `fsync(fd)`.
     Fsync { fd: RawFd, data_only: bool },
-    /// `mkdirat(AT_FDCWD, path, mode)`.
-    MkdirAt { path: &'a CStr, mode: u32 },
+    /// `mkdirat(dir, path, mode)`.
+    MkdirAt {
+        dir: RawFd,
+        path: &'a CStr,
+        mode: u32,
+    },
 }
 
-/// Opcodes [`FileOp`] needs (`MkDirAt` and `UnlinkAt`/`RenameAt` arrived in 5.15 and 5.11).
+/// The current directory as the `dir` of a [`FileOp`].
+pub const AT_FDCWD: RawFd = libc::AT_FDCWD;
+
+/// The `resolve` flags of a confined [`FileOp::OpenAt`]: `RESOLVE_NO_SYMLINKS |
+/// RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`.
+pub const RESOLVE_CONFINED: u64 =
+    libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
+
+/// Opcodes [`FileOp`] needs (`OpenAt2` arrived in 5.6, `UnlinkAt`/`RenameAt` in 5.11,
+/// `MkDirAt` in 5.15).
 const FILE_OPCODES: [u8; 8] = [
-    opcode::OpenAt::CODE,
+    opcode::OpenAt2::CODE,
     opcode::Close::CODE,
     opcode::RenameAt::CODE,
     opcode::UnlinkAt::CODE,
@@ -183,6 +202,9 @@ struct OwnedPaths {
     // Never read by Rust: only kept alive for the kernel.
     #[allow(dead_code)]
     paths: Vec<CString>,
+    /// The `open_how` of an `OpenAt`, read by the kernel at the same time as its path.
+    #[allow(dead_code)]
+    how: Option<Box<types::OpenHow>>,
 }
 
 /// Copies of the paths of queued [`FileOp`]s.
@@ -616,8 +638,9 @@ impl Ring {
             "push_file_op: user_data {user_data:#x} is already in flight on this ring"
         );
         let mut paths = Vec::new();
+        let mut how = None;
         let entry = self
-            .file_op_entry(op, ioprio, &mut paths)
+            .file_op_entry(op, ioprio, &mut paths, &mut how)
             .user_data(user_data);
         let seq = self.pushed;
         // SAFETY: each path pointer in `entry` points into a CString of `paths`, which is moved
@@ -627,26 +650,27 @@ impl Ring {
         // has drained (checked by fixed_buf); a plain fd closed early is EBADF, not memory.
         unsafe { self.push_entry(&entry) }?;
         if !paths.is_empty() {
-            self.paths.insert(user_data, OwnedPaths { seq, paths });
+            self.paths.insert(user_data, OwnedPaths { seq, paths, how });
         }
         Ok(())
     }
 
     /// Whether the running kernel supports every opcode [`FileOp`] needs (`IORING_REGISTER_PROBE`:
-    /// OpenAt, Close, RenameAt, UnlinkAt, MkDirAt, Fsync, ReadFixed, WriteFixed; Linux 5.15+).
+    /// OpenAt2, Close, RenameAt, UnlinkAt, MkDirAt, Fsync, ReadFixed, WriteFixed; Linux 5.15+).
     pub fn supports_file_ops(&self) -> bool {
         self.probe_opcodes()
             .is_ok_and(|probe| FILE_OPCODES.iter().all(|&code| probe.is_supported(code)))
     }
 
-    /// Builds the SQE of `op` (without user_data), copying its paths into `paths`.
+    /// Builds the SQE of `op` (without user_data), copying its paths into `paths` and an open's
+    /// `open_how` into `how`.
     fn file_op_entry(
         &self,
         op: &FileOp<'_>,
         ioprio: u16,
         paths: &mut Vec<CString>,
+        how: &mut Option<Box<types::OpenHow>>,
     ) -> squeue::Entry {
-        let cwd = types::Fd(libc::AT_FDCWD);
         let mut keep = |path: &CStr| {
             let owned = path.to_owned();
             let ptr = owned.as_ptr();
@@ -654,10 +678,24 @@ impl Ring {
             ptr
         };
         match *op {
-            FileOp::OpenAt { path, flags, mode } => opcode::OpenAt::new(cwd, keep(path))
-                .flags(flags | libc::O_CLOEXEC)
-                .mode(mode)
-                .build(),
+            FileOp::OpenAt {
+                dir,
+                path,
+                flags,
+                mode,
+                confined,
+            } => {
+                let flags = flags | libc::O_CLOEXEC;
+                // openat2 refuses a mode without O_CREAT / O_TMPFILE.
+                let creates = flags & (libc::O_CREAT | libc::O_TMPFILE) != 0;
+                let flags = u64::from(flags.cast_unsigned());
+                let open_how = types::OpenHow::new()
+                    .flags(flags)
+                    .mode(if creates { u64::from(mode) } else { 0 })
+                    .resolve(if confined { RESOLVE_CONFINED } else { 0 });
+                let open_how: &types::OpenHow = how.insert(Box::new(open_how));
+                opcode::OpenAt2::new(types::Fd(dir), keep(path), open_how).build()
+            }
             FileOp::ReadFd { fd, offset, buf } => {
                 let (ptr, index) = self.fixed_buf(buf);
                 opcode::ReadFixed::new(types::Fd(fd), ptr, buf.len, index)
@@ -673,13 +711,20 @@ impl Ring {
                     .build()
             }
             FileOp::Close { fd } => opcode::Close::new(types::Fd(fd)).build(),
-            FileOp::RenameAt { from, to, flags } => {
+            FileOp::RenameAt {
+                dir,
+                from,
+                to,
+                flags,
+            } => {
                 let (from, to) = (keep(from), keep(to));
-                opcode::RenameAt::new(cwd, from, cwd, to)
+                opcode::RenameAt::new(types::Fd(dir), from, types::Fd(dir), to)
                     .flags(flags)
                     .build()
             }
-            FileOp::UnlinkAt { path } => opcode::UnlinkAt::new(cwd, keep(path)).build(),
+            FileOp::UnlinkAt { dir, path } => {
+                opcode::UnlinkAt::new(types::Fd(dir), keep(path)).build()
+            }
             FileOp::Fsync { fd, data_only } => {
                 let flags = if data_only {
                     types::FsyncFlags::DATASYNC
@@ -688,9 +733,9 @@ impl Ring {
                 };
                 opcode::Fsync::new(types::Fd(fd)).flags(flags).build()
             }
-            FileOp::MkdirAt { path, mode } => {
-                opcode::MkDirAt::new(cwd, keep(path)).mode(mode).build()
-            }
+            FileOp::MkdirAt { dir, path, mode } => opcode::MkDirAt::new(types::Fd(dir), keep(path))
+                .mode(mode)
+                .build(),
         }
     }
 
@@ -1030,8 +1075,15 @@ mod tests {
         };
         {
             let path = missing_path(1);
-            ring.push_file_op(5, &FileOp::UnlinkAt { path: &path }, 0)
-                .expect("push");
+            ring.push_file_op(
+                5,
+                &FileOp::UnlinkAt {
+                    dir: AT_FDCWD,
+                    path: &path,
+                },
+                0,
+            )
+            .expect("push");
         }
         assert_eq!(ring.paths.len(), 1);
         let mut out = Vec::new();
@@ -1051,6 +1103,7 @@ mod tests {
         };
         let path = missing_path(2);
         let op = FileOp::RenameAt {
+            dir: AT_FDCWD,
             from: &path,
             to: &path,
             flags: RENAME_NOREPLACE,
@@ -1070,9 +1123,23 @@ mod tests {
             panic!("already in flight (skipped: no io_uring file ops)");
         };
         let path = missing_path(3);
-        ring.push_file_op(9, &FileOp::UnlinkAt { path: &path }, 0)
-            .expect("push");
-        let _ = ring.push_file_op(9, &FileOp::UnlinkAt { path: &path }, 0);
+        ring.push_file_op(
+            9,
+            &FileOp::UnlinkAt {
+                dir: AT_FDCWD,
+                path: &path,
+            },
+            0,
+        )
+        .expect("push");
+        let _ = ring.push_file_op(
+            9,
+            &FileOp::UnlinkAt {
+                dir: AT_FDCWD,
+                path: &path,
+            },
+            0,
+        );
     }
 
     #[test]
@@ -1080,6 +1147,7 @@ mod tests {
         let owned = |seq| OwnedPaths {
             seq,
             paths: vec![c"x".to_owned()],
+            how: None,
         };
         let mut store = PathStore::default();
         store.insert(7, owned(3));

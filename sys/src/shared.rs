@@ -8,9 +8,9 @@
 //! descriptor stays open for the lock's whole life, so the `flock` lock it holds (if any) lives
 //! exactly as long and is released when the `FileLock` is dropped or the process dies.
 
+use std::ffi::{CStr, CString};
 use std::fs::File;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,18 +44,18 @@ unsafe impl Send for SharedCounter {}
 unsafe impl Sync for SharedCounter {}
 
 impl SharedCounter {
-    /// Opens the counter file at `path`, creating it (mode 0644, value 0) if missing and
-    /// growing it to [`COUNTER_FILE_BYTES`] if shorter (growing never changes the counter, so
-    /// processes racing to create it agree), and maps it.
+    /// [`SharedCounter::open_in`] the directory of `path`, mode 0600.
     pub fn open(path: &Path) -> Result<SharedCounter, Errno> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o644)
-            .open(path)
-            .map_err(|e| errno_of(&e))?;
+        let (dir, name) = split(path)?;
+        SharedCounter::open_in(dir.as_raw_fd(), &name, 0o600)
+    }
+
+    /// Opens the counter file `name` in the directory `dir` (never following a symlink:
+    /// ELOOP; anything but a regular file is EINVAL), creating it (with exactly `mode`, value
+    /// 0) if missing and growing it to [`COUNTER_FILE_BYTES`] if shorter (growing never changes
+    /// the counter, so processes racing to create it agree), and maps it.
+    pub fn open_in(dir: RawFd, name: &CStr, mode: u32) -> Result<SharedCounter, Errno> {
+        let file = open_regular(dir, name, mode)?;
         let len = file.metadata().map_err(|e| errno_of(&e))?.len();
         if len < COUNTER_FILE_BYTES as u64 {
             file.set_len(COUNTER_FILE_BYTES as u64)
@@ -145,17 +145,19 @@ pub struct FileLock {
 }
 
 impl FileLock {
-    /// Opens (creating, mode 0644, if missing) the lock file at `path`; holds no lock yet.
+    /// [`FileLock::open_in`] the directory of `path`, mode 0600.
     pub fn open(path: &Path) -> Result<FileLock, Errno> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o644)
-            .open(path)
-            .map_err(|e| errno_of(&e))?;
-        Ok(FileLock { file })
+        let (dir, name) = split(path)?;
+        FileLock::open_in(dir.as_raw_fd(), &name, 0o600)
+    }
+
+    /// Opens (creating, with exactly `mode`, if missing) the lock file `name` in the directory
+    /// `dir`, never following a symlink (ELOOP; anything but a regular file is EINVAL); holds no
+    /// lock yet.
+    pub fn open_in(dir: RawFd, name: &CStr, mode: u32) -> Result<FileLock, Errno> {
+        Ok(FileLock {
+            file: open_regular(dir, name, mode)?,
+        })
     }
 
     /// `LOCK_EX | LOCK_NB`: `Ok(true)` if this handle now holds the lock exclusive (no other
@@ -199,6 +201,32 @@ impl FileLock {
             }
         }
     }
+}
+
+/// Opens (or creates with exactly `mode`) the regular file `name` in `dir`, read-write,
+/// without following symlinks and without blocking on a FIFO.
+fn open_regular(dir: RawFd, name: &CStr, mode: u32) -> Result<File, Errno> {
+    let flags = libc::O_RDWR | libc::O_CREAT | libc::O_NONBLOCK | libc::O_NOCTTY;
+    let fd = crate::dir::open_confined(dir, name, flags, mode)?;
+    if crate::dir::fd_kind(fd.as_raw_fd())? != crate::dir::NodeKind::Regular {
+        return Err(Errno::EINVAL);
+    }
+    if crate::dir::needs_chmod(mode) {
+        crate::dir::fchmod(fd.as_raw_fd(), mode)?;
+    }
+    Ok(File::from(fd))
+}
+
+/// The parent directory of `path` (opened) and its file name.
+fn split(path: &Path) -> Result<(std::os::fd::OwnedFd, CString), Errno> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let name = path.file_name().ok_or(Errno::EINVAL)?;
+    let name =
+        CString::new(std::os::unix::ffi::OsStrExt::as_bytes(name)).map_err(|_| Errno::EINVAL)?;
+    Ok((crate::dir::open_root(parent)?, name))
 }
 
 #[cfg(test)]

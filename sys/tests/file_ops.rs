@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_sys::file::probe_o_direct;
 use kvtier_sys::mem::{HugePages, Region};
-use kvtier_sys::ring::{BufRef, Completion, FileOp, Ring, RingConfig, RENAME_NOREPLACE};
+use kvtier_sys::ring::{BufRef, Completion, FileOp, Ring, RingConfig, AT_FDCWD, RENAME_NOREPLACE};
 use kvtier_sys::shared::{FileLock, SharedCounter};
 
 const BLOCK: usize = 64 << 10;
@@ -77,6 +77,28 @@ fn wait_for(ring: &mut Ring, n: usize) -> Vec<Completion> {
     out
 }
 
+/// An `openat` relative to the current directory, following symlinks.
+fn open_cwd(path: &std::ffi::CStr, flags: i32, mode: u32) -> FileOp<'_> {
+    FileOp::OpenAt {
+        dir: AT_FDCWD,
+        path,
+        flags,
+        mode,
+        confined: false,
+    }
+}
+
+/// A confined read-only open of `path` below `dir`.
+fn open(dir: i32, path: &std::ffi::CStr) -> FileOp<'_> {
+    FileOp::OpenAt {
+        dir,
+        path,
+        flags: libc::O_RDONLY,
+        mode: 0,
+        confined: true,
+    }
+}
+
 /// Pushes one op, waits for its completion and returns its result.
 fn run(ring: &mut Ring, user_data: u64, op: &FileOp<'_>) -> i32 {
     ring.push_file_op(user_data, op, 0).expect("push_file_op");
@@ -101,11 +123,7 @@ fn tmp_write_fsync_rename_then_read_round_trips_a_block() {
     // reads it at submit time, after the CString is freed and its heap memory reused below.
     {
         let path = cpath(&tmp_path);
-        let op = FileOp::OpenAt {
-            path: &path,
-            flags: CREATE_TMP,
-            mode: 0o644,
-        };
+        let op = open_cwd(&path, CREATE_TMP, 0o644);
         ring.push_file_op(1, &op, 0).expect("push open");
     }
     let junk: Vec<Vec<u8>> = (0..64)
@@ -135,6 +153,7 @@ fn tmp_write_fsync_rename_then_read_round_trips_a_block() {
     assert_eq!(run(&mut ring, 4, &FileOp::Close { fd }), 0);
     let (from, to) = (cpath(&tmp_path), cpath(&dest));
     let rename = FileOp::RenameAt {
+        dir: AT_FDCWD,
         from: &from,
         to: &to,
         flags: RENAME_NOREPLACE,
@@ -143,11 +162,7 @@ fn tmp_write_fsync_rename_then_read_round_trips_a_block() {
     assert!(!tmp_path.exists() && dest.exists());
     assert_eq!(std::fs::metadata(&dest).expect("stat").len(), BLOCK as u64);
 
-    let open = FileOp::OpenAt {
-        path: &to,
-        flags: OPEN_READ,
-        mode: 0,
-    };
+    let open = open_cwd(&to, OPEN_READ, 0);
     let fd = run(&mut ring, 6, &open);
     assert!(fd >= 0, "openat for reading failed: {fd}");
     let read = FileOp::ReadFd {
@@ -164,6 +179,56 @@ fn tmp_write_fsync_rename_then_read_round_trips_a_block() {
     assert_eq!(run(&mut ring, 9, &FileOp::Close { fd }), -libc::EBADF);
 }
 
+// A confined open resolves relative to its directory fd and refuses a symlink at any
+// component (ELOOP) and a path that climbs out (EXDEV); *at ops resolve relative to `dir`.
+#[test]
+fn confined_opens_refuse_symlinks_and_escapes() {
+    use std::os::fd::AsRawFd;
+    let tmp = tempdir();
+    let Some((mut ring, _region)) = setup(tmp.path()) else {
+        return;
+    };
+    std::fs::create_dir(tmp.path().join("d")).expect("mkdir");
+    std::fs::write(tmp.path().join("d/f"), b"f").expect("write");
+    std::os::unix::fs::symlink(tmp.path().join("d/f"), tmp.path().join("d/link")).expect("ln");
+    std::os::unix::fs::symlink(tmp.path().join("d"), tmp.path().join("dlink")).expect("ln");
+    let root = kvtier_sys::dir::open_root(tmp.path()).expect("root");
+    let r = root.as_raw_fd();
+    let fd = run(&mut ring, 1, &open(r, c"d/f"));
+    assert!(fd >= 0, "confined open of a plain file: {fd}");
+    assert_eq!(run(&mut ring, 2, &FileOp::Close { fd }), 0);
+    assert_eq!(run(&mut ring, 3, &open(r, c"d/link")), -libc::ELOOP);
+    assert_eq!(run(&mut ring, 4, &open(r, c"dlink/f")), -libc::ELOOP);
+    assert_eq!(run(&mut ring, 5, &open(r, c"../x")), -libc::EXDEV);
+    // Not confined, the same symlink is followed (what `confined` is for).
+    let loose = FileOp::OpenAt {
+        dir: root.as_raw_fd(),
+        path: c"d/link",
+        flags: libc::O_RDONLY,
+        mode: 0,
+        confined: false,
+    };
+    let fd = run(&mut ring, 6, &loose);
+    assert!(fd >= 0, "{fd}");
+    assert_eq!(run(&mut ring, 7, &FileOp::Close { fd }), 0);
+    let mkdir = FileOp::MkdirAt {
+        dir: root.as_raw_fd(),
+        path: c"d/sub",
+        mode: 0o700,
+    };
+    assert_eq!(run(&mut ring, 8, &mkdir), 0);
+    assert!(tmp.path().join("d/sub").is_dir());
+    let unlink = FileOp::UnlinkAt {
+        dir: root.as_raw_fd(),
+        path: c"d/link",
+    };
+    assert_eq!(run(&mut ring, 9, &unlink), 0);
+    assert!(
+        tmp.path().join("d/f").exists(),
+        "unlink removed the link, not its target"
+    );
+}
+
 #[test]
 fn errors_the_layout_relies_on() {
     let tmp = tempdir();
@@ -177,6 +242,7 @@ fn errors_the_layout_relies_on() {
 
     // Another writer already published the block: NOREPLACE keeps its copy.
     let rename = FileOp::RenameAt {
+        dir: AT_FDCWD,
         from: &ca,
         to: &cb,
         flags: RENAME_NOREPLACE,
@@ -186,15 +252,12 @@ fn errors_the_layout_relies_on() {
     assert!(a.exists());
 
     let missing = cpath(&tmp.path().join("missing"));
-    let open = FileOp::OpenAt {
-        path: &missing,
-        flags: OPEN_READ,
-        mode: 0,
-    };
+    let open = open_cwd(&missing, OPEN_READ, 0);
     assert_eq!(run(&mut ring, 2, &open), -libc::ENOENT);
 
     let dir = cpath(&tmp.path().join("sub"));
     let mkdir = FileOp::MkdirAt {
+        dir: AT_FDCWD,
         path: &dir,
         mode: 0o755,
     };
@@ -202,7 +265,10 @@ fn errors_the_layout_relies_on() {
     assert!(tmp.path().join("sub").is_dir());
     assert_eq!(run(&mut ring, 4, &mkdir), -libc::EEXIST);
 
-    let unlink = FileOp::UnlinkAt { path: &ca };
+    let unlink = FileOp::UnlinkAt {
+        dir: AT_FDCWD,
+        path: &ca,
+    };
     assert_eq!(run(&mut ring, 5, &unlink), 0);
     assert!(!a.exists());
     assert_eq!(run(&mut ring, 6, &unlink), -libc::ENOENT);
@@ -258,11 +324,7 @@ fn thirty_two_files_in_flight_each_complete_once() {
     // Each path is a fresh CString dropped before the batch is submitted.
     for (i, name) in tmp_names.iter().enumerate() {
         let path = name.clone();
-        let op = FileOp::OpenAt {
-            path: &path,
-            flags: CREATE_TMP,
-            mode: 0o644,
-        };
+        let op = open_cwd(&path, CREATE_TMP, 0o644);
         ring.push_file_op(1 << 32 | i as u64, &op, 0)
             .expect("room in the SQ");
     }
@@ -296,6 +358,7 @@ fn thirty_two_files_in_flight_each_complete_once() {
     assert!(run_batch(&mut ring, 4, &closes).iter().all(|&r| r == 0));
     let renames: Vec<FileOp<'_>> = (0..FILES)
         .map(|i| FileOp::RenameAt {
+            dir: AT_FDCWD,
             from: &tmp_names[i],
             to: &names[i],
             flags: RENAME_NOREPLACE,
@@ -306,6 +369,8 @@ fn thirty_two_files_in_flight_each_complete_once() {
     let opens: Vec<FileOp<'_>> = names
         .iter()
         .map(|path| FileOp::OpenAt {
+            dir: AT_FDCWD,
+            confined: false,
             path,
             flags: OPEN_READ,
             mode: 0,
@@ -354,6 +419,7 @@ fn dropped_ring_drains_queued_file_ops() {
     {
         let path = cpath(&tmp.path().join("made-by-drop"));
         let op = FileOp::MkdirAt {
+            dir: AT_FDCWD,
             path: &path,
             mode: 0o755,
         };

@@ -352,12 +352,7 @@ fn bench_files_config() -> kvtier::config::FilesConfig {
         tokens_per_block: 16,
         layer_names: vec!["layer.0".into()],
     }];
-    kvtier::config::FilesConfig {
-        namespace,
-        sync: kvtier::config::SyncMode::None,
-        temp_grace_secs: 600,
-        checksums: true,
-    }
+    kvtier::config::FilesConfig::new(namespace)
 }
 
 fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCode> {

@@ -26,6 +26,7 @@
 use std::ffi::CString;
 use std::io::IsTerminal;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -551,7 +552,8 @@ fn run_files(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
             let path = mappers[device].key_path(key.as_bytes());
             let size = path
                 .as_ref()
-                .and_then(|p| std::fs::metadata(p).ok())
+                .and_then(|p| std::fs::symlink_metadata(p).ok())
+                .filter(std::fs::Metadata::is_file)
                 .map(|m| m.len());
             (device, path, size)
         })
@@ -634,7 +636,12 @@ fn run_files(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
 
 /// Compares a loaded block's crc32c with its file's xattr, if it has one.
 fn check_xattr(key: &Key, path: &Path, name: &CString, crc: u32) -> Checked {
-    let file = match std::fs::File::open(path) {
+    // Never through a symlink, never blocking on a FIFO planted at the path.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path);
+    let file = match file {
         Ok(f) => f,
         Err(e) => {
             return Checked {

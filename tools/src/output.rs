@@ -319,6 +319,7 @@ pub fn engine_json(
             "bytes_written": st.bytes_written,
             "evictions": st.evictions,
             "checksum_failures": st.checksum_failures,
+            "files_refused": st.files_refused,
             "io_errors": st.io_errors,
             "blocks_stored": st.blocks_stored,
             "slots_total": st.slots_total,
