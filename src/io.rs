@@ -93,6 +93,9 @@ pub struct BackendSettings {
     pub piece_bytes: usize,
     /// The devices use the `files` layout (file operations on the ring).
     pub files_layout: bool,
+    /// The longest a backend sleeps waiting for completions while I/O is in flight, so the
+    /// worker notices I/O past its deadline.
+    pub wait_limit: std::time::Duration,
 }
 
 /// Opens devices and builds backends; shared by all workers.

@@ -5,7 +5,7 @@
 //! resolution publishes exactly one [`JobResult`]. A failed load reports how many keys *in job
 //! order* loaded before the first failure (vLLM's `successful_keys` prefix semantics).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -66,6 +66,11 @@ pub enum KeyFailure {
     /// Files layout: a symlink or a non-regular file (FIFO, socket, device node, directory)
     /// is at the block's path; kvtier never follows or reads it. The detail names the path.
     Refused,
+    /// The device did not complete the key's I/O within `io_timeout_ms`; the detail names the
+    /// device and the operation. The I/O may still be in flight: the job's region blocks stay
+    /// leased (`Region::is_leased`) until the device answers, so nothing it may still write is
+    /// handed back early.
+    Timeout,
 }
 
 impl std::fmt::Display for KeyFailure {
@@ -83,6 +88,7 @@ impl std::fmt::Display for KeyFailure {
             KeyFailure::InvalidJob => write!(f, "invalid job"),
             KeyFailure::Remote => write!(f, "object store request failed"),
             KeyFailure::Refused => write!(f, "refused: not a regular file"),
+            KeyFailure::Timeout => write!(f, "I/O timed out"),
         }
     }
 }
@@ -163,6 +169,10 @@ impl Shared {
     /// catches a key evicted (or removed by another process) between `lookup` or submission
     /// and the worker reaching it.
     pub fn load_missed(&self, job: &Arc<JobState>, index: usize, detail: String) {
+        if job.is_resolved(index) {
+            // Failed by its deadline already: no fallback writes into its block any more.
+            return;
+        }
         match self.miss_fallback.get() {
             Some(fallback) if job.kind == JobKind::Load => fallback(job, index),
             _ => job.fail(self, index, KeyFailure::Miss, detail),
@@ -199,6 +209,13 @@ pub(crate) struct JobState {
     /// result, unless borrowed from the caller's job this one serves (a promotion).
     lease: Option<Arc<Lease>>,
     owns_lease: bool,
+    /// References on the lease: one for the publication of the result, one per I/O that
+    /// passed its deadline and may still move bytes of the job's blocks
+    /// ([`JobState::hold_lease`]). The last one gone releases the lease.
+    lease_refs: AtomicU32,
+    /// Which keys are resolved: the first outcome of a key counts, a later one (an I/O that
+    /// completed after its deadline failed the key) is ignored.
+    resolved: Box<[AtomicBool]>,
     /// Set for the engine's own jobs (a promotion's store, the NVMe half of a write-through
     /// store): their result goes here, not to `poll_finished`, and they are not counted in
     /// `jobs_in_flight` (the caller's job they serve is).
@@ -217,7 +234,32 @@ impl JobState {
             bytes: AtomicU64::new(0),
             lease: None,
             owns_lease: false,
+            lease_refs: AtomicU32::new(1),
+            resolved: (0..n).map(|_| AtomicBool::new(false)).collect(),
             then: Mutex::new(None),
+        }
+    }
+
+    /// Whether key `index` has its outcome already.
+    pub fn is_resolved(&self, index: usize) -> bool {
+        self.resolved[index].load(Ordering::Acquire)
+    }
+
+    /// Keeps the lease past the publication of the result, for an I/O still in flight after
+    /// its deadline; [`JobState::release_hold`] when it completes (or never, if it never does).
+    pub fn hold_lease(&self) {
+        self.lease_refs.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn release_hold(&self) {
+        self.drop_lease_ref();
+    }
+
+    fn drop_lease_ref(&self) {
+        if self.lease_refs.fetch_sub(1, Ordering::AcqRel) == 1 {
+            if let (true, Some(lease)) = (self.owns_lease, &self.lease) {
+                lease.release();
+            }
         }
     }
 
@@ -254,6 +296,9 @@ impl JobState {
     /// Records that key `index` succeeded after moving `bytes`.
     pub fn succeed(&self, shared: &Shared, index: usize, bytes: u64) {
         debug_assert!(index < self.job.keys.len());
+        if self.resolved[index].swap(true, Ordering::AcqRel) {
+            return;
+        }
         if bytes > 0 {
             self.bytes.fetch_add(bytes, Ordering::Relaxed);
         }
@@ -262,6 +307,9 @@ impl JobState {
 
     /// Records that key `index` failed.
     pub fn fail(&self, shared: &Shared, index: usize, reason: KeyFailure, detail: String) {
+        if self.resolved[index].swap(true, Ordering::AcqRel) {
+            return;
+        }
         self.failures
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -316,10 +364,9 @@ impl JobState {
             bytes: self.bytes.load(Ordering::Relaxed),
             elapsed: self.submitted.elapsed(),
         };
-        if let (true, Some(lease)) = (self.owns_lease, &self.lease) {
-            // Before anyone can see the result: the caller may touch the blocks then.
-            lease.release();
-        }
+        // Before anyone can see the result: the caller may touch the blocks then (unless an
+        // I/O past its deadline still holds them).
+        self.drop_lease_ref();
         let then = self
             .then
             .lock()

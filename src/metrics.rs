@@ -110,6 +110,8 @@ pub struct ShardMetrics {
     /// Files layout: block paths refused because a symlink or a non-regular file (FIFO,
     /// socket, device node, directory) was found there.
     pub files_refused: AtomicU64,
+    /// I/Os that did not complete within `io_timeout_ms` (their keys failed with a timeout).
+    pub io_timeouts: AtomicU64,
     pub io_errors: AtomicU64,
     pub queued_loads: AtomicU64,
     pub queued_stores: AtomicU64,
@@ -146,6 +148,7 @@ pub struct Stats {
     pub evictions: u64,
     pub checksum_failures: u64,
     pub files_refused: u64,
+    pub io_timeouts: u64,
     pub io_errors: u64,
     pub queued_loads: u64,
     pub queued_stores: u64,
@@ -294,6 +297,7 @@ impl Stats {
         self.evictions += l(&m.evictions);
         self.checksum_failures += l(&m.checksum_failures);
         self.files_refused += l(&m.files_refused);
+        self.io_timeouts += l(&m.io_timeouts);
         self.io_errors += l(&m.io_errors);
         self.queued_loads += l(&m.queued_loads);
         self.queued_stores += l(&m.queued_stores);

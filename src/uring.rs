@@ -295,6 +295,7 @@ impl Storage for KernelStorage {
             armed: false,
             load_prio,
             store_prio,
+            wait_limit: settings.wait_limit,
         }))
     }
 }
@@ -353,6 +354,8 @@ struct UringBackend {
     armed: bool,
     load_prio: u16,
     store_prio: u16,
+    /// The longest sleep while I/O is in flight (the worker checks deadlines between).
+    wait_limit: std::time::Duration,
 }
 
 impl IoBackend for UringBackend {
@@ -393,8 +396,12 @@ impl IoBackend for UringBackend {
                 self.armed = true;
             }
         }
-        self.ring
-            .submit(usize::from(wait))
+        let submitted = if wait && self.in_flight() > 0 {
+            self.ring.submit_wait_timeout(1, self.wait_limit)
+        } else {
+            self.ring.submit(usize::from(wait))
+        };
+        submitted
             .map(|_| ())
             .map_err(|e| std::io::Error::from_raw_os_error(e as i32))
     }

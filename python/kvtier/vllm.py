@@ -96,6 +96,7 @@ _COUNTERS = {
     "checksum_failures": ("Blocks dropped: their crc32c did not match.", "checksum_failures"),
     "files_refused": ("Block paths refused: a symlink or a non-regular file was there.",
                       "files_refused"),
+    "io_timeouts": ("Device I/Os past io_timeout_ms (their blocks failed).", "io_timeouts"),
     "io_errors": ("Device I/O errors.", "io_errors"),
 }
 _GAUGES = {

@@ -213,6 +213,7 @@ fn reason_name(r: KeyFailure) -> &'static str {
         KeyFailure::InvalidJob => "invalid_job",
         KeyFailure::Remote => "remote",
         KeyFailure::Refused => "refused",
+        KeyFailure::Timeout => "timeout",
     }
 }
 
@@ -707,6 +708,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
         evictions,
         checksum_failures,
         files_refused,
+        io_timeouts,
         io_errors,
         queued_loads,
         queued_stores,

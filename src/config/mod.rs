@@ -240,6 +240,10 @@ pub struct Config {
     pub sqpoll: bool,
     pub sqpoll_idle_ms: u32,
     pub iopoll: bool,
+    /// The deadline of every device I/O (a load's read, a store's writes, a files-layout
+    /// block's whole chain of file operations), in milliseconds: past it the key fails with
+    /// `KeyFailure::Timeout`, and shutdown gives up waiting for the device.
+    pub io_timeout_ms: u32,
     /// Per worker bound on queued blocks (loads and stores).
     pub queue_blocks_max: usize,
     pub jobs_in_flight_max: usize,
@@ -535,6 +539,7 @@ impl Default for Config {
             ring_entries: 256,
             sqpoll: false,
             sqpoll_idle_ms: 1000,
+            io_timeout_ms: 10_000,
             iopoll: false,
             queue_blocks_max: 65536,
             jobs_in_flight_max: 8192,

@@ -26,6 +26,7 @@ pub(super) struct RawConfig {
     ring_entries: Option<Value>,
     sqpoll: Option<Value>,
     sqpoll_idle_ms: Option<Value>,
+    io_timeout_ms: Option<Value>,
     iopoll: Option<Value>,
     queue_blocks_max: Option<Value>,
     jobs_in_flight_max: Option<Value>,
@@ -192,6 +193,11 @@ pub(super) fn s3_from_raw(
     })
 }
 
+const IO_TIMEOUT_MIN_MS: u32 = 10;
+const IO_TIMEOUT_MAX_MS: u32 = 3_600_000;
+const IO_TIMEOUT_FORMS: &str =
+    "an integer number of milliseconds from 10 to 3600000 (one hour), e.g. 10000";
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a [files] table")]
 pub(super) struct RawFiles {
@@ -339,6 +345,19 @@ impl TryFrom<RawConfig> for Config {
                 "an integer number of milliseconds from 0 to 4294967295",
             )?,
             iopoll: bool_or("iopoll", raw.iopoll, d.iopoll)?,
+            io_timeout_ms: int_or(
+                "io_timeout_ms",
+                raw.io_timeout_ms,
+                d.io_timeout_ms,
+                IO_TIMEOUT_FORMS,
+            )
+            .and_then(|ms: u32| {
+                if (IO_TIMEOUT_MIN_MS..=IO_TIMEOUT_MAX_MS).contains(&ms) {
+                    Ok(ms)
+                } else {
+                    Err(invalid("io_timeout_ms", ms, IO_TIMEOUT_FORMS))
+                }
+            })?,
             queue_blocks_max: int_or(
                 "queue_blocks_max",
                 raw.queue_blocks_max,

@@ -37,6 +37,7 @@ fn defaults() {
     assert!(!d.sqpoll);
     assert_eq!(d.sqpoll_idle_ms, 1000);
     assert!(!d.iopoll);
+    assert_eq!(d.io_timeout_ms, 10_000);
     assert_eq!(d.queue_blocks_max, 65536);
     assert_eq!(d.jobs_in_flight_max, 8192);
     assert_eq!(d.scheduler.load_inflight_max, 64);
@@ -614,6 +615,23 @@ fn files_modes_parse_and_errors_name_field_value_and_accepted() {
         assert_mentions(
             &error_of(&files(line)),
             &[field, value, "octal", "at most 0777"],
+        );
+    }
+}
+
+#[test]
+fn io_timeout_is_checked() {
+    let c = Config::from_toml_str(&format!("io_timeout_ms = 250\n{ONE_DEVICE}")).expect("valid");
+    assert_eq!(c.io_timeout_ms, 250);
+    for (value, shown) in [
+        ("0", "0"),
+        ("5", "5"),
+        ("3600001", "3600001"),
+        ("\"10s\"", "10s"),
+    ] {
+        assert_mentions(
+            &error_with_device(&format!("io_timeout_ms = {value}")),
+            &["io_timeout_ms", shown, "10 to 3600000"],
         );
     }
 }

@@ -267,6 +267,7 @@ fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Re
         out.slab.push(DeviceSpec {
             geometry,
             fresh: formatted,
+            name: format!("devices[{i}] {}", info.path.display()),
         });
     }
     Ok(out)
@@ -315,6 +316,7 @@ fn start_workers(
         ioprio: config.scheduler.ioprio,
         piece_bytes: derived.piece_bytes,
         files_layout: derived.layout == Layout::Files,
+        wait_limit: worker::overdue_check_interval(io_timeout(config)),
     };
     let mut shards = Vec::with_capacity(workers);
     let mut threads = Vec::with_capacity(workers);
@@ -348,6 +350,7 @@ fn start_workers(
                 derived.store_chunk_bytes,
             ),
             ring_entries: config.ring_entries as usize,
+            io_timeout: io_timeout(config),
             staging_blocks: derived.staging_blocks,
             ready: ready_tx.clone(),
             demote_sink: demote_sink.cloned(),
@@ -379,4 +382,9 @@ fn start_workers(
         summaries: summaries.into_iter().flatten().collect(),
         error,
     })
+}
+
+/// `io_timeout_ms` as a duration.
+pub(super) fn io_timeout(config: &Config) -> std::time::Duration {
+    std::time::Duration::from_millis(u64::from(config.io_timeout_ms))
 }

@@ -29,6 +29,7 @@ pub(super) struct WorkerCtx {
     pub(super) settings: BackendSettings,
     pub(super) sched: Scheduler,
     pub(super) ring_entries: usize,
+    pub(super) io_timeout: std::time::Duration,
     pub(super) staging_blocks: usize,
     pub(super) ready: Sender<(usize, std::result::Result<WorkerSummary, String>)>,
     /// Set with `s3.write = "on_evict"` on the slab layout.
@@ -83,6 +84,7 @@ pub(super) fn worker_main(ctx: WorkerCtx) {
         sched: ctx.sched,
         ring_entries: ctx.ring_entries,
         demote,
+        io_timeout: ctx.io_timeout,
     };
     let summary = |backend: String, recovered_blocks: u64| WorkerSummary {
         core: ctx.core,

@@ -812,6 +812,34 @@ impl Layout for FilesLayout {
         self.stalled.is_empty()
     }
 
+    fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
+        let op = &core.ops[idx as usize];
+        match op.kind {
+            Kind::Load | Kind::Store => op
+                .job
+                .iter()
+                .map(|j| (Arc::clone(j), op.item as usize, true))
+                .collect(),
+            Kind::Remove => Vec::new(),
+        }
+    }
+
+    fn describe_op(&self, core: &Core<Op>, idx: u32) -> String {
+        let op = &core.ops[idx as usize];
+        let what = match op.kind {
+            Kind::Load => "load",
+            Kind::Store => "store",
+            Kind::Remove => "removal",
+        };
+        format!(
+            "devices[{}] {}: {what} of {} (at step {:?})",
+            op.dev,
+            self.devs[op.dev as usize].data_dir.display(),
+            op.dest.display(),
+            op.step
+        )
+    }
+
     #[cfg(any(test, feature = "sim"))]
     fn check_quiet(&self, _core: &Core<Op>) -> Result<(), String> {
         if self.removals_in_flight != 0 || self.index.values().any(|e| e.pins != 0) {

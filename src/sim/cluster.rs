@@ -56,7 +56,11 @@ impl Cluster {
             let info = storage.open_device(i, dcfg, config.direct_io)?;
             let (geometry, fresh) =
                 prepare_slab(storage.as_ref(), i, &info, block_bytes, dcfg.overwrite)?;
-            devices.push(DeviceSpec { geometry, fresh });
+            devices.push(DeviceSpec {
+                geometry,
+                fresh,
+                name: format!("devices[{i}] {}", info.path.display()),
+            });
         }
         let (shared, results) = Shared::new(EventSink::new(false, 1, None));
         let settings = BackendSettings {
@@ -67,6 +71,7 @@ impl Cluster {
             ioprio: config.scheduler.ioprio,
             piece_bytes: derived.piece_bytes,
             files_layout: false,
+            wait_limit: std::time::Duration::from_secs(1),
         };
         let mut senders = Vec::new();
         let mut list = Vec::new();
@@ -98,6 +103,8 @@ impl Cluster {
                 sched: Scheduler::new(&config.scheduler, block_bytes, derived.store_chunk_bytes),
                 ring_entries: config.ring_entries as usize,
                 demote: None,
+                // Deadlines run on the wall clock: far out of reach, so a seed replays.
+                io_timeout: std::time::Duration::from_secs(3600),
             };
             let (worker, _) = SlabLayout::recovered_worker(params, workers, meta, &devices)
                 .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;

@@ -117,6 +117,8 @@ struct State {
     writes_until_crash: AtomicU64,
     crashed: AtomicBool,
     paused: AtomicBool,
+    /// Devices (bit i = device i) that accept requests and never complete them.
+    hung: AtomicU64,
     log: Mutex<Vec<LogEntry>>,
     log_enabled: AtomicBool,
     /// Completed writes not yet durable, oldest first (`None`: not tracking).
@@ -156,6 +158,7 @@ impl SimStorage {
                 writes_until_crash: AtomicU64::new(u64::MAX),
                 crashed: AtomicBool::new(false),
                 paused: AtomicBool::new(false),
+                hung: AtomicU64::new(0),
                 log: Mutex::new(Vec::new()),
                 log_enabled: AtomicBool::new(false),
                 journal: Mutex::new(None),
@@ -169,6 +172,17 @@ impl SimStorage {
             .faults
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = faults;
+    }
+
+    /// Makes `device` stop answering (`true`: requests are accepted and never complete) or
+    /// answer again (its held requests then complete, in order).
+    pub fn hang_device(&self, device: usize, hung: bool) {
+        let bit = 1u64 << device;
+        if hung {
+            self.state.hung.fetch_or(bit, Ordering::SeqCst);
+        } else {
+            self.state.hung.fetch_and(!bit, Ordering::SeqCst);
+        }
     }
 
     /// After `n` more writes complete normally, every write tears and fails.
@@ -575,7 +589,12 @@ impl IoBackend for SimBackend {
         if !wait {
             return Ok(());
         }
-        if self.state.paused.load(Ordering::SeqCst) || self.pending.is_empty() {
+        let hung = self.state.hung.load(Ordering::SeqCst);
+        let all_hung = self
+            .pending
+            .iter()
+            .all(|p| hung & (1u64 << p.req.device) != 0);
+        if self.state.paused.load(Ordering::SeqCst) || all_hung {
             // Nothing can complete: sleep until woken (bounded, so pause can be lifted).
             self.wake
                 .wait_timeout(Duration::from_millis(if self.pending.is_empty() {
@@ -589,6 +608,7 @@ impl IoBackend for SimBackend {
         let earliest = self
             .pending
             .iter()
+            .filter(|p| hung & (1u64 << p.req.device) == 0)
             .map(|p| p.due)
             .min()
             .unwrap_or(self.round);
@@ -602,8 +622,11 @@ impl IoBackend for SimBackend {
         }
         let f = self.faults();
         let round = self.round;
-        let (ready, rest): (Vec<Pending>, Vec<Pending>) =
-            self.pending.drain(..).partition(|p| p.due <= round);
+        let hung = self.state.hung.load(Ordering::SeqCst);
+        let (ready, rest): (Vec<Pending>, Vec<Pending>) = self
+            .pending
+            .drain(..)
+            .partition(|p| p.due <= round && hung & (1u64 << p.req.device) == 0);
         self.pending = rest;
         let mut ready: Vec<IoRequest> = ready.into_iter().map(|p| p.req).collect();
         if f.reorder {

@@ -27,7 +27,7 @@ use crate::worker::{
 };
 use crate::Errno;
 
-use super::table::PageState;
+use super::table::{Ack, PageState};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SlotState {
@@ -67,6 +67,8 @@ pub(super) struct Dev {
     pub hand: usize,
     /// Byte offset of this device's table range in the meta buffer.
     pub meta_offset: usize,
+    /// `devices[i] <path>`, for error messages.
+    pub name: String,
     pub pages: Vec<PageState>,
 }
 
@@ -146,6 +148,8 @@ pub(crate) struct DeviceSpec {
     pub geometry: Geometry,
     /// True if the device was just formatted: its table holds nothing to recover.
     pub fresh: bool,
+    /// How errors name it: `devices[i] <path>`.
+    pub name: String,
 }
 
 pub(crate) struct SlabLayout {
@@ -187,6 +191,7 @@ impl SlabLayout {
                 hand: 0,
                 meta_offset,
                 pages: vec![PageState::default(); pages],
+                name: d.name.clone(),
             });
             meta_offset += pages * crate::slab::TABLE_PAGE_BYTES;
             capacity += n;
@@ -330,9 +335,9 @@ impl SlabLayout {
         }
     }
 
-    /// Publishes the stores whose data writes completed: checksum, slot table entry, index,
-    /// result. Runs after the ring has been refilled and submitted, so the checksum work never
-    /// delays the next I/O.
+    /// Publishes the stores whose data writes completed: checksum, slot table entry, index; the
+    /// result follows when the entry's table page is written (`on_table_done`). Runs after the
+    /// ring has been refilled and submitted, so the checksum work never delays the next I/O.
     fn finalize_stores(&mut self, core: &mut Core<Op>) {
         let finished = std::mem::take(&mut self.finalize);
         let block_bytes = core.block_bytes;
@@ -364,7 +369,14 @@ impl SlabLayout {
                 .metrics
                 .blocks_stored
                 .fetch_add(1, Ordering::Relaxed);
-            core.store_succeeded(&f.job, f.item, block_bytes);
+            self.ack_after_entry(
+                f.d,
+                f.local,
+                Ack {
+                    job: Arc::clone(&f.job),
+                    item: f.item,
+                },
+            );
         }
         self.finalize = finished;
         self.finalize.clear();
@@ -563,6 +575,37 @@ impl Layout for SlabLayout {
         self.dirty_pages.is_empty() && self.finalize.is_empty()
     }
 
+    fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
+        let op = &core.ops[idx as usize];
+        match op.kind {
+            OpKind::Load | OpKind::Store => op
+                .job
+                .iter()
+                .map(|j| (Arc::clone(j), op.item as usize, true))
+                .collect(),
+            // The stores acknowledged by this page write (it reads only the meta buffer).
+            OpKind::Table { page } => self.devs[op.dev as usize].pages[page as usize]
+                .committing
+                .iter()
+                .map(|a| (Arc::clone(&a.job), a.item, false))
+                .collect(),
+            OpKind::Recover | OpKind::Demote { .. } => Vec::new(),
+        }
+    }
+
+    fn describe_op(&self, core: &Core<Op>, idx: u32) -> String {
+        let op = &core.ops[idx as usize];
+        let dev = &self.devs[op.dev as usize];
+        let what = match op.kind {
+            OpKind::Load => format!("load (read of slot {})", op.slot),
+            OpKind::Store => format!("store (write of slot {})", op.slot),
+            OpKind::Table { page } => format!("slot table write (page {page})"),
+            OpKind::Recover => "recovery read of the slot table".to_owned(),
+            OpKind::Demote { .. } => format!("demotion read of slot {}", op.slot),
+        };
+        format!("{}: {what}", dev.name)
+    }
+
     #[cfg(any(test, feature = "sim"))]
     fn check_quiet(&self, core: &Core<Op>) -> Result<(), String> {
         if self.store_ops != 0 || self.table_in_flight != 0 || !self.finalize.is_empty() {
@@ -574,6 +617,13 @@ impl Layout for SlabLayout {
             ));
         }
         for (d, dev) in self.devs.iter().enumerate() {
+            if let Some(p) = dev
+                .pages
+                .iter()
+                .position(|p| !p.waiting.is_empty() || !p.committing.is_empty())
+            {
+                return Err(format!("device {d} table page {p}: stores never acknowledged"));
+            }
             for (local, s) in dev.slots.iter().enumerate() {
                 if s.pins != 0 || s.state == SlotState::Writing || s.state == SlotState::Doomed {
                     return Err(format!(

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::io::{BufRef, IoClass, IoKind, IoRequest};
+use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
 use crate::slab::{Entry, EntryRead, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
 use crate::worker::{Core, BUF_META};
@@ -13,18 +14,31 @@ use crate::Errno;
 
 use super::layout::{DeviceSpec, Op, OpKind, SlabLayout, SlotMeta, SlotState, FREE_SLOT};
 
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct PageState {
     pub dirty: bool,
     /// Entries changed since the page was last written.
     pub dirty_entries: u16,
     pub in_flight: bool,
+    /// Stores whose entries changed since the page was last written: acknowledged when the
+    /// next write of the page completes.
+    pub waiting: Vec<Ack>,
+    /// Stores whose entries the write in flight carries.
+    pub committing: Vec<Ack>,
 }
 
-/// A dirty table page is written once this many of its entries changed, or as soon as the worker
-/// runs out of work. Batching cuts the table writes of a sequential store stream from about one
-/// per block to a few per page; the price is that a crash forgets up to this many recent blocks
-/// of a page (they are re-fetched, never served wrong).
+/// A store to acknowledge once the table page holding its entry is on the device.
+#[derive(Clone)]
+pub(crate) struct Ack {
+    pub job: Arc<JobState>,
+    pub item: usize,
+}
+
+/// A dirty table page with no store waiting on it (evictions, removals) is written once this
+/// many of its entries changed, or as soon as the worker runs out of work. A page that holds a
+/// new store's entry is written at once, unless a write of it is in flight: then the entries
+/// that arrive meanwhile share the next write (group commit). A store is acknowledged only once
+/// its entry is on the device, so a crash of the process never forgets an acknowledged block.
 const TABLE_BATCH_ENTRIES: u16 = (ENTRIES_PER_PAGE / 2) as u16;
 
 /// Largest single read used while recovering the slot table.
@@ -45,6 +59,12 @@ pub(crate) fn meta_bytes(devices: &[DeviceSpec], worker: usize, workers: usize) 
 impl SlabLayout {
     pub(super) fn clear_entry(&mut self, d: usize, local: u32) {
         self.write_entry(d, local, None);
+    }
+
+    /// Queues `ack` for when the table page holding entry `local` of device `d` is written.
+    pub(super) fn ack_after_entry(&mut self, d: usize, local: u32, ack: Ack) {
+        let page = local as usize / ENTRIES_PER_PAGE;
+        self.devs[d].pages[page].waiting.push(ack);
     }
 
     pub(super) fn write_entry(&mut self, d: usize, local: u32, entry: Option<Entry>) {
@@ -84,9 +104,8 @@ impl SlabLayout {
         let mut i = 0;
         while i < self.dirty_pages.len() {
             let (d, page) = self.dirty_pages[i];
-            if !quiet
-                && self.devs[d as usize].pages[page as usize].dirty_entries < TABLE_BATCH_ENTRIES
-            {
+            let p = &self.devs[d as usize].pages[page as usize];
+            if !quiet && p.waiting.is_empty() && p.dirty_entries < TABLE_BATCH_ENTRIES {
                 i += 1;
                 continue;
             }
@@ -118,6 +137,7 @@ impl SlabLayout {
             p.dirty = false;
             p.dirty_entries = 0;
             p.in_flight = true;
+            p.committing = std::mem::take(&mut p.waiting);
             self.table_in_flight += 1;
             any = true;
         }
@@ -129,15 +149,34 @@ impl SlabLayout {
         core.ops.release(idx);
         self.table_in_flight -= 1;
         core.me.metrics.table_writes.fetch_add(1, Ordering::Relaxed);
-        if usize::try_from(result).ok() != Some(TABLE_PAGE_BYTES) {
-            // The entries of this page may not survive a restart; the data is still served now.
+        let p = &mut self.devs[d as usize].pages[page as usize];
+        let acks = std::mem::take(&mut p.committing);
+        if usize::try_from(result).ok() == Some(TABLE_PAGE_BYTES) {
+            for a in &acks {
+                core.store_succeeded(&a.job, a.item, core.block_bytes);
+            }
+        } else {
+            // The entries of this page may not survive a restart: their stores fail (the data
+            // is still served until then, and a later write of the page may save them).
             core.me.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
-            let why = if result < 0 {
-                Errno::from_raw(-result).desc().to_string()
+            let (reason, why) = if result < 0 {
+                let e = Errno::from_raw(-result);
+                (KeyFailure::Io(e), e.desc().to_string())
             } else {
-                format!("short write {result}")
+                (
+                    KeyFailure::ShortIo {
+                        done: result as u32,
+                        wanted: TABLE_PAGE_BYTES as u32,
+                    },
+                    format!("short write {result}"),
+                )
             };
-            core.log_error(&format!("slot table write on device {d} failed: {why}"));
+            let name = &self.devs[d as usize].name;
+            let detail = format!("{name}: slot table write (page {page}) failed: {why}");
+            core.log_error(&detail);
+            for a in &acks {
+                core.store_failed(&a.job, a.item, reason, detail.clone());
+            }
         }
         let p = &mut self.devs[d as usize].pages[page as usize];
         p.in_flight = false;

@@ -27,7 +27,7 @@ pub(crate) mod shared;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
@@ -135,6 +135,14 @@ pub(crate) trait Layout {
     /// Whether the layout has nothing left to do (the worker may exit when stopping).
     fn idle(&self) -> bool;
 
+    /// Names op `idx` for an error message: the device (path) and the operation.
+    fn describe_op(&self, core: &Core<Self::Op>, idx: u32) -> String;
+
+    /// The callers' keys that op `idx`, past its deadline, keeps waiting: each with whether the
+    /// op may still move bytes of its region block (then the job's lease is held until the op
+    /// completes). Empty for the layout's own I/O that no key waits on.
+    fn overdue_keys(&self, core: &Core<Self::Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)>;
+
     /// For the simulator, once the worker is idle: what the layout would have leaked.
     #[cfg(any(test, feature = "sim"))]
     fn check_quiet(&self, core: &Core<Self::Op>) -> Result<(), String>;
@@ -160,6 +168,8 @@ pub(crate) struct Core<O> {
     pub demote: Option<Demote>,
     /// Publishes the keys this worker holds to callers (`Engine::lookup`).
     pub publisher: Publisher,
+    /// `io_timeout_ms`: the deadline of every op, from its start.
+    pub io_timeout: Duration,
     error_logs: u32,
 }
 
@@ -174,6 +184,7 @@ pub(crate) struct WorkerParams {
     pub sched: Scheduler,
     pub ring_entries: usize,
     pub demote: Option<Demote>,
+    pub io_timeout: Duration,
 }
 
 impl<O: LayoutOp> Core<O> {
@@ -321,6 +332,15 @@ pub(crate) struct Worker<L: Layout> {
     layout: L,
     rx: Receiver<Msg>,
     completions: Vec<Completion>,
+    /// When to look for ops past their deadline next.
+    next_overdue_check: Instant,
+    /// When the stop arrived.
+    stop_at: Option<Instant>,
+}
+
+/// How often a worker looks for ops past their deadline: an eighth of it, 5 ms to 1 s.
+pub(crate) fn overdue_check_interval(io_timeout: Duration) -> Duration {
+    (io_timeout / 8).clamp(Duration::from_millis(5), Duration::from_secs(1))
 }
 
 impl<L: Layout> Worker<L> {
@@ -345,11 +365,14 @@ impl<L: Layout> Worker<L> {
                 stopping: false,
                 demote: p.demote,
                 publisher,
+                io_timeout: p.io_timeout,
                 error_logs: 0,
             },
             layout,
             rx: p.rx,
             completions: Vec::with_capacity(p.ring_entries * 2),
+            next_overdue_check: Instant::now(),
+            stop_at: None,
         }
     }
 
@@ -362,13 +385,27 @@ impl<L: Layout> Worker<L> {
         self.core.backend.describe()
     }
 
-    /// Runs until stopped and idle.
+    /// Runs until stopped and idle, or stopped with only I/O that outlived its deadline left
+    /// (then the worker is leaked, with its ring and the region, since the kernel may still
+    /// write them).
     pub fn run(mut self) {
         loop {
             let progress = self.turn();
             self.core.publish_gauges();
             if self.core.stopping && self.core.idle() && self.layout.idle() {
                 break;
+            }
+            if self.hung_at_stop() {
+                tracing::error!(
+                    worker = self.core.id,
+                    in_flight = self.core.backend.in_flight(),
+                    deadline_ms = self.core.io_timeout.as_millis() as u64,
+                    "shutdown: I/O still in flight past its deadline; this worker's ring and the \
+                     region stay allocated (leaked) so the device can never write freed memory. \
+                     Check the device (dmesg) before reusing it"
+                );
+                std::mem::forget(self);
+                return;
             }
             let returned = self.core.demote.as_ref().map(Demote::returned);
             let r = submit_or_sleep(
@@ -433,10 +470,61 @@ impl<L: Layout> Worker<L> {
         self.layout.check_quiet(c)
     }
 
+    /// Stopping for longer than the deadline with I/O still in flight: every op left started
+    /// before the stop, so all of them are past their deadline.
+    fn hung_at_stop(&self) -> bool {
+        self.stop_at.is_some_and(|at| {
+            at.elapsed() > self.core.io_timeout + overdue_check_interval(self.core.io_timeout)
+        }) && self.core.backend.in_flight() > 0
+    }
+
+    /// Fails the keys of ops past their deadline (`KeyFailure::Timeout`); each such op keeps
+    /// its job's lease until it completes. True if any key failed.
+    fn expire_overdue(&mut self) -> bool {
+        let now = Instant::now();
+        if now < self.next_overdue_check {
+            return false;
+        }
+        let limit = self.core.io_timeout;
+        self.next_overdue_check = now + overdue_check_interval(limit);
+        let mut any = false;
+        for idx in self.core.ops.take_overdue(now, limit) {
+            let what = self.layout.describe_op(&self.core, idx);
+            self.core
+                .me
+                .metrics
+                .io_timeouts
+                .fetch_add(1, Ordering::Relaxed);
+            let detail = format!(
+                "{what}: no completion within io_timeout_ms = {}; the I/O is still in flight \
+                 and the job's region blocks stay leased until the device answers",
+                limit.as_millis()
+            );
+            self.core.log_error(&detail);
+            for (job, item, hold) in self.layout.overdue_keys(&self.core, idx) {
+                if job.is_resolved(item) {
+                    continue;
+                }
+                if hold {
+                    self.core.ops.hold(idx, Arc::clone(&job));
+                }
+                let m = &self.core.me.metrics;
+                match job.kind {
+                    JobKind::Load => m.loads_failed.fetch_add(1, Ordering::Relaxed),
+                    JobKind::Store => m.stores_failed.fetch_add(1, Ordering::Relaxed),
+                };
+                job.fail(&self.core.shared, item, KeyFailure::Timeout, detail.clone());
+                any = true;
+            }
+        }
+        any
+    }
+
     /// One turn of the loop without submitting or sleeping; true if anything moved.
     fn turn(&mut self) -> bool {
         let mut progress = self.intake();
         progress |= self.reap();
+        progress |= self.expire_overdue();
         progress |= self.layout.unstall(&mut self.core);
         progress |= self.issue_loads();
         progress |= self.issue_stores();
@@ -476,6 +564,7 @@ impl<L: Layout> Worker<L> {
     /// Fails everything queued and not yet started; stores stop issuing chunks (and fail once
     /// the issued ones complete); I/O in flight runs to completion.
     fn stop(&mut self) {
+        self.stop_at.get_or_insert_with(Instant::now);
         let issuing = self.core.cancel_queued();
         for idx in issuing {
             let chunks = self.core.ops[idx as usize]

@@ -1,5 +1,10 @@
 //! The table of a worker's in-flight operations, addressed by index and generation.
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::job::JobState;
+
 /// What a worker's op must offer its [`OpTable`].
 pub(crate) trait TableOp {
     /// Drops what a finished op still holds (its job), so the job is freed when it is done
@@ -15,6 +20,12 @@ pub(crate) struct OpTable<T> {
     gens: Vec<u32>,
     live: Vec<bool>,
     free: Vec<u32>,
+    /// When each live op started: its deadline counts from here.
+    born: Vec<Instant>,
+    /// Whether each live op passed its deadline (and was reported).
+    overdue: Vec<bool>,
+    /// The jobs whose leases an overdue op holds until it completes.
+    holds: Vec<Vec<Arc<JobState>>>,
 }
 
 impl<T: TableOp> OpTable<T> {
@@ -24,6 +35,9 @@ impl<T: TableOp> OpTable<T> {
             gens: vec![0; capacity],
             live: vec![false; capacity],
             free: (0..capacity as u32).rev().collect(),
+            born: vec![Instant::now(); capacity],
+            overdue: vec![false; capacity],
+            holds: std::iter::repeat_with(Vec::new).take(capacity).collect(),
         }
     }
 
@@ -35,6 +49,8 @@ impl<T: TableOp> OpTable<T> {
         self.live[i] = true;
         self.gens[i] = self.gens[i].wrapping_add(1);
         self.ops[i] = op;
+        self.born[i] = Instant::now();
+        self.overdue[i] = false;
         Some(idx)
     }
 
@@ -43,7 +59,29 @@ impl<T: TableOp> OpTable<T> {
         assert!(self.live[i], "op {idx} released twice");
         self.live[i] = false;
         self.ops[i].clear();
+        // The kernel is done with the op's buffers: the leases it kept can go.
+        for job in self.holds[i].drain(..) {
+            job.release_hold();
+        }
         self.free.push(idx);
+    }
+
+    /// Marks and returns the live ops older than `limit` at `now` that were not overdue yet.
+    pub fn take_overdue(&mut self, now: Instant, limit: Duration) -> Vec<u32> {
+        let mut out = Vec::new();
+        for i in 0..self.ops.len() {
+            if self.live[i] && !self.overdue[i] && now.duration_since(self.born[i]) > limit {
+                self.overdue[i] = true;
+                out.push(i as u32);
+            }
+        }
+        out
+    }
+
+    /// Overdue op `idx` keeps `job`'s lease until it is released.
+    pub fn hold(&mut self, idx: u32, job: Arc<JobState>) {
+        job.hold_lease();
+        self.holds[idx as usize].push(job);
     }
 
     /// Ops in use.

@@ -64,6 +64,13 @@ impl Blocks {
         }
     }
 
+    /// Whether anything (a job's lease, a caller's copy) holds `block` now.
+    pub(crate) fn in_use(&self, block: u32) -> bool {
+        self.states
+            .get(block as usize)
+            .is_some_and(|s| s.load(Ordering::Acquire) != 0)
+    }
+
     /// The blocks overlapping `offset..offset + len` (empty for `len == 0`).
     pub(crate) fn span(&self, offset: usize, len: usize) -> std::ops::Range<u32> {
         if len == 0 {

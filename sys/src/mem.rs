@@ -214,6 +214,13 @@ impl Region {
         self.blocks.get()
     }
 
+    /// Whether block `block` is held now: by a job in flight (or by one whose I/O outlived its
+    /// deadline and may still move its bytes), or by another thread's copy. Always false
+    /// without [`Region::guard_blocks`].
+    pub fn is_leased(&self, block: u32) -> bool {
+        self.blocks().is_some_and(|g| g.in_use(block))
+    }
+
     /// Lends `blocks` (block indexes; repeats count once) to a job: shared for a store (the
     /// device reads them), `exclusive` for a load (the device writes them). Until the lease is
     /// released, the safe accessors refuse those blocks. `Err` names a block that a caller's

@@ -757,6 +757,33 @@ impl Ring {
         }
     }
 
+    /// [`Ring::submit`], but waits at most `timeout` for the completions (`Ok(0)` then).
+    /// Needs `IORING_FEAT_EXT_ARG` (Linux 5.11); without it, waits without a bound.
+    pub fn submit_wait_timeout(
+        &mut self,
+        wait_nr: usize,
+        timeout: std::time::Duration,
+    ) -> Result<usize, Errno> {
+        if !self.uring.params().is_feature_ext_arg() {
+            return self.submit(wait_nr);
+        }
+        let want = wait_nr.min(self.in_flight);
+        let ts = types::Timespec::new()
+            .sec(timeout.as_secs())
+            .nsec(timeout.subsec_nanos());
+        let args = types::SubmitArgs::new().timespec(&ts);
+        loop {
+            match self.uring.submitter().submit_with_args(want, &args) {
+                Ok(n) => return Ok(n),
+                Err(e) => match errno_of(&e) {
+                    Errno::EINTR => {}
+                    Errno::ETIME | Errno::EBUSY | Errno::EAGAIN => return Ok(0),
+                    errno => return Err(errno),
+                },
+            }
+        }
+    }
+
     /// Pops every available completion into `out`.
     pub fn complete(&mut self, out: &mut Vec<Completion>) {
         let before = out.len();

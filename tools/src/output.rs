@@ -320,6 +320,7 @@ pub fn engine_json(
             "evictions": st.evictions,
             "checksum_failures": st.checksum_failures,
             "files_refused": st.files_refused,
+            "io_timeouts": st.io_timeouts,
             "io_errors": st.io_errors,
             "blocks_stored": st.blocks_stored,
             "slots_total": st.slots_total,
