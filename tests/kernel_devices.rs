@@ -236,3 +236,139 @@ fn sqpoll_and_iopoll_work_or_fall_back() {
         assert!(holds(&region, 0, 1) && holds(&region, 1, 2));
     }
 }
+
+/// `losetup --find --show [--direct-io=on] file`, or why not.
+fn attach_loop(file: &Path, direct: bool) -> Result<Detach, String> {
+    let mut cmd = Command::new("losetup");
+    cmd.args(["--find", "--show"]);
+    if direct {
+        cmd.arg("--direct-io=on");
+    }
+    match cmd.arg(file).output() {
+        Ok(o) if o.status.success() => Ok(Detach(
+            String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        )),
+        Ok(o) => Err(format!(
+            "losetup failed: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("losetup unavailable: {e}")),
+    }
+}
+
+/// Unmounts lazily: a device a leaked worker still holds open keeps the mount busy.
+struct LazyMount(PathBuf);
+
+impl Drop for LazyMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+struct Thaw(PathBuf);
+
+impl Drop for Thaw {
+    fn drop(&mut self) {
+        let _ = Command::new("fsfreeze").arg("-u").arg(&self.0).status();
+    }
+}
+
+fn run_ok(cmd: &mut Command) -> Result<(), String> {
+    match cmd.output() {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(format!(
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("{cmd:?}: {e}")),
+    }
+}
+
+// A real hung device: a loop device whose backing file sits on a frozen file system
+// (`fsfreeze`), so its writes block in the kernel (and its reads queue behind them). Stores and
+// then loads fail with a timeout naming the device and the operation, their blocks stay leased,
+// and shutdown returns while the I/O is still stuck.
+#[test]
+fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
+    let dir = scratch_dir();
+    let outer_img = dir.path().join("outer.img");
+    std::fs::write(&outer_img, vec![0u8; 96 << 20]).expect("outer image");
+    let outer = match attach_loop(&outer_img, false) {
+        Ok(d) => d,
+        Err(why) => return println!("skipping: {why}"),
+    };
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir_all(&mnt).expect("mount point");
+    if let Err(why) = run_ok(Command::new("mkfs.ext4").args(["-q", &outer.0])) {
+        return println!("skipping: {why}");
+    }
+    if let Err(why) = run_ok(Command::new("mount").arg(&outer.0).arg(&mnt)) {
+        return println!("skipping: {why}");
+    }
+    let _mounted = LazyMount(mnt.clone());
+    let inner_img = mnt.join("inner.img");
+    std::fs::write(&inner_img, vec![0u8; 48 << 20]).expect("inner image");
+    let inner = match attach_loop(&inner_img, true) {
+        Ok(d) => d,
+        Err(why) => return println!("skipping: {why}"),
+    };
+    let mut cfg = file_config(Path::new(&inner.0), 48 << 20, 1);
+    cfg.devices[0].capacity_bytes = None;
+    cfg.io_timeout_ms = 300;
+    let region = region(16);
+    let Some(engine) = open_or_skip(&cfg, &region) else {
+        return;
+    };
+    let ids: Vec<u64> = (0..8).collect();
+    assert!(store(&engine, &region, 1, &ids).success);
+    if let Err(why) = run_ok(Command::new("fsfreeze").arg("-f").arg(&mnt)) {
+        return println!("skipping: {why}");
+    }
+    let _thaw = Thaw(mnt.clone());
+    let r = store(&engine, &region, 2, &[100, 101, 102]);
+    assert!(!r.success, "a store to a frozen device succeeded: {r:?}");
+    for f in &r.failures {
+        assert_eq!(f.reason, kvtier::KeyFailure::Timeout, "{f:?}");
+        assert!(
+            f.detail.contains(&inner.0) && f.detail.contains("store"),
+            "{}",
+            f.detail
+        );
+    }
+    assert!(engine.stats().io_timeouts >= 1);
+    // The stuck writes may still read their blocks: those stay leased.
+    assert!(
+        (0..3).all(|b| region.is_leased(b)),
+        "blocks of the stuck store were handed back"
+    );
+    // The loop device serves its requests in order: reads queue behind the stuck writes and
+    // time out too, each naming the device and the slot.
+    let blocks: Vec<u32> = (8..16).collect();
+    engine
+        .submit_load(kvtier::Job::new(
+            3,
+            ids.iter().map(|&i| key(i)).collect(),
+            blocks.clone(),
+        ))
+        .expect("submit");
+    let r = wait_results(&engine, 1).pop().expect("result");
+    assert_eq!(r.failures.len(), ids.len(), "{r:?}");
+    for f in &r.failures {
+        assert_eq!(f.reason, kvtier::KeyFailure::Timeout, "{f:?}");
+        assert!(f.detail.contains("load (read of slot"), "{}", f.detail);
+    }
+    assert!(blocks.iter().all(|&b| region.is_leased(b)));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let engine = std::sync::Arc::new(engine);
+    let e = std::sync::Arc::clone(&engine);
+    std::thread::spawn(move || {
+        e.shutdown();
+        let _ = tx.send(());
+    });
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_secs(30)).is_ok(),
+        "shutdown waited for a device that never answers"
+    );
+    // Dropping the guards thaws the file system; the stuck writes then complete into the
+    // leaked worker's memory, and the loop devices detach when the process exits.
+}

@@ -513,6 +513,16 @@ impl Layout for SlabLayout {
             .store_latency
             .record(op.started.elapsed().as_micros() as u64);
         core.ops.release(idx);
+        if job.is_resolved(item) {
+            // Failed by its deadline already (the caller was told): drop the block, whose
+            // region bytes may be the caller's again.
+            let key = self.devs[d].slots[local as usize]
+                .key
+                .expect("writing slot has a key");
+            self.index.remove(&key);
+            self.free_slot(d, local);
+            return;
+        }
         match failure {
             None => self.finalize.push(Finished {
                 d,
@@ -622,7 +632,9 @@ impl Layout for SlabLayout {
                 .iter()
                 .position(|p| !p.waiting.is_empty() || !p.committing.is_empty())
             {
-                return Err(format!("device {d} table page {p}: stores never acknowledged"));
+                return Err(format!(
+                    "device {d} table page {p}: stores never acknowledged"
+                ));
             }
             for (local, s) in dev.slots.iter().enumerate() {
                 if s.pins != 0 || s.state == SlotState::Writing || s.state == SlotState::Doomed {

@@ -206,6 +206,10 @@ impl<O: LayoutOp> Core<O> {
         started: Instant,
         outcome: Result<(), (KeyFailure, String)>,
     ) {
+        if job.is_resolved(item) {
+            // Completed after its deadline failed it: already reported.
+            return;
+        }
         let m = &self.me.metrics;
         m.load_latency.record(started.elapsed().as_micros() as u64);
         match outcome {
@@ -237,6 +241,9 @@ impl<O: LayoutOp> Core<O> {
     }
 
     pub fn store_succeeded(&self, job: &Arc<JobState>, item: usize, bytes: u64) {
+        if job.is_resolved(item) {
+            return;
+        }
         self.me.metrics.stores_ok.fetch_add(1, Ordering::Relaxed);
         job.succeed(&self.shared, item, bytes);
     }
@@ -248,6 +255,9 @@ impl<O: LayoutOp> Core<O> {
         reason: KeyFailure,
         detail: String,
     ) {
+        if job.is_resolved(item) {
+            return;
+        }
         self.me
             .metrics
             .stores_failed
