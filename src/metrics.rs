@@ -112,6 +112,8 @@ pub struct ShardMetrics {
     pub files_refused: AtomicU64,
     /// I/Os that did not complete within `io_timeout_ms` (their keys failed with a timeout).
     pub io_timeouts: AtomicU64,
+    /// Devices marked failed (each worker marks the devices it saw time out).
+    pub devices_failed: AtomicU64,
     pub io_errors: AtomicU64,
     pub queued_loads: AtomicU64,
     pub queued_stores: AtomicU64,
@@ -149,6 +151,7 @@ pub struct Stats {
     pub checksum_failures: u64,
     pub files_refused: u64,
     pub io_timeouts: u64,
+    pub devices_failed: u64,
     pub io_errors: u64,
     pub queued_loads: u64,
     pub queued_stores: u64,
@@ -298,6 +301,7 @@ impl Stats {
         self.checksum_failures += l(&m.checksum_failures);
         self.files_refused += l(&m.files_refused);
         self.io_timeouts += l(&m.io_timeouts);
+        self.devices_failed += l(&m.devices_failed);
         self.io_errors += l(&m.io_errors);
         self.queued_loads += l(&m.queued_loads);
         self.queued_stores += l(&m.queued_stores);

@@ -1,8 +1,9 @@
 //! A device that stops answering, on the simulated device: its keys fail with a timeout naming
 //! the device and the operation once `io_timeout_ms` passes, the other device of the same
 //! worker keeps serving loads and stores meanwhile, the late completions are absorbed when the
-//! device answers again (nothing reported twice), and shutdown gives up waiting after the
-//! deadline instead of hanging. What would break: a load that never returns, a key reported
+//! device answers again (nothing reported twice), a device that keeps timing out is marked
+//! failed (its keys are misses, its stores go to the other device), and shutdown gives up
+//! waiting after the deadline instead of hanging. What would break: a load that never returns, a key reported
 //! twice, a worker stalled for every device by one, a shutdown that waits forever.
 
 mod common;
@@ -78,19 +79,28 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
         assert!(holds(&region, b as u32, id));
     }
 
-    // The device answers again: its late completions are absorbed (each job was reported
-    // once: nothing more arrives) and its keys load normally.
+    // That many timeouts marked the device failed: its keys are misses from now on (until a
+    // restart), without waiting for the deadline again.
+    assert_eq!(engine.stats().devices_failed, 1);
+    // The device answers again: its late completions are absorbed, and no job is reported
+    // a second time.
     sim.hang_device(0, false);
-    let r = load(&engine, &region, 5, &on_hung);
-    assert!(r.success, "{r:?}");
-    for (b, &id) in on_hung.iter().enumerate() {
-        assert!(holds(&region, b as u32, id));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.stats().inflight_ops > 0 {
+        assert!(Instant::now() < deadline, "late completions never arrived");
+        std::thread::sleep(Duration::from_millis(1));
     }
     let mut extra = Vec::new();
     assert_eq!(
         engine.poll_finished(&mut extra),
         0,
         "reported twice: {extra:?}"
+    );
+    let r = load(&engine, &region, 5, &on_hung);
+    assert!(
+        r.failures.iter().all(|f| f.reason == KeyFailure::Miss)
+            && r.failures.len() == on_hung.len(),
+        "{r:?}"
     );
     engine.shutdown();
 }
@@ -125,4 +135,77 @@ fn shutdown_gives_up_on_a_device_that_never_answers() {
     );
     // Lifting the hang now reaches nobody: the worker and its backend were leaked, not freed.
     sim.hang_device(0, false);
+}
+
+// A device that keeps timing out is marked failed: its keys are misses at once (no more
+// waiting for the deadline), and stores of keys that would go to it land on the other device.
+#[test]
+fn a_device_that_keeps_timing_out_is_marked_failed_and_stores_go_elsewhere() {
+    let sim = SimStorage::new(9, &[8 << 20, 8 << 20]);
+    let mut cfg = sim_config(2, 1);
+    cfg.io_timeout_ms = TIMEOUT_MS;
+    let region = region(32);
+    let engine = open_sim(&cfg, &region, &sim);
+    let ids: Vec<u64> = (0..24).collect();
+    assert!(store(&engine, &region, 1, &ids).success);
+    let (on_hung, _) = devices_of(&ids);
+    assert!(on_hung.len() >= 3, "enough keys on device 0: {on_hung:?}");
+    sim.hang_device(0, true);
+    let r = load(&engine, &region, 2, &on_hung);
+    assert!(
+        r.failures.iter().all(|f| f.reason == KeyFailure::Timeout),
+        "{r:?}"
+    );
+    let s = engine.stats();
+    assert_eq!(s.devices_failed, 1, "{s:?}");
+    // Now a miss without waiting: the key is no longer held.
+    let blocks: Vec<u32> = (16..16 + on_hung.len() as u32).collect();
+    engine
+        .submit_load(kvtier::Job::new(
+            3,
+            on_hung.iter().map(|&i| key(i)).collect(),
+            blocks,
+        ))
+        .expect("submit");
+    let r = wait_results(&engine, 1).pop().expect("result");
+    assert!(
+        r.failures.iter().all(|f| f.reason == KeyFailure::Miss),
+        "{r:?}"
+    );
+    assert!(
+        r.elapsed < Duration::from_millis(u64::from(TIMEOUT_MS)),
+        "{r:?}"
+    );
+    // Keys whose home is the failed device are stored on the other one, and load back.
+    let homeless: Vec<u64> = (300..400)
+        .filter(|&id| key(id).device(2) == 0)
+        .take(4)
+        .collect();
+    let blocks: Vec<u32> = (24..28).collect();
+    for (&b, &id) in blocks.iter().zip(&homeless) {
+        put(&region, b, id);
+    }
+    engine
+        .submit_store(kvtier::Job::new(
+            4,
+            homeless.iter().map(|&i| key(i)).collect(),
+            blocks.clone(),
+        ))
+        .expect("submit");
+    let r = wait_results(&engine, 1).pop().expect("result");
+    assert!(r.success, "{r:?}");
+    engine
+        .submit_load(kvtier::Job::new(
+            5,
+            homeless.iter().map(|&i| key(i)).collect(),
+            blocks.clone(),
+        ))
+        .expect("submit");
+    let r = wait_results(&engine, 1).pop().expect("result");
+    assert!(r.success, "{r:?}");
+    for (&b, &id) in blocks.iter().zip(&homeless) {
+        assert!(holds(&region, b, id));
+    }
+    sim.hang_device(0, false);
+    engine.shutdown();
 }

@@ -98,6 +98,7 @@ _COUNTERS = {
                       "files_refused"),
     "io_timeouts": ("Device I/Os past io_timeout_ms (their blocks failed).", "io_timeouts"),
     "io_errors": ("Device I/O errors.", "io_errors"),
+    "devices_failed": ("Devices marked failed after repeated timeouts.", "devices_failed"),
 }
 _GAUGES = {
     "blocks_stored": ("Blocks kvtier holds.", "blocks_stored"),

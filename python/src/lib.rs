@@ -709,6 +709,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
         checksum_failures,
         files_refused,
         io_timeouts,
+        devices_failed,
         io_errors,
         queued_loads,
         queued_stores,

@@ -703,6 +703,10 @@ impl Layout for FilesLayout {
     fn start_load(&mut self, core: &mut Core<Op>, job: &Arc<JobState>, item: usize) -> Start {
         let key = job.job.keys[item];
         let d = key.device(self.devs.len());
+        if core.device_failed(d) {
+            core.resolve_load(job, item, KeyFailure::Miss);
+            return Start::Resolved;
+        }
         let dest = self.devs[d].path_of(&key);
         let entry = self.index.get(&key).copied();
         let Some(dest) = dest.filter(|_| !entry.is_some_and(|e| e.state == State::Writing)) else {
@@ -821,6 +825,25 @@ impl Layout for FilesLayout {
                 .map(|j| (Arc::clone(j), op.item as usize, true))
                 .collect(),
             Kind::Remove => Vec::new(),
+        }
+    }
+
+    fn op_device(&self, core: &Core<Op>, idx: u32) -> usize {
+        core.ops[idx as usize].dev as usize
+    }
+
+    fn device_failed(&mut self, core: &mut Core<Op>, d: usize) {
+        let keys: Vec<Key> = self
+            .index
+            .iter()
+            .filter(|(_, e)| e.dev as usize == d && e.state == State::Valid && e.pins == 0)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in &keys {
+            self.unindex(core, key);
+        }
+        if !keys.is_empty() {
+            core.shared.events.push(keys, true);
         }
     }
 

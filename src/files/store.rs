@@ -48,6 +48,16 @@ impl FilesLayout {
         }
         let d = key.device(self.devs.len());
         let dev = Arc::clone(&self.devs[d]);
+        if core.device_failed(d) {
+            // A block's directory is fixed by its key (vLLM's layout): no other device can
+            // take it where other processes would look.
+            let detail = format!(
+                "devices[{d}] {} was marked failed after repeated timeouts",
+                dev.data_dir.display()
+            );
+            core.store_failed(job, item, KeyFailure::Io(Errno::EIO), detail);
+            return Start::Resolved;
+        }
         let Some(dest) = dev.path_of(&key) else {
             core.store_failed(
                 job,

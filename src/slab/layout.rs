@@ -439,7 +439,21 @@ impl Layout for SlabLayout {
             core.store_present(job, item);
             return Start::Resolved;
         }
-        let d = key.device(self.devs.len());
+        let n = self.devs.len();
+        let home = key.device(n);
+        // A failed device's stores go to the next device that works.
+        let Some(d) = (0..n)
+            .map(|i| (home + i) % n)
+            .find(|&d| !core.device_failed(d))
+        else {
+            core.store_failed(
+                job,
+                item,
+                KeyFailure::Io(Errno::EIO),
+                "every device was marked failed after repeated timeouts".to_owned(),
+            );
+            return Start::Resolved;
+        };
         let Some(local) = self.alloc_slot(core, d) else {
             if core.backend.in_flight() > self.table_in_flight
                 || core
@@ -513,14 +527,16 @@ impl Layout for SlabLayout {
             .store_latency
             .record(op.started.elapsed().as_micros() as u64);
         core.ops.release(idx);
-        if job.is_resolved(item) {
-            // Failed by its deadline already (the caller was told): drop the block, whose
-            // region bytes may be the caller's again.
+        if job.is_resolved(item) || core.device_failed(d) {
+            // Failed by its deadline already (the caller was told; its region bytes may be the
+            // caller's again), or on a device marked failed since: drop the block.
             let key = self.devs[d].slots[local as usize]
                 .key
                 .expect("writing slot has a key");
             self.index.remove(&key);
             self.free_slot(d, local);
+            let detail = format!("{} was marked failed", self.devs[d].name);
+            core.store_failed(&job, item, KeyFailure::Io(Errno::EIO), detail);
             return;
         }
         match failure {
@@ -600,6 +616,25 @@ impl Layout for SlabLayout {
                 .map(|a| (Arc::clone(&a.job), a.item, false))
                 .collect(),
             OpKind::Recover | OpKind::Demote { .. } => Vec::new(),
+        }
+    }
+
+    fn op_device(&self, core: &Core<Op>, idx: u32) -> usize {
+        core.ops[idx as usize].dev as usize
+    }
+
+    fn device_failed(&mut self, core: &mut Core<Op>, d: usize) {
+        let keys: Vec<Key> = self
+            .index
+            .iter()
+            .filter(|(_, &(dev, _))| dev as usize == d)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in &keys {
+            self.unindex(core, *key);
+        }
+        if !keys.is_empty() {
+            core.shared.events.push(keys, true);
         }
     }
 

@@ -143,6 +143,13 @@ pub(crate) trait Layout {
     /// completes). Empty for the layout's own I/O that no key waits on.
     fn overdue_keys(&self, core: &Core<Self::Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)>;
 
+    /// The device op `idx` runs on.
+    fn op_device(&self, core: &Core<Self::Op>, idx: u32) -> usize;
+
+    /// Device `d` was marked failed (`core.device_failed(d)` is true from now on): its keys
+    /// become misses; new stores go elsewhere or fail.
+    fn device_failed(&mut self, core: &mut Core<Self::Op>, d: usize);
+
     /// For the simulator, once the worker is idle: what the layout would have leaked.
     #[cfg(any(test, feature = "sim"))]
     fn check_quiet(&self, core: &Core<Self::Op>) -> Result<(), String>;
@@ -170,8 +177,17 @@ pub(crate) struct Core<O> {
     pub publisher: Publisher,
     /// `io_timeout_ms`: the deadline of every op, from its start.
     pub io_timeout: Duration,
+    /// Devices marked failed (bit d), after repeated timeouts.
+    failed: u64,
+    /// Recent timeouts per device, oldest first (for marking a device failed).
+    timeouts: Vec<VecDeque<Instant>>,
     error_logs: u32,
 }
+
+/// A device with this many timeouts within [`FAILURE_WINDOW_DEADLINES`] deadlines is marked
+/// failed.
+const FAIL_AFTER_TIMEOUTS: usize = 3;
+const FAILURE_WINDOW_DEADLINES: u32 = 10;
 
 /// Everything a worker is built from.
 pub(crate) struct WorkerParams {
@@ -272,6 +288,40 @@ impl<O: LayoutOp> Core<O> {
             .stores_skipped_present
             .fetch_add(1, Ordering::Relaxed);
         job.succeed(&self.shared, item, 0);
+    }
+
+    /// Whether device `d` was marked failed (it kept timing out).
+    pub fn device_failed(&self, d: usize) -> bool {
+        d < 64 && self.failed & (1 << d) != 0
+    }
+
+    /// Counts a timeout on device `d`; true if that marks it failed now.
+    fn count_timeout(&mut self, d: usize) -> bool {
+        if self.device_failed(d) || d >= 64 {
+            return false;
+        }
+        if self.timeouts.len() <= d {
+            self.timeouts.resize_with(d + 1, VecDeque::new);
+        }
+        let now = Instant::now();
+        let window = self.io_timeout * FAILURE_WINDOW_DEADLINES;
+        let recent = &mut self.timeouts[d];
+        recent.push_back(now);
+        while recent
+            .front()
+            .is_some_and(|&t| now.duration_since(t) > window)
+        {
+            recent.pop_front();
+        }
+        if recent.len() < FAIL_AFTER_TIMEOUTS {
+            return false;
+        }
+        self.failed |= 1 << d;
+        self.me
+            .metrics
+            .devices_failed
+            .fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// Logs an I/O error, at most 20 times per worker and then every 1000th, so a dead device
@@ -376,6 +426,8 @@ impl<L: Layout> Worker<L> {
                 demote: p.demote,
                 publisher,
                 io_timeout: p.io_timeout,
+                failed: 0,
+                timeouts: Vec::new(),
                 error_logs: 0,
             },
             layout,
@@ -500,6 +552,19 @@ impl<L: Layout> Worker<L> {
         let mut any = false;
         for idx in self.core.ops.take_overdue(now, limit) {
             let what = self.layout.describe_op(&self.core, idx);
+            let d = self.layout.op_device(&self.core, idx);
+            if self.core.count_timeout(d) {
+                tracing::error!(
+                    worker = self.core.id,
+                    device = d,
+                    "{what}: the device timed out {FAIL_AFTER_TIMEOUTS} times within {} ms and \
+                     is marked failed: its keys are misses (served by the S3 tier when there is \
+                     one) and new stores go to the other devices. Check it (dmesg, smartctl) and \
+                     restart kvtier to use it again",
+                    (limit * FAILURE_WINDOW_DEADLINES).as_millis()
+                );
+                self.layout.device_failed(&mut self.core, d);
+            }
             self.core
                 .me
                 .metrics

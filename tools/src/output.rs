@@ -321,6 +321,8 @@ pub fn engine_json(
             "checksum_failures": st.checksum_failures,
             "files_refused": st.files_refused,
             "io_timeouts": st.io_timeouts,
+            "devices_failed": st.devices_failed,
+            "table_writes": st.table_writes,
             "io_errors": st.io_errors,
             "blocks_stored": st.blocks_stored,
             "slots_total": st.slots_total,
