@@ -433,8 +433,9 @@ def test_concurrent_shutdowns_both_wait_for_the_workers(tmp_path):
 
 
 def test_a_fanout_directory_that_cannot_be_made_fails_the_store(tmp_path):
-    """A dangling symlink where a fan-out directory <hhh> belongs: mkdir says EEXIST, the leaf
-    ENOENT. The store fails with the path and errno instead of retrying forever."""
+    """A dangling symlink where a fan-out directory <hhh> belongs: kvtier never resolves a path
+    through it (ELOOP). The store fails with the path and the reason instead of retrying
+    forever or creating anything at the symlink's target."""
     arr = region()
     with kvtier.Engine(files_config(tmp_path), arr) as e:
         data_dir = e.info()["devices"][0]["path"]
@@ -447,6 +448,7 @@ def test_a_fanout_directory_that_cannot_be_made_fails_the_store(tmp_path):
         assert not r.success
         (_, k, reason, detail) = r.failures[0]
         assert (k, reason) == (key, "io")
-        assert f"{h[:3]}/{h[3:5]}_g0" in detail and "No such file" in detail
+        assert f"{h[:3]}/{h[3:5]}_g0" in detail and "symlink" in detail
+        assert not (tmp_path / "nowhere").exists()
         # Other keys still store.
         assert run(e, e.submit_store, 2, [vkey(1)], [1]).success
