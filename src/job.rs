@@ -63,8 +63,9 @@ pub enum KeyFailure {
     /// The object store failed the request after the configured retries (or it timed out);
     /// the detail names the operation, the object and the cause.
     Remote,
-    /// Files layout: a symlink or a non-regular file (FIFO, socket, device node, directory)
-    /// is at the block's path; kvtier never follows or reads it. The detail names the path.
+    /// Files layout: a symlink or a non-regular file (FIFO, socket, device node, directory),
+    /// or a file longer than a block, is at the block's path; kvtier never follows, reads or
+    /// removes it. The detail names the path.
     Refused,
     /// The device did not complete the key's I/O within `io_timeout_ms`; the detail names the
     /// device and the operation. The I/O may still be in flight: the job's region blocks stay

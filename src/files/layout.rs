@@ -557,9 +557,19 @@ impl FilesLayout {
         let op = &core.ops[idx as usize];
         let dev = &self.devs[op.dev as usize];
         let kind = if result >= 0 {
-            match confined::fd_kind(result) {
-                Ok(NodeKind::Regular) | Err(_) => return None,
-                Ok(kind) => {
+            match confined::fd_stat(result) {
+                // Longer than a block: not a block file (the scan leaves such files alone too).
+                Ok((NodeKind::Regular, size)) if size > core.block_bytes => {
+                    let _ = nix::unistd::close(result);
+                    return Some(format!(
+                        "{} is {size} bytes, longer than a block ({} bytes): not a block file, \
+                         refused and left alone",
+                        op.dest.display(),
+                        core.block_bytes
+                    ));
+                }
+                Ok((NodeKind::Regular, _)) | Err(_) => return None,
+                Ok((kind, _)) => {
                     // Not a file kvtier reads; a plain close of what was opened O_NONBLOCK.
                     let _ = nix::unistd::close(result);
                     kind

@@ -128,13 +128,21 @@ pub fn make_dirs_confined(root: RawFd, path: &Path, mode: u32) -> Result<OwnedFd
 
 /// The type of the open file `fd` (`fstat`).
 pub fn fd_kind(fd: RawFd) -> Result<NodeKind, Errno> {
+    fd_stat(fd).map(|(kind, _)| kind)
+}
+
+/// The type and size in bytes of the open file `fd` (`fstat`).
+pub fn fd_stat(fd: RawFd) -> Result<(NodeKind, u64), Errno> {
     // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is a live, writable `stat`; the kernel writes it during the call only.
     if unsafe { libc::fstat(fd, &raw mut st) } != 0 {
         return Err(Errno::last());
     }
-    Ok(NodeKind::of(st.st_mode))
+    Ok((
+        NodeKind::of(st.st_mode),
+        u64::try_from(st.st_size).unwrap_or(0),
+    ))
 }
 
 /// The type of `path` below `dir` without following its last component (`fstatat` with
