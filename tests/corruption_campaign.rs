@@ -19,24 +19,18 @@ use kvtier::config::{Cores, DeviceConfig, FilesConfig, Layout};
 use kvtier::files::mapper::{FileMapper, KvCacheGroup, Namespace};
 use kvtier::sim::Rng;
 use kvtier::slab::{EntryRead, HeaderRead, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
-use kvtier::{Config, Engine, Job, KeyFailure};
+use kvtier::{Config, Engine, KeyFailure};
 
 const KEYS: u64 = 192;
 const DAMAGES: usize = 24;
 const REGION_BLOCKS: u64 = 32;
 
 fn rounds() -> u64 {
-    std::env::var("KVTIER_CORRUPT_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4)
+    env_u64("KVTIER_CORRUPT_ROUNDS", 4)
 }
 
 fn seed() -> u64 {
-    std::env::var("KVTIER_CORRUPT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0xC0_2417)
+    env_u64("KVTIER_CORRUPT_SEED", 0xC0_2417)
 }
 
 fn namespace() -> Namespace {
@@ -93,15 +87,7 @@ fn check(cfg: &Config, base: u64, damaged: &BTreeSet<u64>, tally: &mut Tally) {
     let engine = Engine::open(cfg, region.clone()).expect("reopen");
     let ids: Vec<u64> = (base..base + KEYS).collect();
     for (j, chunk) in ids.chunks(REGION_BLOCKS as usize).enumerate() {
-        let blocks: Vec<u32> = (0..chunk.len() as u32).collect();
-        for &b in &blocks {
-            region.fill(b as usize * BLOCK as usize, BLOCK as usize, 0xee);
-        }
-        let keys = chunk.iter().map(|&i| key(i)).collect();
-        engine
-            .submit_load(Job::new(j as u64, keys, blocks))
-            .expect("submit");
-        let r = wait_results(&engine, 1).pop().expect("result");
+        let r = load(&engine, &region, j as u64, chunk);
         for (i, &id) in chunk.iter().enumerate() {
             let failure = r.failures.iter().find(|f| f.key_index == i);
             match failure {

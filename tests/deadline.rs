@@ -20,21 +20,38 @@ fn devices_of(ids: &[u64]) -> (Vec<u64>, Vec<u64>) {
     ids.iter().partition(|&&id| key(id).device(2) == 0)
 }
 
-#[test]
-fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
-    let sim = SimStorage::new(7, &[8 << 20, 8 << 20]);
-    // One worker owns both devices: the hung one must not stall the other.
+/// Two simulated devices owned by one worker (so a hung one must not stall the other), with
+/// keys `0..stored` stored; returns the keys on device 0 and on device 1.
+fn setup(
+    seed: u64,
+    blocks: u64,
+    stored: u64,
+) -> (
+    std::sync::Arc<SimStorage>,
+    std::sync::Arc<kvtier::Region>,
+    kvtier::Engine,
+    Vec<u64>,
+    Vec<u64>,
+) {
+    let sim = SimStorage::new(seed, &[8 << 20, 8 << 20]);
     let mut cfg = sim_config(2, 1);
     cfg.io_timeout_ms = TIMEOUT_MS;
-    let region = region(32);
+    let region = region(blocks);
     let engine = open_sim(&cfg, &region, &sim);
-    let ids: Vec<u64> = (0..24).collect();
+    let ids: Vec<u64> = (0..stored).collect();
     assert!(store(&engine, &region, 1, &ids).success);
     let (on_hung, on_live) = devices_of(&ids);
     assert!(
         !on_hung.is_empty() && !on_live.is_empty(),
         "keys on both devices"
     );
+    (sim, region, engine, on_hung, on_live)
+}
+
+#[test]
+fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
+    let (sim, region, engine, on_hung, on_live) = setup(7, 32, 24);
+    let ids: Vec<u64> = (0..24).collect();
 
     sim.hang_device(0, true);
     let started = Instant::now();
@@ -107,14 +124,7 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
 
 #[test]
 fn shutdown_gives_up_on_a_device_that_never_answers() {
-    let sim = SimStorage::new(8, &[8 << 20, 8 << 20]);
-    let mut cfg = sim_config(2, 1);
-    cfg.io_timeout_ms = TIMEOUT_MS;
-    let region = region(8);
-    let engine = open_sim(&cfg, &region, &sim);
-    let ids: Vec<u64> = (0..8).collect();
-    assert!(store(&engine, &region, 1, &ids).success);
-    let (on_hung, _) = devices_of(&ids);
+    let (sim, region, engine, on_hung, _) = setup(8, 8, 8);
     sim.hang_device(0, true);
     let r = load(&engine, &region, 2, &on_hung);
     assert!(
@@ -122,15 +132,8 @@ fn shutdown_gives_up_on_a_device_that_never_answers() {
         "{r:?}"
     );
     // The reads are still "in flight" on the hung device: shutdown must return anyway.
-    let (tx, rx) = std::sync::mpsc::channel();
-    let engine = std::sync::Arc::new(engine);
-    let e = std::sync::Arc::clone(&engine);
-    std::thread::spawn(move || {
-        e.shutdown();
-        let _ = tx.send(());
-    });
     assert!(
-        rx.recv_timeout(Duration::from_secs(30)).is_ok(),
+        shutdown_returns(engine, Duration::from_secs(30)),
         "shutdown waited for a device that never answers"
     );
     // Lifting the hang now reaches nobody: the worker and its backend were leaked, not freed.
@@ -141,14 +144,7 @@ fn shutdown_gives_up_on_a_device_that_never_answers() {
 // waiting for the deadline), and stores of keys that would go to it land on the other device.
 #[test]
 fn a_device_that_keeps_timing_out_is_marked_failed_and_stores_go_elsewhere() {
-    let sim = SimStorage::new(9, &[8 << 20, 8 << 20]);
-    let mut cfg = sim_config(2, 1);
-    cfg.io_timeout_ms = TIMEOUT_MS;
-    let region = region(32);
-    let engine = open_sim(&cfg, &region, &sim);
-    let ids: Vec<u64> = (0..24).collect();
-    assert!(store(&engine, &region, 1, &ids).success);
-    let (on_hung, _) = devices_of(&ids);
+    let (sim, region, engine, on_hung, _) = setup(9, 32, 24);
     assert!(on_hung.len() >= 3, "enough keys on device 0: {on_hung:?}");
     sim.hang_device(0, true);
     let r = load(&engine, &region, 2, &on_hung);
@@ -160,14 +156,7 @@ fn a_device_that_keeps_timing_out_is_marked_failed_and_stores_go_elsewhere() {
     assert_eq!(s.devices_failed, 1, "{s:?}");
     // Now a miss without waiting: the key is no longer held.
     let blocks: Vec<u32> = (16..16 + on_hung.len() as u32).collect();
-    engine
-        .submit_load(kvtier::Job::new(
-            3,
-            on_hung.iter().map(|&i| key(i)).collect(),
-            blocks,
-        ))
-        .expect("submit");
-    let r = wait_results(&engine, 1).pop().expect("result");
+    let r = load_into(&engine, 3, &on_hung, blocks);
     assert!(
         r.failures.iter().all(|f| f.reason == KeyFailure::Miss),
         "{r:?}"
@@ -194,14 +183,7 @@ fn a_device_that_keeps_timing_out_is_marked_failed_and_stores_go_elsewhere() {
         .expect("submit");
     let r = wait_results(&engine, 1).pop().expect("result");
     assert!(r.success, "{r:?}");
-    engine
-        .submit_load(kvtier::Job::new(
-            5,
-            homeless.iter().map(|&i| key(i)).collect(),
-            blocks.clone(),
-        ))
-        .expect("submit");
-    let r = wait_results(&engine, 1).pop().expect("result");
+    let r = load_into(&engine, 5, &homeless, blocks.clone());
     assert!(r.success, "{r:?}");
     for (&b, &id) in blocks.iter().zip(&homeless) {
         assert!(holds(&region, b, id));

@@ -10,7 +10,7 @@ use std::process::Command;
 
 use common::*;
 use kvtier::config::DirectIo;
-use kvtier::{Engine, Error};
+use kvtier::Engine;
 
 struct Mount(PathBuf);
 
@@ -18,14 +18,6 @@ impl Drop for Mount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.0).status();
         let _ = std::fs::remove_dir(&self.0);
-    }
-}
-
-struct Detach(String);
-
-impl Drop for Detach {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").args(["-d", &self.0]).status();
     }
 }
 
@@ -45,17 +37,6 @@ fn mount_ramfs(dir: &Path) -> Option<Mount> {
     }
 }
 
-fn open_or_skip(cfg: &kvtier::Config, region: &std::sync::Arc<kvtier::Region>) -> Option<Engine> {
-    match Engine::open(cfg, region.clone()) {
-        Ok(e) => Some(e),
-        Err(Error::Ring(m)) => {
-            println!("skipping: io_uring unavailable: {m}");
-            None
-        }
-        Err(e) => panic!("open: {e}"),
-    }
-}
-
 #[test]
 fn ramfs_falls_back_to_buffered_io_when_auto() {
     let dir = scratch_dir();
@@ -65,7 +46,7 @@ fn ramfs_falls_back_to_buffered_io_when_auto() {
     let mut cfg = file_config(&mount.0.join("dev.slab"), 32 << 20, 1);
     cfg.direct_io = DirectIo::Auto;
     let region = region(8);
-    let Some(engine) = open_or_skip(&cfg, &region) else {
+    let Some(engine) = open_real(&cfg, &region) else {
         return;
     };
     assert!(!engine.info().devices[0].direct, "ramfs cannot do O_DIRECT");
@@ -96,25 +77,15 @@ fn raw_block_device_through_a_loop_device() {
     drop(f);
     // Write it once so reads are real, like a used disk.
     std::fs::write(&backing, vec![0u8; 64 << 20]).expect("pre-write");
-    let out = Command::new("losetup")
-        .args(["--find", "--show", "--direct-io=on"])
-        .arg(&backing)
-        .output();
-    let dev = match out {
-        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
-        Ok(o) => {
-            return println!(
-                "skipping: losetup failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            )
-        }
-        Err(e) => return println!("skipping: losetup unavailable: {e}"),
+    let attached = match LoopDevice::attach(&backing, true) {
+        Ok(d) => d,
+        Err(why) => return println!("skipping: {why}"),
     };
-    let _detach = Detach(dev.clone());
+    let dev = attached.0.clone();
     let mut cfg = file_config(Path::new(&dev), 64 << 20, 2);
     cfg.devices[0].capacity_bytes = None;
     let region = region(16);
-    let Some(engine) = open_or_skip(&cfg, &region) else {
+    let Some(engine) = open_real(&cfg, &region) else {
         return;
     };
     let info = &engine.info().devices[0];
@@ -223,7 +194,7 @@ fn sqpoll_and_iopoll_work_or_fall_back() {
         cfg.sqpoll = sqpoll;
         cfg.iopoll = iopoll;
         let region = region(4);
-        let Some(engine) = open_or_skip(&cfg, &region) else {
+        let Some(engine) = open_real(&cfg, &region) else {
             return;
         };
         println!(
@@ -234,25 +205,6 @@ fn sqpoll_and_iopoll_work_or_fall_back() {
         let r = load(&engine, &region, 2, &[1, 2]);
         assert!(r.success, "sqpoll={sqpoll} iopoll={iopoll}: {r:?}");
         assert!(holds(&region, 0, 1) && holds(&region, 1, 2));
-    }
-}
-
-/// `losetup --find --show [--direct-io=on] file`, or why not.
-fn attach_loop(file: &Path, direct: bool) -> Result<Detach, String> {
-    let mut cmd = Command::new("losetup");
-    cmd.args(["--find", "--show"]);
-    if direct {
-        cmd.arg("--direct-io=on");
-    }
-    match cmd.arg(file).output() {
-        Ok(o) if o.status.success() => Ok(Detach(
-            String::from_utf8_lossy(&o.stdout).trim().to_string(),
-        )),
-        Ok(o) => Err(format!(
-            "losetup failed: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Err(e) => Err(format!("losetup unavailable: {e}")),
     }
 }
 
@@ -293,7 +245,7 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     let dir = scratch_dir();
     let outer_img = dir.path().join("outer.img");
     std::fs::write(&outer_img, vec![0u8; 96 << 20]).expect("outer image");
-    let outer = match attach_loop(&outer_img, false) {
+    let outer = match LoopDevice::attach(&outer_img, false) {
         Ok(d) => d,
         Err(why) => return println!("skipping: {why}"),
     };
@@ -308,7 +260,7 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     let _mounted = LazyMount(mnt.clone());
     let inner_img = mnt.join("inner.img");
     std::fs::write(&inner_img, vec![0u8; 48 << 20]).expect("inner image");
-    let inner = match attach_loop(&inner_img, true) {
+    let inner = match LoopDevice::attach(&inner_img, true) {
         Ok(d) => d,
         Err(why) => return println!("skipping: {why}"),
     };
@@ -316,7 +268,7 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     cfg.devices[0].capacity_bytes = None;
     cfg.io_timeout_ms = 300;
     let region = region(16);
-    let Some(engine) = open_or_skip(&cfg, &region) else {
+    let Some(engine) = open_real(&cfg, &region) else {
         return;
     };
     let ids: Vec<u64> = (0..8).collect();
@@ -345,14 +297,7 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     // The loop device serves its requests in order: reads queue behind the stuck writes and
     // time out too, each naming the device and the slot.
     let blocks: Vec<u32> = (8..16).collect();
-    engine
-        .submit_load(kvtier::Job::new(
-            3,
-            ids.iter().map(|&i| key(i)).collect(),
-            blocks.clone(),
-        ))
-        .expect("submit");
-    let r = wait_results(&engine, 1).pop().expect("result");
+    let r = load_into(&engine, 3, &ids, blocks.clone());
     assert_eq!(r.failures.len(), ids.len(), "{r:?}");
     for f in &r.failures {
         assert_eq!(f.reason, kvtier::KeyFailure::Timeout, "{f:?}");
@@ -361,24 +306,14 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     assert!(blocks.iter().all(|&b| region.is_leased(b)));
     // That many timeouts marked the device failed: its keys are misses now, at once.
     assert_eq!(engine.stats().devices_failed, 1);
-    engine
-        .submit_load(kvtier::Job::new(4, vec![key(0)], vec![4]))
-        .expect("submit");
-    let r = wait_results(&engine, 1).pop().expect("result");
+    let r = load_into(&engine, 4, &[0], vec![4]);
     assert_eq!(
         r.failure().map(|f| f.reason),
         Some(kvtier::KeyFailure::Miss),
         "{r:?}"
     );
-    let (tx, rx) = std::sync::mpsc::channel();
-    let engine = std::sync::Arc::new(engine);
-    let e = std::sync::Arc::clone(&engine);
-    std::thread::spawn(move || {
-        e.shutdown();
-        let _ = tx.send(());
-    });
     assert!(
-        rx.recv_timeout(std::time::Duration::from_secs(30)).is_ok(),
+        shutdown_returns(engine, std::time::Duration::from_secs(30)),
         "shutdown waited for a device that never answers"
     );
     // Dropping the guards thaws the file system; the stuck writes then complete into the

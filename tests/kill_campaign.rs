@@ -30,7 +30,7 @@ use common::*;
 use kvtier::config::{Cores, DeviceConfig, FilesConfig, Layout};
 use kvtier::files::mapper::{FileMapper, KvCacheGroup, Namespace};
 use kvtier::sim::Rng;
-use kvtier::{Config, Engine, Error, Job, KeyFailure};
+use kvtier::{Config, Engine, KeyFailure};
 
 /// The device's capacity, in blocks: 64 MiB.
 const CAPACITY_BLOCKS: u64 = 1024;
@@ -83,17 +83,6 @@ fn config(kind: Kind, path: &Path) -> Config {
     }
     c.devices = vec![d];
     c
-}
-
-fn open(cfg: &Config, region: &std::sync::Arc<kvtier::Region>) -> Option<Engine> {
-    match Engine::open(cfg, region.clone()) {
-        Ok(e) => Some(e),
-        Err(Error::Ring(m)) => {
-            println!("skipping: {m}");
-            None
-        }
-        Err(e) => panic!("open: {e}"),
-    }
 }
 
 fn log_path(logs: &Path, what: &str, who: u32) -> PathBuf {
@@ -236,19 +225,11 @@ fn spawn_child(kind: Kind, who: u32, round: u64, logs: &Path, path: &Path) -> Ch
 fn check(kind: Kind, path: &Path, logs: &Path, tally: &mut Tally) -> usize {
     let cfg = config(kind, path);
     let region = region(REGION_BLOCKS);
-    let engine = open(&cfg, &region).expect("reopen after the kill");
+    let engine = open_real(&cfg, &region).expect("reopen after the kill");
     let attempted: Vec<u64> = all_ids(logs, "attempted").into_iter().collect();
     let acked = all_ids(logs, "acked");
     for (n, ids) in attempted.chunks(REGION_BLOCKS as usize).enumerate() {
-        let blocks: Vec<u32> = (0..ids.len() as u32).collect();
-        for &b in &blocks {
-            region.fill(b as usize * BLOCK as usize, BLOCK as usize, 0xee);
-        }
-        let keys = ids.iter().map(|&i| key(i)).collect();
-        engine
-            .submit_load(Job::new(n as u64, keys, blocks))
-            .expect("submit");
-        let r = wait_results(&engine, 1).pop().expect("result");
+        let r = load(&engine, &region, n as u64, ids);
         tally.checked += ids.len() as u64;
         for (i, &id) in ids.iter().enumerate() {
             match r.failures.iter().find(|f| f.key_index == i) {
@@ -294,7 +275,7 @@ fn reset(kind: Kind, path: &Path) -> bool {
         let _ = std::fs::remove_file(path);
     }
     let region = region(REGION_BLOCKS);
-    let Some(engine) = open(&config(kind, path), &region) else {
+    let Some(engine) = open_real(&config(kind, path), &region) else {
         return false;
     };
     engine.shutdown();
@@ -330,17 +311,11 @@ fn disk_bytes(dir: &Path) -> (u64, usize) {
 }
 
 fn kills() -> u64 {
-    std::env::var("KVTIER_KILLS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(50)
+    env_u64("KVTIER_KILLS", 50)
 }
 
 fn base_seed() -> u64 {
-    std::env::var("KVTIER_KILL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x005E_ED0F_C1A5)
+    env_u64("KVTIER_KILL_SEED", 0x005E_ED0F_C1A5)
 }
 
 /// Runs the campaign on `path` with `writers` children per round; returns the tally.
@@ -430,34 +405,15 @@ fn sigkill_campaign_two_processes_share_a_files_directory() {
     );
 }
 
-struct Detach(String);
-
-impl Drop for Detach {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").args(["-d", &self.0]).status();
-    }
-}
-
 #[test]
 fn sigkill_campaign_raw_loop_device() {
     let dir = scratch_dir();
     let backing = dir.path().join("loop.img");
     // Written once, so reads are real, like a used disk.
     std::fs::write(&backing, vec![0u8; (CAPACITY_BLOCKS * BLOCK) as usize]).expect("backing file");
-    let out = Command::new("losetup")
-        .args(["--find", "--show", "--direct-io=on"])
-        .arg(&backing)
-        .output();
-    let dev = match out {
-        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
-        Ok(o) => {
-            return println!(
-                "skipping: losetup failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            )
-        }
-        Err(e) => return println!("skipping: losetup unavailable: {e}"),
+    let dev = match LoopDevice::attach(&backing, true) {
+        Ok(d) => d,
+        Err(why) => return println!("skipping: {why}"),
     };
-    let _detach = Detach(dev.clone());
-    campaign("raw loop device", Kind::Slab, Path::new(&dev), 1);
+    campaign("raw loop device", Kind::Slab, dev.path(), 1);
 }

@@ -42,7 +42,7 @@ use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::worker::shared::block_crc;
 use crate::worker::{
-    io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION, BUF_STAGING,
+    io_outcome, own_key, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION, BUF_STAGING,
 };
 use crate::Errno;
 use kvtier_sys::dir::{self as confined, NodeKind};
@@ -372,52 +372,40 @@ impl FilesLayout {
         let dev = &self.devs[op.dev as usize];
         let at = dev.dir_fd();
         let user_data = core.ops.user_data(idx, 0);
-        match op.step {
-            Step::OpenDir => {
-                let dir = dev.rel(op.dest.parent().unwrap_or(&op.dest));
-                let open = FileOp::OpenAt {
-                    dir: at,
-                    path: &dir,
-                    flags: O_RDONLY | O_DIRECTORY,
-                    mode: 0,
-                    confined: true,
-                };
-                core.backend.push_file(user_data, &open, class)
-            }
-            Step::OpenParent => {
-                let parent = dev.rel(op.leaf_dir().parent().unwrap_or(&op.tmp));
-                let open = FileOp::OpenAt {
-                    dir: at,
-                    path: &parent,
-                    flags: O_PATH | O_DIRECTORY,
-                    mode: 0,
-                    confined: true,
-                };
-                core.backend.push_file(user_data, &open, class)
-            }
-            // `<hhh>` below the data directory (one component: mkdirat never follows a final
-            // symlink), or the leaf `<hh>_g<g>` below the `<hhh>` the confined `OpenParent`
-            // opened: no component is resolved through a symlink.
-            Step::MkdirParent => {
-                let parent = dev.rel(op.leaf_dir().parent().unwrap_or(&op.tmp));
-                let mkdir = FileOp::MkdirAt {
-                    dir: at,
-                    path: &parent,
-                    mode: dev.dir_mode,
-                };
-                core.backend.push_file(user_data, &mkdir, class)
-            }
-            Step::MkdirLeaf => {
-                let leaf = c_path(Path::new(op.leaf_dir().file_name().unwrap_or_default()));
-                let mkdir = FileOp::MkdirAt {
-                    dir: op.fd,
-                    path: &leaf,
-                    mode: dev.dir_mode,
-                };
-                core.backend.push_file(user_data, &mkdir, class)
-            }
+        let parent = || dev.rel(op.leaf_dir().parent().unwrap_or(&op.tmp));
+        // Opens are confined; `<hhh>` is made below the data directory (one component:
+        // mkdirat never follows a final symlink), the leaf `<hh>_g<g>` below the `<hhh>` the
+        // confined `OpenParent` opened: no component is resolved through a symlink.
+        let (dir, path, open_flags) = match op.step {
+            Step::OpenDir => (
+                at,
+                dev.rel(op.dest.parent().unwrap_or(&op.dest)),
+                Some(O_RDONLY | O_DIRECTORY),
+            ),
+            Step::OpenParent => (at, parent(), Some(O_PATH | O_DIRECTORY)),
+            Step::MkdirParent => (at, parent(), None),
+            Step::MkdirLeaf => (
+                op.fd,
+                c_path(Path::new(op.leaf_dir().file_name().unwrap_or_default())),
+                None,
+            ),
             _ => unreachable!("not a directory step"),
-        }
+        };
+        let file_op = match open_flags {
+            Some(flags) => FileOp::OpenAt {
+                dir,
+                path: &path,
+                flags,
+                mode: 0,
+                confined: true,
+            },
+            None => FileOp::MkdirAt {
+                dir,
+                path: &path,
+                mode: dev.dir_mode,
+            },
+        };
+        core.backend.push_file(user_data, &file_op, class)
     }
 
     fn push_stalled(&mut self, core: &mut Core<Op>) -> bool {
@@ -829,11 +817,7 @@ impl Layout for FilesLayout {
     fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
         let op = &core.ops[idx as usize];
         match op.kind {
-            Kind::Load | Kind::Store => op
-                .job
-                .iter()
-                .map(|j| (Arc::clone(j), op.item as usize, true))
-                .collect(),
+            Kind::Load | Kind::Store => own_key(op.job.as_ref(), op.item),
             Kind::Remove => Vec::new(),
         }
     }

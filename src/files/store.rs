@@ -264,6 +264,15 @@ impl FilesLayout {
         failure: Option<(KeyFailure, String)>,
     ) {
         if let Some((reason, detail)) = failure {
+            // A write to a regular file comes back short when the file system is full (the
+            // rest would fail with ENOSPC): evict and retry as for ENOSPC.
+            let (reason, detail) = match reason {
+                KeyFailure::ShortIo { done, wanted } => (
+                    KeyFailure::Io(Errno::ENOSPC),
+                    format!("short write ({done} of {wanted} bytes): the file system is full"),
+                ),
+                _ => (reason, detail),
+            };
             self.fail_store(core, idx, reason, detail);
             return;
         }

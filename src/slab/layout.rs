@@ -23,7 +23,8 @@ use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
 use crate::worker::shared::block_crc;
 use crate::worker::{
-    io_outcome, Chunks, Core, Layout, LayoutOp, Start, TableOp, Worker, WorkerParams, BUF_REGION,
+    io_outcome, own_key, Chunks, Core, Layout, LayoutOp, Start, TableOp, Worker, WorkerParams,
+    BUF_REGION,
 };
 use crate::Errno;
 
@@ -604,11 +605,7 @@ impl Layout for SlabLayout {
     fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
         let op = &core.ops[idx as usize];
         match op.kind {
-            OpKind::Load | OpKind::Store => op
-                .job
-                .iter()
-                .map(|j| (Arc::clone(j), op.item as usize, true))
-                .collect(),
+            OpKind::Load | OpKind::Store => own_key(op.job.as_ref(), op.item),
             // The stores acknowledged by this page write (it reads only the meta buffer).
             OpKind::Table { page } => self.devs[op.dev as usize].pages[page as usize]
                 .committing

@@ -398,6 +398,13 @@ pub(crate) struct Worker<L: Layout> {
     stop_at: Option<Instant>,
 }
 
+/// For [`Layout::overdue_keys`]: the one key an op serves, whose block it may still move.
+pub(crate) fn own_key(job: Option<&Arc<JobState>>, item: u32) -> Vec<(Arc<JobState>, usize, bool)> {
+    job.map(|j| (Arc::clone(j), item as usize, true))
+        .into_iter()
+        .collect()
+}
+
 /// How often a worker looks for ops past their deadline: an eighth of it, 5 ms to 1 s.
 pub(crate) fn overdue_check_interval(io_timeout: Duration) -> Duration {
     (io_timeout / 8).clamp(Duration::from_millis(5), Duration::from_secs(1))

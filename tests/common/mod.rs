@@ -114,6 +114,12 @@ pub fn load(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> JobResul
     for &b in &blocks {
         region.fill(b as usize * BLOCK as usize, BLOCK as usize, 0xee);
     }
+    load_into(engine, job, ids, blocks)
+}
+
+/// Loads ids into the given region blocks in one job (without touching them first: they may
+/// be leased) and returns its result.
+pub fn load_into(engine: &Engine, job: u64, ids: &[u64], blocks: Vec<u32>) -> JobResult {
     engine
         .submit_load(Job::new(job, ids.iter().map(|&i| key(i)).collect(), blocks))
         .expect("submit");
@@ -128,4 +134,72 @@ pub fn scratch_dir() -> tempfile::TempDir {
         .prefix("kvtier-test")
         .tempdir_in(base)
         .expect("scratch dir")
+}
+
+/// Opens an engine on real devices, or `None` (with a message) where io_uring is unavailable.
+pub fn open_real(config: &Config, region: &Arc<Region>) -> Option<Engine> {
+    match Engine::open(config, Arc::clone(region)) {
+        Ok(e) => Some(e),
+        Err(kvtier::Error::Ring(m)) => {
+            println!("skipping: io_uring unavailable: {m}");
+            None
+        }
+        Err(e) => panic!("open: {e}"),
+    }
+}
+
+/// An integer from the environment variable `name`, or `default`.
+pub fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A loop device, detached on drop (or, while busy, when its last user closes it).
+pub struct LoopDevice(pub String);
+
+impl LoopDevice {
+    /// `losetup --find --show [--direct-io=on] file`, or why not (not root, no loop devices).
+    pub fn attach(file: &Path, direct: bool) -> Result<LoopDevice, String> {
+        let mut cmd = std::process::Command::new("losetup");
+        cmd.args(["--find", "--show"]);
+        if direct {
+            cmd.arg("--direct-io=on");
+        }
+        match cmd.arg(file).output() {
+            Ok(o) if o.status.success() => Ok(LoopDevice(
+                String::from_utf8_lossy(&o.stdout).trim().to_string(),
+            )),
+            Ok(o) => Err(format!(
+                "losetup failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )),
+            Err(e) => Err(format!("losetup unavailable: {e}")),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        Path::new(&self.0)
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup")
+            .args(["-d", &self.0])
+            .status();
+    }
+}
+
+/// Shuts `engine` down from another thread; true if that returned within `within`.
+pub fn shutdown_returns(engine: Engine, within: Duration) -> bool {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let engine = Arc::new(engine);
+    let e = Arc::clone(&engine);
+    std::thread::spawn(move || {
+        e.shutdown();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(within).is_ok()
 }
