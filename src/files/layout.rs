@@ -164,6 +164,10 @@ impl LayoutOp for Op {
     fn writing(&mut self) -> Option<&mut Chunks> {
         (self.step == Step::Write).then_some(&mut self.chunks)
     }
+
+    fn device(&self) -> usize {
+        self.dev as usize
+    }
 }
 
 impl Op {
@@ -820,10 +824,6 @@ impl Layout for FilesLayout {
             Kind::Load | Kind::Store => own_key(op.job.as_ref(), op.item),
             Kind::Remove => Vec::new(),
         }
-    }
-
-    fn op_device(&self, core: &Core<Op>, idx: u32) -> usize {
-        core.ops[idx as usize].dev as usize
     }
 
     fn device_failed(&mut self, core: &mut Core<Op>, d: usize) {

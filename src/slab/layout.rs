@@ -133,6 +133,10 @@ impl LayoutOp for Op {
     fn writing(&mut self) -> Option<&mut Chunks> {
         (self.kind == OpKind::Store).then_some(&mut self.chunks)
     }
+
+    fn device(&self) -> usize {
+        self.dev as usize
+    }
 }
 
 /// A store whose data is on the device, waiting for `finalize_stores`.
@@ -614,10 +618,6 @@ impl Layout for SlabLayout {
                 .collect(),
             OpKind::Recover | OpKind::Demote { .. } => Vec::new(),
         }
-    }
-
-    fn op_device(&self, core: &Core<Op>, idx: u32) -> usize {
-        core.ops[idx as usize].dev as usize
     }
 
     fn device_failed(&mut self, core: &mut Core<Op>, d: usize) {

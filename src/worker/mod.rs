@@ -66,6 +66,9 @@ pub(crate) enum Start {
 pub(crate) trait LayoutOp: TableOp {
     /// The chunk plan of a store whose data write is under way; `None` for any other op or step.
     fn writing(&mut self) -> Option<&mut Chunks>;
+
+    /// The device the op runs on.
+    fn device(&self) -> usize;
 }
 
 /// What a device layout does; the worker does the rest. Every method runs on the worker thread
@@ -142,9 +145,6 @@ pub(crate) trait Layout {
     /// op may still move bytes of its region block (then the job's lease is held until the op
     /// completes). Empty for the layout's own I/O that no key waits on.
     fn overdue_keys(&self, core: &Core<Self::Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)>;
-
-    /// The device op `idx` runs on.
-    fn op_device(&self, core: &Core<Self::Op>, idx: u32) -> usize;
 
     /// Device `d` was marked failed (`core.device_failed(d)` is true from now on): its keys
     /// become misses; new stores go elsewhere or fail.
@@ -559,7 +559,7 @@ impl<L: Layout> Worker<L> {
         let mut any = false;
         for idx in self.core.ops.take_overdue(now, limit) {
             let what = self.layout.describe_op(&self.core, idx);
-            let d = self.layout.op_device(&self.core, idx);
+            let d = self.core.ops[idx as usize].device();
             if self.core.count_timeout(d) {
                 tracing::error!(
                     worker = self.core.id,
