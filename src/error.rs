@@ -37,6 +37,9 @@ pub enum Error {
     /// The S3 tier could not be set up (the message names bucket, endpoint and likely cause).
     #[error("s3: {0}")]
     S3(String),
+    /// The metrics endpoint (`[metrics] listen`) could not be started.
+    #[error("metrics: {0}")]
+    Metrics(String),
 }
 
 impl Error {

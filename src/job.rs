@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use kvtier_sys::blocks::Lease;
 
 use crate::events::EventSink;
+use crate::metrics::EngineMetrics;
 use crate::key::Key;
 use crate::Errno;
 
@@ -149,6 +150,10 @@ pub(crate) struct Shared {
     pub events: EventSink,
     /// Set once the S3 tier is open.
     pub miss_fallback: std::sync::OnceLock<MissFallback>,
+    /// Jobs, lookups and admission, as callers see them.
+    pub metrics: EngineMetrics,
+    /// Store jobs admitted and not yet finished (for the load latency under stores).
+    pub store_jobs_in_flight: AtomicUsize,
 }
 
 impl Shared {
@@ -162,6 +167,8 @@ impl Shared {
             idle: Condvar::new(),
             events,
             miss_fallback: std::sync::OnceLock::new(),
+            metrics: EngineMetrics::default(),
+            store_jobs_in_flight: AtomicUsize::new(0),
         });
         (shared, results)
     }
@@ -180,7 +187,40 @@ impl Shared {
         }
     }
 
+    /// Counts a caller's job as it finishes: outcome, blocks, latency.
+    fn count_job(&self, r: &JobResult) {
+        let m = &self.metrics;
+        let us = r.elapsed.as_micros() as u64;
+        let (ok, failed, blocks, latency) = match r.kind {
+            JobKind::Load => (
+                &m.load_jobs_ok,
+                &m.load_jobs_failed,
+                &m.load_job_blocks,
+                &m.load_job_latency,
+            ),
+            JobKind::Store => (
+                &m.store_jobs_ok,
+                &m.store_jobs_failed,
+                &m.store_job_blocks,
+                &m.store_job_latency,
+            ),
+        };
+        if r.success { ok } else { failed }.fetch_add(1, Ordering::Relaxed);
+        blocks.fetch_add(r.keys_total as u64, Ordering::Relaxed);
+        latency.record(us);
+        match r.kind {
+            JobKind::Load if self.store_jobs_in_flight.load(Ordering::Relaxed) > 0 => {
+                m.load_job_latency_under_stores.record(us);
+            }
+            JobKind::Store => {
+                self.store_jobs_in_flight.fetch_sub(1, Ordering::Relaxed);
+            }
+            JobKind::Load => {}
+        }
+    }
+
     pub fn finish(&self, result: JobResult) {
+        self.count_job(&result);
         // The receiver lives in the Engine, which outlives the workers; ignore a closed channel
         // only because there is nobody left to tell.
         let _ = self.results_tx.send(result);

@@ -20,7 +20,9 @@ mod size;
 mod tests;
 mod validate;
 
-use raw::{cores_from_value, RawConfig, RawDevice, RawEvents, RawFiles, RawS3, RawScheduler};
+use raw::{
+    cores_from_value, RawConfig, RawDevice, RawEvents, RawFiles, RawMetrics, RawS3, RawScheduler,
+};
 pub use size::{parse_size, SizeError};
 use size::{serialize_size, serialize_size_opt, show_path, show_size};
 
@@ -249,6 +251,8 @@ pub struct Config {
     pub jobs_in_flight_max: usize,
     pub scheduler: SchedulerConfig,
     pub events: EventsConfig,
+    /// `[metrics]`: the Prometheus endpoint.
+    pub metrics: MetricsConfig,
     pub devices: Vec<DeviceConfig>,
     /// `[files]`: required when a device uses `layout = "files"`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -477,6 +481,17 @@ pub struct EventsConfig {
     pub locality: Option<Locality>,
 }
 
+/// `[metrics]`: where `GET /metrics` is served (Prometheus or OpenMetrics text, as the scraper
+/// asks). Off by default.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(try_from = "RawMetrics")]
+pub struct MetricsConfig {
+    /// An IP address and port (`"127.0.0.1:9464"`, `"[::1]:9464"`; port 0 picks a free one,
+    /// see `Engine::metrics_addr`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<std::net::SocketAddr>,
+}
+
 /// One `[[devices]]` entry.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(try_from = "RawDevice")]
@@ -545,6 +560,7 @@ impl Default for Config {
             jobs_in_flight_max: 8192,
             scheduler: SchedulerConfig::default(),
             events: EventsConfig::default(),
+            metrics: MetricsConfig::default(),
             devices: Vec::new(),
             files: None,
             s3: None,

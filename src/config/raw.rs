@@ -8,6 +8,7 @@ use toml::Value;
 
 use super::{
     invalid, parse_size, Config, ConfigError, Cores, DeviceConfig, EventsConfig, FilesConfig,
+    MetricsConfig,
     Layout, Named, S3Config, S3Write, SchedulerConfig, Secret, SyncMode, WriteAck, AT_LEAST_ONE,
     BOOL_FORMS, CORES_FORMS, CPU_FORMS, PATH_FORMS, RING_ENTRIES_FORMS, SIZE_FORMS,
 };
@@ -32,6 +33,7 @@ pub(super) struct RawConfig {
     jobs_in_flight_max: Option<Value>,
     scheduler: Option<RawScheduler>,
     events: Option<RawEvents>,
+    metrics: Option<RawMetrics>,
     devices: Option<Vec<RawDevice>>,
     files: Option<RawFiles>,
     s3: Option<RawS3>,
@@ -305,6 +307,12 @@ pub(super) struct RawEvents {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a [metrics] table")]
+pub(super) struct RawMetrics {
+    listen: Option<Value>,
+}
+
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a [[devices]] table")]
 pub(super) struct RawDevice {
     path: Option<Value>,
@@ -374,6 +382,7 @@ impl TryFrom<RawConfig> for Config {
                 .scheduler
                 .map_or(Ok(d.scheduler), SchedulerConfig::try_from)?,
             events: raw.events.map_or(Ok(d.events), EventsConfig::try_from)?,
+            metrics: raw.metrics.map_or(Ok(d.metrics), MetricsConfig::try_from)?,
             devices: raw
                 .devices
                 .unwrap_or_default()
@@ -455,6 +464,25 @@ impl TryFrom<RawEvents> for EventsConfig {
                 .map(|value| choice_from_value("events.locality", &value))
                 .transpose()?,
         })
+    }
+}
+
+const LISTEN_FORMS: &str = "an IP address and port, e.g. \"127.0.0.1:9464\" or \"[::1]:9464\" \
+                            (port 0: any free port)";
+
+impl TryFrom<RawMetrics> for MetricsConfig {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawMetrics) -> Result<Self, ConfigError> {
+        let listen = match raw.listen {
+            None => None,
+            Some(Value::String(text)) => Some(
+                text.parse::<std::net::SocketAddr>()
+                    .map_err(|_| invalid("metrics.listen", format!("{text:?}"), LISTEN_FORMS))?,
+            ),
+            Some(other) => return Err(invalid("metrics.listen", other, LISTEN_FORMS)),
+        };
+        Ok(MetricsConfig { listen })
     }
 }
 

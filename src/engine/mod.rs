@@ -29,9 +29,11 @@ use crate::slab::Geometry;
 use crate::worker::{self, Msg, WorkerShared};
 
 mod open;
+pub(crate) mod stats;
 mod start;
 
 pub use crate::tier::{Lookup, Tier};
+pub(crate) use stats::StatsSource;
 
 /// One device as opened.
 #[derive(Clone, Debug)]
@@ -88,7 +90,11 @@ pub struct Engine {
     shards: Vec<ShardHandle>,
     router: Arc<Router>,
     /// The cold tier (`[s3]`), when configured.
-    cold: Option<Box<dyn ColdTier>>,
+    cold: Option<Arc<dyn ColdTier>>,
+    /// Every counter, for `stats` and the metrics endpoint.
+    stats: Arc<stats::StatsSource>,
+    /// `[metrics] listen`: stopped at shutdown.
+    metrics_server: Mutex<Option<crate::metrics::serve::MetricsServer>>,
     results: Receiver<JobResult>,
     shut: AtomicBool,
     /// Held shared by every submit and exclusively by shutdown while it sets `shut`.
@@ -112,11 +118,12 @@ impl Engine {
 
     /// Connects the cold tier: workers hand it their misses and (with `on_evict`) demotions.
     #[cfg_attr(not(feature = "s3"), allow(dead_code))]
-    fn attach_cold(&mut self, tier: Box<dyn ColdTier>, demote: Option<&worker::DemoteSink>) {
+    fn attach_cold(&mut self, tier: Arc<dyn ColdTier>, demote: Option<&worker::DemoteSink>) {
         if let (Some(sink), Some(f)) = (demote, tier.demote_sink()) {
             let _ = sink.set(f);
         }
         let _ = self.shared.miss_fallback.set(tier.miss_fallback());
+        let _ = self.stats.cold.set(Arc::clone(&tier));
         self.cold = Some(tier);
     }
 
@@ -146,10 +153,20 @@ impl Engine {
         let prev = self.shared.jobs_in_flight.fetch_add(1, Ordering::AcqRel);
         if prev >= self.jobs_in_flight_max {
             self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.shared
+                .metrics
+                .refused_jobs_in_flight
+                .fetch_add(1, Ordering::Relaxed);
             return Err(Error::Backpressure(format!(
                 "{prev} jobs in flight (jobs_in_flight_max = {})",
                 self.jobs_in_flight_max
             )));
+        }
+        if kind == JobKind::Store {
+            // Until it finishes (Shared::finish), or is refused below.
+            self.shared
+                .store_jobs_in_flight
+                .fetch_add(1, Ordering::Relaxed);
         }
         if let Some((index, detail)) = self.invalid(&job) {
             let state = JobState::new(kind, job);
@@ -164,6 +181,15 @@ impl Engine {
         // Reserve queue room on every worker first, so a job is queued whole or not at all.
         if let Err((s, before, n)) = self.router.reserve_or(&parts) {
             self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
+            if kind == JobKind::Store {
+                self.shared
+                    .store_jobs_in_flight
+                    .fetch_sub(1, Ordering::Relaxed);
+            }
+            self.shared
+                .metrics
+                .refused_queue_blocks
+                .fetch_add(1, Ordering::Relaxed);
             self.notify_if_idle();
             return Err(Error::Backpressure(format!(
                 "worker {s} has {before} blocks queued, this job adds {n} (queue_blocks_max = {})",
@@ -362,7 +388,34 @@ impl Engine {
                 }
             }
         }
+        self.count_lookups(&out);
         out
+    }
+
+    fn count_lookups(&self, answers: &[Lookup]) {
+        let mut n = [0u64; 4];
+        for l in answers {
+            n[match l {
+                Lookup::Hit(Tier::Nvme) => 0,
+                Lookup::Hit(Tier::S3) => 1,
+                Lookup::Miss => 2,
+                Lookup::Pending => 3,
+            }] += 1;
+        }
+        let m = &self.shared.metrics;
+        for (count, c) in [
+            &m.lookup_hit_nvme,
+            &m.lookup_hit_s3,
+            &m.lookup_miss,
+            &m.lookup_pending,
+        ]
+        .into_iter()
+        .zip(n)
+        {
+            if c > 0 {
+                count.fetch_add(c, Ordering::Relaxed);
+            }
+        }
     }
 
     /// For the files layout: whether another process (kvtier or vLLM) published `key` since
@@ -502,6 +555,14 @@ impl Engine {
         if let Some(cold) = &self.cold {
             cold.stop();
         }
+        let server = self
+            .metrics_server
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(server) = server {
+            server.stop();
+        }
     }
 
     /// Stored and removed events since the last call (empty unless `events.enabled`).
@@ -509,19 +570,25 @@ impl Engine {
         self.shared.events.take()
     }
 
+    /// Every counter now: sums, and their breakdown by device, worker, job and lookup.
     pub fn stats(&self) -> Stats {
-        let mut s = Stats::default();
-        for h in &self.shards {
-            s.add(&h.shared.metrics);
-            let tid = h.shared.tid.load(Ordering::Acquire);
-            if tid > 0 {
-                s.worker_cpu_seconds += worker::shared::thread_cpu_ns(tid) as f64 / 1e9;
-            }
-        }
-        s.jobs_in_flight = self.jobs_in_flight() as u64;
-        s.s3 = self.cold.as_ref().map(|c| c.stats());
-        s.events_dropped = self.shared.events.dropped();
-        s
+        self.stats.stats()
+    }
+
+    /// Every counter now in the Prometheus text format (version 0.0.4): what `GET /metrics`
+    /// serves (`[metrics] listen`). Families are listed in [`crate::metrics::render`].
+    pub fn metrics_text(&self) -> String {
+        crate::metrics::render::render(&self.stats(), crate::metrics::render::Format::Prometheus)
+    }
+
+    /// The address the metrics endpoint listens on (the port chosen when `listen` had port 0);
+    /// `None` without `[metrics] listen`, or after shutdown.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_server
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(crate::metrics::serve::MetricsServer::addr)
     }
 
     pub fn workers(&self) -> usize {

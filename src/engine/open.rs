@@ -18,6 +18,8 @@ use crate::slab::Geometry;
 use crate::worker::{self, Scheduler, WorkerShared};
 
 use super::start::{worker_main, WorkerCtx};
+use super::stats::StatsSource;
+use crate::metrics::serve::MetricsServer;
 use super::{DeviceSummary, Engine, EngineInfo, ShardHandle, WorkerSummary};
 
 /// The devices as opened: slab devices for the workers, or `files` directories with what their
@@ -91,6 +93,14 @@ impl Engine {
             shards: workers.shards,
             router: Arc::clone(&router),
             cold: None,
+            stats: Arc::new(StatsSource::new(
+                &router,
+                &cores,
+                &shared,
+                &devices.summaries,
+                &derived,
+            )),
+            metrics_server: Mutex::new(None),
             results,
             shut: AtomicBool::new(false),
             gate: RwLock::new(()),
@@ -114,6 +124,15 @@ impl Engine {
         if let Err(e) = engine.open_cold(config, &cores, &region, shared, router, demote_sink) {
             engine.shutdown();
             return Err(e);
+        }
+        if let Some(addr) = config.metrics.listen {
+            match MetricsServer::start(addr, Arc::clone(&engine.stats)) {
+                Ok(server) => engine.metrics_server = Mutex::new(Some(server)),
+                Err(e) => {
+                    engine.shutdown();
+                    return Err(e);
+                }
+            }
         }
         engine.info.open_seconds = started.elapsed().as_secs_f64();
         engine.log_ready();
@@ -147,7 +166,7 @@ impl Engine {
                 &worker_cores,
             )?;
             self.info.s3 = Some(tier.summary().clone());
-            self.attach_cold(Box::new(tier), demote_sink.as_ref());
+            self.attach_cold(Arc::new(tier), demote_sink.as_ref());
             Ok(())
         }
         #[cfg(not(feature = "s3"))]
@@ -324,7 +343,7 @@ fn start_workers(
     for (id, core) in cores.iter().copied().enumerate() {
         let wake =
             Arc::new(EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?);
-        let me = Arc::new(WorkerShared::new(Arc::clone(&wake)));
+        let me = Arc::new(WorkerShared::new(Arc::clone(&wake), devices.len().max(files_devices.len())));
         let (tx, rx) = crossbeam_channel::unbounded();
         shards.push(ShardHandle {
             tx,

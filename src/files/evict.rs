@@ -54,7 +54,11 @@ impl FilesLayout {
             };
             let entry = self.unindex(core, &key);
             core.shared.events.push(vec![key], true);
-            core.me.metrics.evictions.fetch_add(1, Ordering::Relaxed);
+            core.me
+                .metrics
+                .dev(d)
+                .evictions
+                .fetch_add(1, Ordering::Relaxed);
             let op = &mut core.ops[idx as usize];
             op.step = if staging.is_some() {
                 Step::Open

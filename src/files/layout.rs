@@ -39,6 +39,7 @@ use nix::fcntl::OFlag;
 use crate::files::device::{c_path, FilesDevice, ScannedFile};
 use crate::io::{BufRef, FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
+use crate::metrics::ErrClass;
 use crate::key::{Key, KeyMap};
 use crate::worker::shared::block_crc;
 use crate::worker::{
@@ -254,7 +255,12 @@ impl FilesLayout {
         }
         let n = w.index.len() as u64;
         me.metrics.recovered_blocks.store(n, Ordering::Relaxed);
-        me.metrics.blocks_stored.store(n, Ordering::Relaxed);
+        for e in w.index.values() {
+            me.metrics
+                .dev(e.dev as usize)
+                .blocks_stored
+                .fetch_add(1, Ordering::Relaxed);
+        }
         w
     }
 
@@ -440,6 +446,7 @@ impl FilesLayout {
             core.publisher.remove(key);
             core.me
                 .metrics
+                .dev(e.dev as usize)
                 .blocks_stored
                 .fetch_sub(1, Ordering::Relaxed);
         }
@@ -464,6 +471,7 @@ impl FilesLayout {
             if p.state == State::Valid {
                 core.me
                     .metrics
+                    .dev(p.dev as usize)
                     .blocks_stored
                     .fetch_sub(1, Ordering::Relaxed);
             }
@@ -472,6 +480,7 @@ impl FilesLayout {
         core.publisher.insert(&key);
         core.me
             .metrics
+            .dev(dev as usize)
             .blocks_stored
             .fetch_add(1, Ordering::Relaxed);
     }
@@ -493,6 +502,7 @@ impl FilesLayout {
         if let Some(why) = refused {
             core.me
                 .metrics
+                .dev(core.ops[idx as usize].dev as usize)
                 .files_refused
                 .fetch_add(1, Ordering::Relaxed);
             core.log_error(&why);
@@ -511,7 +521,8 @@ impl FilesLayout {
                 self.forget(core, &key);
                 Self::finish_load(core, idx, Err((KeyFailure::Miss, String::new())));
             } else {
-                core.me.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
+                let d = core.ops[idx as usize].dev as usize;
+                core.me.metrics.dev(d).io_error(ErrClass::of(e));
                 Self::finish_load(
                     core,
                     idx,
@@ -600,13 +611,13 @@ impl FilesLayout {
             self.on_demote_read(core, idx, result);
             return;
         }
-        let m = &core.me.metrics;
+        let m = core.me.metrics.dev(core.ops[idx as usize].dev as usize);
         m.read_ops.fetch_add(1, Ordering::Relaxed);
         let wanted = core.block_bytes as u32;
         let op = &core.ops[idx as usize];
         let (block, crc, key) = (op.block, op.crc, op.key.expect("load has a key"));
         let outcome = if let Err(reason) = io_outcome(result, u64::from(wanted)) {
-            m.io_errors.fetch_add(1, Ordering::Relaxed);
+            m.count_result(result, u64::from(wanted));
             Err(match reason {
                 KeyFailure::Io(e) => (reason, format!("read: {}", e.desc())),
                 // Stores are atomic (temp file + rename), so a short file is corrupt: drop it.
@@ -684,8 +695,8 @@ impl FilesLayout {
         }
         op.resolved = true;
         let job = op.job.clone().expect("load has a job");
-        let (item, started) = (op.item as usize, op.started);
-        core.report_load(&job, item, started, outcome);
+        let (item, dev, started) = (op.item as usize, op.dev as usize, op.started);
+        core.report_load(&job, item, dev, started, outcome);
     }
 
     /// Unpins and frees a finished load op.

@@ -22,6 +22,7 @@ use crate::config::SyncMode;
 use crate::files::device::c_path;
 use crate::files::mapper::FileMapper;
 use crate::job::{JobState, KeyFailure};
+use crate::metrics::ErrClass;
 use crate::worker::shared::block_crc;
 use crate::worker::{Core, Start};
 use crate::Errno;
@@ -151,7 +152,7 @@ impl FilesLayout {
             let detail = format!(
                 "creating the temp file {}: {}",
                 core.ops[idx as usize].tmp.display(),
-                Self::refused_or(core, e)
+                Self::refused_or(core, idx, e)
             );
             self.fail_store(core, idx, KeyFailure::Io(e), detail);
             return;
@@ -186,11 +187,13 @@ impl FilesLayout {
         core.begin_writing(idx);
     }
 
-    /// The error text of a failed confined open or mkdir; a symlink in the way is counted.
-    fn refused_or(core: &Core<Op>, e: Errno) -> String {
+    /// The error text of op `idx`'s failed confined open or mkdir; a symlink in the way is
+    /// counted.
+    fn refused_or(core: &Core<Op>, idx: u32, e: Errno) -> String {
         if matches!(e, Errno::ELOOP | Errno::EXDEV) {
             core.me
                 .metrics
+                .dev(core.ops[idx as usize].dev as usize)
                 .files_refused
                 .fetch_add(1, Ordering::Relaxed);
         }
@@ -211,7 +214,7 @@ impl FilesLayout {
             let detail = format!(
                 "opening {}: {}",
                 core.ops[idx as usize].mkdir_target().display(),
-                Self::refused_or(core, e)
+                Self::refused_or(core, idx, e)
             );
             self.fail_store(core, idx, KeyFailure::Io(e), detail);
             return;
@@ -403,6 +406,7 @@ impl FilesLayout {
         let item = op.item as usize;
         core.me
             .metrics
+            .dev(op.dev as usize)
             .store_latency
             .record(op.started.elapsed().as_micros() as u64);
         core.store_succeeded(&job, item, bytes);
@@ -424,6 +428,13 @@ impl FilesLayout {
         let had_fd = op.fd >= 0;
         let had_tmp = op.tmp_exists;
         op.resolved = true;
+        if let KeyFailure::Io(e) = reason {
+            // A data write's error was counted when its chunk completed, a symlink in the way
+            // as refused.
+            if op.step != Step::Write && !matches!(e, Errno::ELOOP | Errno::EXDEV) {
+                core.me.metrics.dev(d).io_error(ErrClass::of(e));
+            }
+        }
         self.devs[d].usage.sub_saturating(reserved);
         if self
             .index

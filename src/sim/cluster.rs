@@ -79,7 +79,7 @@ impl Cluster {
             let wake = Arc::new(
                 EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?,
             );
-            let me = Arc::new(WorkerShared::new(Arc::clone(&wake)));
+            let me = Arc::new(WorkerShared::new(Arc::clone(&wake), devices.len()));
             let (tx, rx) = crossbeam_channel::unbounded();
             senders.push((tx, Arc::clone(&me)));
             let meta_len = crate::slab::table::meta_bytes(&devices, id, workers);

@@ -148,7 +148,7 @@ impl SlabLayout {
         self.unindex(core, key);
         self.clear_entry(d, local);
         self.free_slot(d, local);
-        let m = &core.me.metrics;
+        let m = core.me.metrics.dev(d);
         m.evictions.fetch_add(1, Ordering::Relaxed);
         m.blocks_stored.fetch_sub(1, Ordering::Relaxed);
         core.shared.events.push(vec![key], true);

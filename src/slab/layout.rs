@@ -179,14 +179,15 @@ impl SlabLayout {
         workers: usize,
         meta: Arc<crate::io::Region>,
         devices: &[DeviceSpec],
-        core_slots_total: &std::sync::atomic::AtomicU64,
+        metrics: &crate::metrics::ShardMetrics,
     ) -> SlabLayout {
         let mut devs = Vec::with_capacity(devices.len());
         let mut meta_offset = 0usize;
         let mut capacity = 0usize;
-        for d in devices {
+        for (i, d) in devices.iter().enumerate() {
             let r = d.geometry.worker_slots(id, workers);
             let n = (r.end - r.start) as usize;
+            metrics.dev(i).slots_total.store(n as u64, Ordering::Relaxed);
             let pages = n.div_ceil(ENTRIES_PER_PAGE);
             devs.push(Dev {
                 geometry: d.geometry,
@@ -201,7 +202,6 @@ impl SlabLayout {
             meta_offset += pages * crate::slab::TABLE_PAGE_BYTES;
             capacity += n;
         }
-        core_slots_total.store(capacity as u64, Ordering::Relaxed);
         let mut index = KeyMap::default();
         index.reserve(capacity);
         SlabLayout {
@@ -232,7 +232,7 @@ impl SlabLayout {
             workers,
             meta,
             devices,
-            &params.me.metrics.slots_total,
+            &params.me.metrics,
         );
         let mut worker = Worker::new(params, layout, || Op::new(OpKind::Load));
         let (layout, core) = worker.parts();
@@ -260,12 +260,12 @@ impl SlabLayout {
         );
         let job = op.job.clone().expect("load op has a job");
         let me = Arc::clone(&core.me);
-        let m = &me.metrics;
+        let m = me.metrics.dev(d);
         m.read_ops.fetch_add(1, Ordering::Relaxed);
         let wanted = core.block_bytes;
         let slot = self.devs[d].slots[local];
         let outcome = if let Err(reason) = io_outcome(result, wanted) {
-            m.io_errors.fetch_add(1, Ordering::Relaxed);
+            m.count_result(result, wanted);
             Err((reason, String::new()))
         } else {
             m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
@@ -299,7 +299,7 @@ impl SlabLayout {
             self.free_slot(d, local as u32);
         }
         core.ops.release(idx);
-        core.report_load(&job, item, started, outcome);
+        core.report_load(&job, item, d, started, outcome);
     }
 
     /// Removes a bad block from the index now; its slot is freed when the last load unpins it.
@@ -315,6 +315,7 @@ impl SlabLayout {
         }
         core.me
             .metrics
+            .dev(d)
             .blocks_stored
             .fetch_sub(1, Ordering::Relaxed);
         self.clear_entry(d, local);
@@ -372,6 +373,7 @@ impl SlabLayout {
             );
             core.me
                 .metrics
+                .dev(f.d)
                 .blocks_stored
                 .fetch_add(1, Ordering::Relaxed);
             self.ack_after_entry(
@@ -529,6 +531,7 @@ impl Layout for SlabLayout {
         let job = op.job.clone().expect("store op has a job");
         core.me
             .metrics
+            .dev(d)
             .store_latency
             .record(op.started.elapsed().as_micros() as u64);
         core.ops.release(idx);

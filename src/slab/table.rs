@@ -158,7 +158,10 @@ impl SlabLayout {
         } else {
             // The entries of this page may not survive a restart: their stores fail (the data
             // is still served until then, and a later write of the page may save them).
-            core.me.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
+            core.me
+                .metrics
+                .dev(d as usize)
+                .count_result(result, TABLE_PAGE_BYTES as u64);
             let (reason, why) = if result < 0 {
                 let e = Errno::from_raw(-result);
                 (KeyFailure::Io(e), e.desc().to_string())
@@ -235,12 +238,19 @@ impl SlabLayout {
         let mut recovered = 0u64;
         for d in 0..self.devs.len() {
             if !devices[d].fresh {
-                recovered += self.rebuild_device(core, d, devices.len());
+                let n = self.rebuild_device(core, d, devices.len());
+                core.me
+                    .metrics
+                    .dev(d)
+                    .blocks_stored
+                    .store(n, Ordering::Relaxed);
+                recovered += n;
             }
         }
-        let m = &core.me.metrics;
-        m.recovered_blocks.store(recovered, Ordering::Relaxed);
-        m.blocks_stored.store(recovered, Ordering::Relaxed);
+        core.me
+            .metrics
+            .recovered_blocks
+            .store(recovered, Ordering::Relaxed);
         Ok(recovered)
     }
 

@@ -214,11 +214,12 @@ impl<O: LayoutOp> Core<O> {
         self.store_issuing.push_back(idx);
     }
 
-    /// Reports a load's outcome and records its latency.
+    /// Reports a load's outcome and records its latency on device `device`.
     pub fn report_load(
         &self,
         job: &Arc<JobState>,
         item: usize,
+        device: usize,
         started: Instant,
         outcome: Result<(), (KeyFailure, String)>,
     ) {
@@ -227,7 +228,9 @@ impl<O: LayoutOp> Core<O> {
             return;
         }
         let m = &self.me.metrics;
-        m.load_latency.record(started.elapsed().as_micros() as u64);
+        m.dev(device)
+            .load_latency
+            .record(started.elapsed().as_micros() as u64);
         match outcome {
             Ok(()) => {
                 m.loads_ok.fetch_add(1, Ordering::Relaxed);
@@ -317,10 +320,7 @@ impl<O: LayoutOp> Core<O> {
             return false;
         }
         self.failed |= 1 << d;
-        self.me
-            .metrics
-            .devices_failed
-            .fetch_add(1, Ordering::Relaxed);
+        self.me.metrics.dev(d).failed.store(true, Ordering::Relaxed);
         true
     }
 
@@ -575,6 +575,7 @@ impl<L: Layout> Worker<L> {
             self.core
                 .me
                 .metrics
+                .dev(d)
                 .io_timeouts
                 .fetch_add(1, Ordering::Relaxed);
             let detail = format!(
@@ -770,17 +771,18 @@ impl<L: Layout> Worker<L> {
     fn on_chunk_done(&mut self, idx: u32, chunk: u16, result: i32) {
         let core = &mut self.core;
         let block_bytes = core.block_bytes;
+        let d = core.ops[idx as usize].device();
         let chunks = core.ops[idx as usize].writing().expect("checked by reap");
         let (_, len) = chunks.range(chunk, block_bytes);
         chunks.done += 1;
-        let m = &core.me.metrics;
+        let m = core.me.metrics.dev(d);
         m.write_ops.fetch_add(1, Ordering::Relaxed);
         match io_outcome(result, len) {
             Ok(()) => {
                 m.bytes_written.fetch_add(len, Ordering::Relaxed);
             }
             Err(reason) => {
-                m.io_errors.fetch_add(1, Ordering::Relaxed);
+                m.count_result(result, len);
                 let detail = match reason {
                     KeyFailure::Io(e) => format!("write: {}", e.desc()),
                     _ => "short write".to_owned(),

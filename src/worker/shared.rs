@@ -25,10 +25,11 @@ pub(crate) struct WorkerShared {
 }
 
 impl WorkerShared {
-    pub fn new(wake: Arc<EventFd>) -> WorkerShared {
+    /// A worker's shared parts; its metrics count `devices` devices.
+    pub fn new(wake: Arc<EventFd>, devices: usize) -> WorkerShared {
         WorkerShared {
             published: Arc::new(PublishedKeys::default()),
-            metrics: ShardMetrics::default(),
+            metrics: ShardMetrics::new(devices),
             sleeping: CachePadded::new(AtomicBool::new(false)),
             wake,
             queued_blocks: CachePadded::new(AtomicUsize::new(0)),

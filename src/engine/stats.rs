@@ -1,0 +1,97 @@
+//! What `Engine::stats`, `Engine::metrics_text` and the metrics endpoint read: the counters of
+//! every worker, the engine and the cold tier, shared so the endpoint's thread can take a
+//! snapshot without the engine handle.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+
+use crate::cold::ColdTier;
+use crate::config::{Derived, Layout};
+use crate::engine::DeviceSummary;
+use crate::route::Router;
+use crate::job::Shared;
+use crate::metrics::{Stats, WorkerStats};
+use crate::worker::{self, WorkerShared};
+
+pub(crate) struct StatsSource {
+    /// Each worker and the core it runs on.
+    pub workers: Vec<(Arc<WorkerShared>, Option<usize>)>,
+    pub shared: Arc<Shared>,
+    /// Set once the cold tier is open.
+    pub cold: OnceLock<Arc<dyn ColdTier>>,
+    /// The configured device paths, in config order.
+    pub devices: Vec<String>,
+    pub block_bytes: u64,
+    pub layout: &'static str,
+}
+
+impl StatsSource {
+    pub fn new(
+        router: &Router,
+        cores: &[Option<usize>],
+        shared: &Arc<Shared>,
+        devices: &[DeviceSummary],
+        derived: &Derived,
+    ) -> StatsSource {
+        StatsSource {
+            workers: router
+                .shards
+                .iter()
+                .zip(cores)
+                .map(|(h, c)| (Arc::clone(&h.1), *c))
+                .collect(),
+            shared: Arc::clone(shared),
+            cold: OnceLock::new(),
+            devices: devices
+                .iter()
+                .map(|d| d.path.display().to_string())
+                .collect(),
+            block_bytes: derived.block_bytes,
+            layout: match derived.layout {
+                Layout::Files => "files",
+                Layout::Slab => "slab",
+            },
+        }
+    }
+
+    /// A snapshot of every counter now.
+    pub fn stats(&self) -> Stats {
+        let mut s = Stats {
+            block_bytes: self.block_bytes,
+            layout: self.layout,
+            ..Stats::default()
+        };
+        for (w, core) in &self.workers {
+            s.add(&w.metrics);
+            let tid = w.tid.load(Ordering::Acquire);
+            let cpu = if tid > 0 {
+                worker::shared::thread_cpu_ns(tid) as f64 / 1e9
+            } else {
+                0.0
+            };
+            s.worker_cpu_seconds += cpu;
+            let m = &w.metrics;
+            let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            s.workers.push(WorkerStats {
+                core: *core,
+                queued_loads: l(&m.queued_loads),
+                queued_stores: l(&m.queued_stores),
+                inflight_ops: l(&m.inflight_ops),
+                submits: l(&m.submits),
+                wakeups: l(&m.wakeups),
+                cpu_seconds: cpu,
+            });
+        }
+        s.devices.truncate(self.devices.len().max(1));
+        for (d, path) in s.devices.iter_mut().zip(&self.devices) {
+            d.path.clone_from(path);
+        }
+        s.sum_devices();
+        s.jobs = self.shared.metrics.jobs();
+        s.lookups = self.shared.metrics.lookups();
+        s.jobs_in_flight = self.shared.jobs_in_flight.load(Ordering::Acquire) as u64;
+        s.s3 = self.cold.get().map(|c| c.stats());
+        s.events_dropped = self.shared.events.dropped();
+        s
+    }
+}
