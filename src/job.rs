@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use kvtier_sys::blocks::Lease;
 
 use crate::events::EventSink;
-use crate::metrics::EngineMetrics;
 use crate::key::Key;
+use crate::metrics::EngineMetrics;
 use crate::Errno;
 
 /// A job's caller-chosen identifier.

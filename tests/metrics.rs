@@ -18,7 +18,8 @@ use kvtier::{Config, Engine, Job};
 /// `GET path` with `accept`; the status line and the body.
 fn get(addr: SocketAddr, path: &str, accept: &str) -> (String, String, String) {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: x\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
@@ -56,7 +57,10 @@ fn samples(text: &str) -> HashMap<String, f64> {
 fn scrape(addr: SocketAddr) -> HashMap<String, f64> {
     let (status, content_type, body) = get(addr, "/metrics", "text/plain");
     assert_eq!(status, "HTTP/1.1 200 OK");
-    assert!(content_type.starts_with("text/plain; version=0.0.4"), "{content_type}");
+    assert!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "{content_type}"
+    );
     samples(&body)
 }
 
@@ -68,9 +72,7 @@ fn value(s: &HashMap<String, f64>, series: &str) -> f64 {
 /// Sums every series of family `name` whose labels contain all of `having`.
 fn sum(s: &HashMap<String, f64>, name: &str, having: &[&str]) -> f64 {
     s.iter()
-        .filter(|(k, _)| {
-            k.split('{').next() == Some(name) && having.iter().all(|h| k.contains(h))
-        })
+        .filter(|(k, _)| k.split('{').next() == Some(name) && having.iter().all(|h| k.contains(h)))
         .map(|(_, v)| v)
         .sum()
 }
@@ -114,7 +116,9 @@ fn scrape_counts_exactly_the_work_done_on_two_real_devices() {
     }
     assert!(!load(&engine, &region, 200, &[1000, 1001]).success);
     let hits = engine.lookup(&(0..40).map(key).collect::<Vec<_>>());
-    assert!(hits.iter().all(|l| *l == kvtier::Lookup::Hit(kvtier::Tier::Nvme)));
+    assert!(hits
+        .iter()
+        .all(|l| *l == kvtier::Lookup::Hit(kvtier::Tier::Nvme)));
     engine.lookup(&(500..503).map(key).collect::<Vec<_>>());
 
     let s = scrape(addr);
@@ -133,9 +137,18 @@ fn scrape_counts_exactly_the_work_done_on_two_real_devices() {
     assert_eq!(v(r#"kvtier_blocks_total{op="load",result="ok"}"#), 20.0);
     assert_eq!(v(r#"kvtier_blocks_total{op="load",result="miss"}"#), 2.0);
     let bytes = (40 * BLOCK) as f64;
-    assert_eq!(v(r#"kvtier_moved_bytes_total{tier="nvme",op="store"}"#), bytes);
-    assert_eq!(v(r#"kvtier_moved_bytes_total{tier="nvme",op="load"}"#), (20 * BLOCK) as f64);
-    assert_eq!(sum(&s, "kvtier_device_bytes_total", &[r#"op="write""#]), bytes);
+    assert_eq!(
+        v(r#"kvtier_moved_bytes_total{tier="nvme",op="store"}"#),
+        bytes
+    );
+    assert_eq!(
+        v(r#"kvtier_moved_bytes_total{tier="nvme",op="load"}"#),
+        (20 * BLOCK) as f64
+    );
+    assert_eq!(
+        sum(&s, "kvtier_device_bytes_total", &[r#"op="write""#]),
+        bytes
+    );
     assert_eq!(sum(&s, "kvtier_device_used_bytes", &[]), bytes);
     assert_eq!(v(r#"kvtier_lookups_total{answer="hit_nvme"}"#), 40.0);
     assert_eq!(v(r#"kvtier_lookups_total{answer="miss"}"#), 3.0);
@@ -150,10 +163,16 @@ fn scrape_counts_exactly_the_work_done_on_two_real_devices() {
             "device {d}"
         );
         assert_eq!(
-            v(&format!(r#"kvtier_device_io_seconds_count{{device="{path}",op="store"}}"#)),
+            v(&format!(
+                r#"kvtier_device_io_seconds_count{{device="{path}",op="store"}}"#
+            )),
             on_dev as f64
         );
-        assert!(v(&format!(r#"kvtier_device_capacity_bytes{{device="{path}"}}"#)) > 0.0);
+        assert!(
+            v(&format!(
+                r#"kvtier_device_capacity_bytes{{device="{path}"}}"#
+            )) > 0.0
+        );
     }
     assert_eq!(sum(&s, "kvtier_worker_queued_blocks", &[]), 0.0);
     assert_eq!(v("kvtier_jobs_in_flight"), 0.0);
@@ -174,7 +193,10 @@ fn scrape_counts_exactly_the_work_done_on_two_real_devices() {
     let mut idle = TcpStream::connect(addr).expect("connect");
     idle.write_all(b"GET /metr").expect("send");
     assert_eq!(
-        value(&scrape(addr), r#"kvtier_jobs_total{op="store",result="ok"}"#),
+        value(
+            &scrape(addr),
+            r#"kvtier_jobs_total{op="store",result="ok"}"#
+        ),
         10.0
     );
     drop(idle);
@@ -209,7 +231,10 @@ fn scrapes_during_stores_are_monotonic_and_end_exact() {
             }
         });
         while !runner.is_finished() {
-            let n = value(&scrape(addr), r#"kvtier_jobs_total{op="store",result="ok"}"#);
+            let n = value(
+                &scrape(addr),
+                r#"kvtier_jobs_total{op="store",result="ok"}"#,
+            );
             assert!(n >= last, "a counter went back: {last} then {n}");
             last = n;
             scrapes += 1;
@@ -217,7 +242,10 @@ fn scrapes_during_stores_are_monotonic_and_end_exact() {
     });
     assert!(scrapes > 0);
     let s = scrape(addr);
-    assert_eq!(value(&s, r#"kvtier_jobs_total{op="store",result="ok"}"#), jobs as f64);
+    assert_eq!(
+        value(&s, r#"kvtier_jobs_total{op="store",result="ok"}"#),
+        jobs as f64
+    );
     assert_eq!(
         value(&s, r#"kvtier_device_bytes_total{device="sim0",op="write"}"#),
         (jobs * BLOCK) as f64
@@ -245,20 +273,35 @@ fn device_errors_are_counted_by_device_and_class() {
     for d in 0..2 {
         let on_dev = ids.iter().filter(|&&i| key(i).device(2) == d).count();
         assert_eq!(
-            value(&s, &format!(r#"kvtier_device_errors_total{{device="sim{d}",class="io"}}"#)),
+            value(
+                &s,
+                &format!(r#"kvtier_device_errors_total{{device="sim{d}",class="io"}}"#)
+            ),
             on_dev as f64,
             "device {d}: one EIO per block loaded from it\n{text}"
         );
         assert_eq!(
-            value(&s, &format!(r#"kvtier_device_errors_total{{device="sim{d}",class="short"}}"#)),
+            value(
+                &s,
+                &format!(r#"kvtier_device_errors_total{{device="sim{d}",class="short"}}"#)
+            ),
             0.0
         );
     }
     assert_eq!(r.failures.len(), 8);
     let st = engine.stats();
     assert_eq!(st.io_errors, 8, "the flat sum agrees with the devices");
-    assert_eq!(st.devices.iter().map(kvtier::metrics::DeviceStats::io_errors).sum::<u64>(), 8);
-    assert_eq!(value(&s, r#"kvtier_jobs_total{op="load",result="failed"}"#), 1.0);
+    assert_eq!(
+        st.devices
+            .iter()
+            .map(kvtier::metrics::DeviceStats::io_errors)
+            .sum::<u64>(),
+        8
+    );
+    assert_eq!(
+        value(&s, r#"kvtier_jobs_total{op="load",result="failed"}"#),
+        1.0
+    );
 }
 
 #[test]
@@ -282,7 +325,10 @@ fn backpressure_refusals_are_counted_by_limit() {
     assert_eq!(refused, 3);
     let s = samples(&engine.metrics_text());
     assert_eq!(
-        value(&s, r#"kvtier_backpressure_refusals_total{limit="jobs_in_flight_max"}"#),
+        value(
+            &s,
+            r#"kvtier_backpressure_refusals_total{limit="jobs_in_flight_max"}"#
+        ),
         3.0
     );
     assert_eq!(value(&s, "kvtier_jobs_in_flight"), 2.0);
@@ -300,16 +346,15 @@ fn listen_errors_name_the_field() {
     c.metrics.listen = Some(taken);
     let sim2 = SimStorage::new(2, &[32 << 20]);
     let region2 = region(4);
-    let err = Engine::open_with(
-        &c,
-        region2,
-        sim2 as std::sync::Arc<dyn kvtier::io::Storage>,
-    )
-    .err()
-    .expect("a port in use is an error");
+    let err = Engine::open_with(&c, region2, sim2 as std::sync::Arc<dyn kvtier::io::Storage>)
+        .err()
+        .expect("a port in use is an error");
     let msg = err.to_string();
     assert!(matches!(err, kvtier::Error::Metrics(_)), "{msg}");
-    assert!(msg.contains(&format!("metrics.listen = \"{taken}\"")), "{msg}");
+    assert!(
+        msg.contains(&format!("metrics.listen = \"{taken}\"")),
+        "{msg}"
+    );
     assert!(msg.contains("pick another port"), "{msg}");
 
     for (text, shown) in [
@@ -322,7 +367,10 @@ fn listen_errors_name_the_field() {
         let msg = err.to_string();
         assert!(msg.contains("metrics.listen"), "{msg}");
         assert!(msg.contains(shown), "{msg}");
-        assert!(msg.contains("127.0.0.1:9464"), "names the accepted form: {msg}");
+        assert!(
+            msg.contains("127.0.0.1:9464"),
+            "names the accepted form: {msg}"
+        );
     }
     let ok = Config::from_toml_str("[[devices]]\npath = \"x\"\n[metrics]\nlisten = \"[::1]:0\"\n")
         .expect("an IPv6 address");

@@ -8,9 +8,8 @@ use toml::Value;
 
 use super::{
     invalid, parse_size, Config, ConfigError, Cores, DeviceConfig, EventsConfig, FilesConfig,
-    MetricsConfig,
-    Layout, Named, S3Config, S3Write, SchedulerConfig, Secret, SyncMode, WriteAck, AT_LEAST_ONE,
-    BOOL_FORMS, CORES_FORMS, CPU_FORMS, PATH_FORMS, RING_ENTRIES_FORMS, SIZE_FORMS,
+    Layout, MetricsConfig, Named, S3Config, S3Write, SchedulerConfig, Secret, SyncMode, WriteAck,
+    AT_LEAST_ONE, BOOL_FORMS, CORES_FORMS, CPU_FORMS, PATH_FORMS, RING_ENTRIES_FORMS, SIZE_FORMS,
 };
 
 // Raw stage: the same keys as the typed structs, each leaf kept as the TOML value written, so

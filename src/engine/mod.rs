@@ -29,8 +29,8 @@ use crate::slab::Geometry;
 use crate::worker::{self, Msg, WorkerShared};
 
 mod open;
-pub(crate) mod stats;
 mod start;
+pub(crate) mod stats;
 
 pub use crate::tier::{Lookup, Tier};
 pub(crate) use stats::StatsSource;

@@ -19,8 +19,8 @@ use crate::worker::{self, Scheduler, WorkerShared};
 
 use super::start::{worker_main, WorkerCtx};
 use super::stats::StatsSource;
-use crate::metrics::serve::MetricsServer;
 use super::{DeviceSummary, Engine, EngineInfo, ShardHandle, WorkerSummary};
+use crate::metrics::serve::MetricsServer;
 
 /// The devices as opened: slab devices for the workers, or `files` directories with what their
 /// scan found.
@@ -343,7 +343,10 @@ fn start_workers(
     for (id, core) in cores.iter().copied().enumerate() {
         let wake =
             Arc::new(EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?);
-        let me = Arc::new(WorkerShared::new(Arc::clone(&wake), devices.len().max(files_devices.len())));
+        let me = Arc::new(WorkerShared::new(
+            Arc::clone(&wake),
+            devices.len().max(files_devices.len()),
+        ));
         let (tx, rx) = crossbeam_channel::unbounded();
         shards.push(ShardHandle {
             tx,

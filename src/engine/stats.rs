@@ -8,9 +8,9 @@ use std::sync::{Arc, OnceLock};
 use crate::cold::ColdTier;
 use crate::config::{Derived, Layout};
 use crate::engine::DeviceSummary;
-use crate::route::Router;
 use crate::job::Shared;
 use crate::metrics::{Stats, WorkerStats};
+use crate::route::Router;
 use crate::worker::{self, WorkerShared};
 
 pub(crate) struct StatsSource {

@@ -39,8 +39,8 @@ use nix::fcntl::OFlag;
 use crate::files::device::{c_path, FilesDevice, ScannedFile};
 use crate::io::{BufRef, FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
-use crate::metrics::ErrClass;
 use crate::key::{Key, KeyMap};
+use crate::metrics::ErrClass;
 use crate::worker::shared::block_crc;
 use crate::worker::{
     io_outcome, own_key, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION, BUF_STAGING,

@@ -312,7 +312,9 @@ impl ShardMetrics {
             unroutable_entries: a(),
             demotions: a(),
             demotions_dropped: a(),
-            devices: (0..devices.max(1)).map(|_| DeviceMetrics::default()).collect(),
+            devices: (0..devices.max(1))
+                .map(|_| DeviceMetrics::default())
+                .collect(),
         }
     }
 
@@ -649,7 +651,8 @@ impl Stats {
         self.demotions += l(&m.demotions);
         self.demotions_dropped += l(&m.demotions_dropped);
         if self.devices.len() < m.devices.len() {
-            self.devices.resize_with(m.devices.len(), DeviceStats::default);
+            self.devices
+                .resize_with(m.devices.len(), DeviceStats::default);
         }
         for (d, dm) in self.devices.iter_mut().zip(m.devices.iter()) {
             d.add(dm);

@@ -69,7 +69,9 @@ pub fn render(stats: &Stats, format: Format) -> String {
     registry.register_collector(Box::new(Snapshot(stats.clone())));
     let mut out = String::new();
     let r = match format {
-        Format::Prometheus => prometheus_client::encoding::prometheus_text::encode(&mut out, &registry),
+        Format::Prometheus => {
+            prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)
+        }
         Format::OpenMetrics => prometheus_client::encoding::text::encode(&mut out, &registry),
     };
     r.expect("encoding into a String cannot fail");
@@ -206,6 +208,7 @@ impl Collector for Snapshot {
         jobs(&mut o, s)?;
         blocks(&mut o, s)?;
         devices(&mut o, s)?;
+        device_state(&mut o, s)?;
         workers(&mut o, s)?;
         s3(&mut o, s)
     }
@@ -344,11 +347,9 @@ fn blocks(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
     )
 }
 
+/// The device families about its I/O.
 fn devices(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
     let dev = |d: &super::DeviceStats| d.path.clone();
-    let per = |f: &dyn Fn(&super::DeviceStats) -> u64| -> Vec<(Labels, u64)> {
-        s.devices.iter().map(|d| (l1("device", dev(d)), f(d))).collect()
-    };
     let mut rw = Vec::new();
     let mut ios = Vec::new();
     for d in &s.devices {
@@ -393,6 +394,18 @@ fn devices(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
         None,
         errors,
     )?;
+    Ok(())
+}
+
+/// The device families about its health and capacity.
+fn device_state(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
+    let dev = |d: &super::DeviceStats| d.path.clone();
+    let per = |f: &dyn Fn(&super::DeviceStats) -> u64| -> Vec<(Labels, u64)> {
+        s.devices
+            .iter()
+            .map(|d| (l1("device", dev(d)), f(d)))
+            .collect()
+    };
     o.counters(
         "kvtier_device_timeouts",
         "I/Os past io_timeout_ms on each device (their keys failed).",
@@ -618,7 +631,10 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
-        assert!(!text.contains("kvtier_s3_"), "no S3 families without an S3 tier");
+        assert!(
+            !text.contains("kvtier_s3_"),
+            "no S3 families without an S3 tier"
+        );
         assert!(!text.contains("# EOF"));
     }
 

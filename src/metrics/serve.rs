@@ -45,7 +45,9 @@ impl MetricsServer {
                 }
                 _ => "check the address",
             };
-            Error::Metrics(format!("metrics.listen = \"{addr}\": cannot listen: {e}; {hint}"))
+            Error::Metrics(format!(
+                "metrics.listen = \"{addr}\": cannot listen: {e}; {hint}"
+            ))
         })?;
         let addr = listener
             .local_addr()

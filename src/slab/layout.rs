@@ -187,7 +187,10 @@ impl SlabLayout {
         for (i, d) in devices.iter().enumerate() {
             let r = d.geometry.worker_slots(id, workers);
             let n = (r.end - r.start) as usize;
-            metrics.dev(i).slots_total.store(n as u64, Ordering::Relaxed);
+            metrics
+                .dev(i)
+                .slots_total
+                .store(n as u64, Ordering::Relaxed);
             let pages = n.div_ceil(ENTRIES_PER_PAGE);
             devs.push(Dev {
                 geometry: d.geometry,
@@ -227,13 +230,7 @@ impl SlabLayout {
         meta: Arc<crate::io::Region>,
         devices: &[DeviceSpec],
     ) -> Result<(Worker<SlabLayout>, u64), String> {
-        let layout = SlabLayout::new(
-            params.id,
-            workers,
-            meta,
-            devices,
-            &params.me.metrics,
-        );
+        let layout = SlabLayout::new(params.id, workers, meta, devices, &params.me.metrics);
         let mut worker = Worker::new(params, layout, || Op::new(OpKind::Load));
         let (layout, core) = worker.parts();
         let recovered = layout.recover(core, devices)?;
