@@ -2,6 +2,8 @@
 //! exactly the work done (jobs, blocks, bytes, lookups, errors by device and class), and the
 //! endpoint's errors (port in use, bad address) are clear. The Python tests parse the same text
 //! with `prometheus_client`'s parsers.
+// Counter values are integers, exact in an f64: compared exactly on purpose.
+#![allow(clippy::float_cmp, clippy::field_reassign_with_default)]
 
 mod common;
 
