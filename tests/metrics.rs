@@ -365,7 +365,7 @@ fn listen_errors_name_the_field() {
         ("listen = 9464", "9464"),
     ] {
         let toml = format!("[[devices]]\npath = \"x\"\n[metrics]\n{text}\n");
-        let err = Config::from_toml_str(&toml).err().expect("invalid listen");
+        let err = Config::from_toml_str(&toml).expect_err("invalid listen");
         let msg = err.to_string();
         assert!(msg.contains("metrics.listen"), "{msg}");
         assert!(msg.contains(shown), "{msg}");
