@@ -214,6 +214,15 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         return self._native.stats()
 
+    def metrics_text(self) -> str:
+        """Every counter as Prometheus text (0.0.4), the body `GET /metrics` serves."""
+        return self._native.metrics_text()
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metrics endpoint (config: [metrics] listen), or None."""
+        return self._native.metrics_address
+
     def info(self) -> dict[str, Any]:
         return self._native.info()
 

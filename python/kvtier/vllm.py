@@ -109,6 +109,63 @@ _HISTOGRAMS = {
     "load_job_seconds": "Load job time, submission to completion, seconds.",
     "store_job_seconds": "Store job time, submission to completion, seconds.",
 }
+# Labelled families: (documentation, extra label names, how to read (label values, value) pairs
+# from the engine's stats dict). The same figures as kvtier's own /metrics (docs/metrics.md).
+_LABELLED_COUNTERS: dict[str, tuple[str, tuple[str, ...], Any]] = {
+    "lookups": (
+        "Keys looked up, by answer (hit_nvme, hit_s3, miss, pending).",
+        ("answer",),
+        lambda s: [((a,), n) for a, n in s["lookups"].items()],
+    ),
+    "backpressure_refusals": (
+        "Submissions kvtier refused (queue full), by the limit hit.",
+        ("limit",),
+        lambda s: [
+            (("jobs_in_flight_max",), s["jobs"]["refused_jobs_in_flight"]),
+            (("queue_blocks_max",), s["jobs"]["refused_queue_blocks"]),
+        ],
+    ),
+    "device_errors": (
+        "Device I/O errors by device and class (io, no_space, permission, invalid, busy, "
+        "short, other).",
+        ("device", "class"),
+        lambda s: [((d["path"], c), n) for d in s["devices"] for c, n in d["errors"].items()],
+    ),
+    "s3_requests": (
+        "Object-store requests, retries included, by operation.",
+        ("op",),
+        lambda s: [((op,), s["s3"][op]["requests"]) for op in ("head", "get", "put")]
+        if s["s3"] else [],
+    ),
+    "s3_errors": (
+        "Object-store requests that failed after retries, by operation.",
+        ("op",),
+        lambda s: [((op,), s["s3"][op]["errors"]) for op in ("head", "get", "put")]
+        if s["s3"] else [],
+    ),
+    "s3_bytes": (
+        "Bytes moved to and from the object store (get: loaded, put: stored).",
+        ("op",),
+        lambda s: [((op,), s["s3"][op]["bytes"]) for op in ("get", "put")] if s["s3"] else [],
+    ),
+}
+_LABELLED_GAUGES: dict[str, tuple[str, tuple[str, ...], Any]] = {
+    "queued_blocks": (
+        "Blocks queued in kvtier's workers, not yet started.",
+        ("op",),
+        lambda s: [(("load",), s["queued_loads"]), (("store",), s["queued_stores"])],
+    ),
+    "device_used_bytes": (
+        "Bytes of blocks stored on each device.",
+        ("device",),
+        lambda s: [((d["path"],), d["used_bytes"]) for d in s["devices"]],
+    ),
+    "device_failed": (
+        "1 once the device was marked failed (it kept timing out).",
+        ("device",),
+        lambda s: [((d["path"],), int(d["failed"])) for d in s["devices"]],
+    ),
+}
 _INFO_KEYS = ("kvtier_layout", "kvtier_workers", "kvtier_devices", "kvtier_s3")
 
 
@@ -486,6 +543,12 @@ class KvtierTierManager(SecondaryTierManager):
         for name, (doc, _) in _GAUGES.items():
             metrics[_PREFIX + name] = OffloadingGaugeMetadata(documentation=doc,
                                                               labelnames=_LABELS)
+        for name, (doc, extra, _) in _LABELLED_COUNTERS.items():
+            metrics[_PREFIX + name] = OffloadingCounterMetadata(documentation=doc,
+                                                                labelnames=_LABELS + extra)
+        for name, (doc, extra, _) in _LABELLED_GAUGES.items():
+            metrics[_PREFIX + name] = OffloadingGaugeMetadata(documentation=doc,
+                                                              labelnames=_LABELS + extra)
         for name, doc in _HISTOGRAMS.items():
             metrics[_PREFIX + name] = OffloadingHistogramMetadata(
                 documentation=doc,
@@ -508,6 +571,15 @@ class KvtierTierManager(SecondaryTierManager):
                 stats.increase_counter(_PREFIX + name, delta, self._label)
         for name, (_, field) in _GAUGES.items():
             stats.set_gauge(_PREFIX + name, now[field], self._label)
+        for name, (_, _, read) in _LABELLED_COUNTERS.items():
+            before = {labels: n for labels, n in read(self._last_stats)} if self._last_stats else {}
+            for labels, n in read(now):
+                delta = n - before.get(labels, 0)
+                if delta:
+                    stats.increase_counter(_PREFIX + name, delta, self._label + labels)
+        for name, (_, _, read) in _LABELLED_GAUGES.items():
+            for labels, n in read(now):
+                stats.set_gauge(_PREFIX + name, n, self._label + labels)
         for kind in ("load", "store"):
             samples = self._job_seconds[kind]
             while samples:

@@ -613,6 +613,19 @@ impl PyEngine {
         stats_dict(py, &self.engine.stats())
     }
 
+    /// Every counter in the Prometheus text format (0.0.4): what `GET /metrics` serves.
+    fn metrics_text(&self) -> String {
+        self.engine.metrics_text()
+    }
+
+    /// `(host, port)` the metrics endpoint listens on (`[metrics] listen`), or None.
+    #[getter]
+    fn metrics_address(&self) -> Option<(String, u16)> {
+        self.engine
+            .metrics_addr()
+            .map(|a| (a.ip().to_string(), a.port()))
+    }
+
     /// What `open` set up, as a dict.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let info = self.engine.info();
@@ -729,6 +742,44 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     );
     d.set_item("load_latency", hist_dict(py, &s.load_latency_us)?)?;
     d.set_item("store_latency", hist_dict(py, &s.store_latency_us)?)?;
+    let lookups = PyDict::new(py);
+    lookups.set_item("hit_nvme", s.lookups.hit_nvme)?;
+    lookups.set_item("hit_s3", s.lookups.hit_s3)?;
+    lookups.set_item("miss", s.lookups.miss)?;
+    lookups.set_item("pending", s.lookups.pending)?;
+    d.set_item("lookups", lookups)?;
+    let jobs = PyDict::new(py);
+    jobs.set_item("load_ok", s.jobs.load_ok)?;
+    jobs.set_item("load_failed", s.jobs.load_failed)?;
+    jobs.set_item("store_ok", s.jobs.store_ok)?;
+    jobs.set_item("store_failed", s.jobs.store_failed)?;
+    jobs.set_item("refused_jobs_in_flight", s.jobs.refused_jobs_in_flight)?;
+    jobs.set_item("refused_queue_blocks", s.jobs.refused_queue_blocks)?;
+    jobs.set_item("load_latency", hist_dict(py, &s.jobs.load_latency_us)?)?;
+    jobs.set_item("store_latency", hist_dict(py, &s.jobs.store_latency_us)?)?;
+    jobs.set_item(
+        "load_latency_under_stores",
+        hist_dict(py, &s.jobs.load_latency_under_stores_us)?,
+    )?;
+    d.set_item("jobs", jobs)?;
+    let devices = PyList::empty(py);
+    for dev in &s.devices {
+        let dd = PyDict::new(py);
+        dd.set_item("path", &dev.path)?;
+        dd.set_item("bytes_read", dev.bytes_read)?;
+        dd.set_item("bytes_written", dev.bytes_written)?;
+        dd.set_item("used_bytes", dev.blocks_stored * s.block_bytes)?;
+        dd.set_item("capacity_bytes", dev.slots_total * s.block_bytes)?;
+        dd.set_item("io_timeouts", dev.io_timeouts)?;
+        dd.set_item("failed", dev.failed_by > 0)?;
+        let errors = PyDict::new(py);
+        for (c, &n) in kvtier::metrics::ErrClass::ALL.iter().zip(&dev.errors) {
+            errors.set_item(c.as_str(), n)?;
+        }
+        dd.set_item("errors", errors)?;
+        devices.append(dd)?;
+    }
+    d.set_item("devices", devices)?;
     match &s.s3 {
         None => d.set_item("s3", py.None())?,
         Some(s3) => {

@@ -452,3 +452,86 @@ def test_a_fanout_directory_that_cannot_be_made_fails_the_store(tmp_path):
         assert not (tmp_path / "nowhere").exists()
         # Other keys still store.
         assert run(e, e.submit_store, 2, [vkey(1)], [1]).success
+
+
+def _families(text, openmetrics=False):
+    """The families of a metrics text, parsed by prometheus_client's own (strict) parsers."""
+    if openmetrics:
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families
+    else:
+        from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(families, family, name, **labels):
+    for s in families[family].samples:
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise AssertionError(f"no sample {name}{labels} in {family}")
+
+
+@pytest.mark.parametrize("layout", ["slab", "files"])
+def test_metrics_endpoint_parses_and_counts_the_work(tmp_path, layout):
+    """Scraped over HTTP while the engine runs, both text formats parse with
+    prometheus_client, and the counters are exactly the work done."""
+    import urllib.request
+
+    extra = {"metrics": {"listen": "127.0.0.1:0"}}
+    cfg = slab_config(tmp_path, **extra) if layout == "slab" else files_config(tmp_path, **extra)
+    arr = region()
+    arr[:4] = pattern(7, 4)
+    with kvtier.Engine(cfg, arr) as e:
+        host, port = e.metrics_address
+        url = f"http://{host}:{port}/metrics"
+        keys = [vkey(i) for i in range(4)]
+        assert run(e, e.submit_store, 1, keys, [0, 1, 2, 3]).success
+        assert run(e, e.submit_load, 2, keys[:3], [10, 11, 12]).success
+        assert not run(e, e.submit_load, 3, [vkey(50)], [13]).success
+        assert e.lookup(keys + [vkey(60)]) == ["nvme"] * 4 + ["miss"]
+
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            fams = _families(r.read().decode())
+        req = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            om = _families(r.read().decode(), openmetrics=True)
+        # The same text as metrics_text (but for the moment it was taken).
+        assert set(_families(e.metrics_text())) == set(fams)
+
+        for f in (fams, om):
+            assert _value(f, "kvtier_jobs", "kvtier_jobs_total", op="store", result="ok") == 1
+            assert _value(f, "kvtier_jobs", "kvtier_jobs_total", op="load", result="ok") == 1
+            assert _value(f, "kvtier_jobs", "kvtier_jobs_total", op="load", result="failed") == 1
+        assert fams["kvtier_job_seconds"].type == "histogram"
+        assert fams["kvtier_device_io_seconds"].type == "histogram"
+        assert om["kvtier_job_seconds"].unit == "seconds"
+        assert _value(fams, "kvtier_job_seconds", "kvtier_job_seconds_count", op="load") == 2
+        assert _value(fams, "kvtier_blocks", "kvtier_blocks_total", op="store", result="ok") == 4
+        assert _value(fams, "kvtier_blocks", "kvtier_blocks_total", op="load", result="ok") == 3
+        assert _value(fams, "kvtier_blocks", "kvtier_blocks_total", op="load", result="miss") == 1
+        assert _value(fams, "kvtier_moved_bytes", "kvtier_moved_bytes_total", tier="nvme",
+                      op="store") == 4 * BLOCK
+        assert _value(fams, "kvtier_lookups", "kvtier_lookups_total", answer="hit_nvme") == 4
+        assert _value(fams, "kvtier_lookups", "kvtier_lookups_total", answer="miss") == 1
+        dev = cfg["devices"][0]["path"]
+        assert _value(fams, "kvtier_device_used_bytes", "kvtier_device_used_bytes",
+                      device=dev) == 4 * BLOCK
+        assert _value(fams, "kvtier_device_bytes", "kvtier_device_bytes_total", device=dev,
+                      op="read") == 3 * BLOCK
+        assert sum(s.value for s in fams["kvtier_device_errors"].samples) == 0
+        assert _value(fams, "kvtier_info", "kvtier_info", layout=layout) == 1
+    # Closed with the engine.
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=2)
+
+
+def test_metrics_listen_errors_are_clear(tmp_path):
+    arr = region()
+    with kvtier.Engine(slab_config(tmp_path, metrics={"listen": "127.0.0.1:0"}), arr) as e:
+        host, port = e.metrics_address
+        cfg = slab_config(tmp_path / "b", metrics={"listen": f"{host}:{port}"})
+        (tmp_path / "b").mkdir()
+        with pytest.raises(kvtier.Error, match=r"metrics.listen = .*pick another port"):
+            kvtier.Engine(cfg, region())
+    with pytest.raises(kvtier.ConfigError, match=r"metrics.listen.*localhost:1.*127.0.0.1:9464"):
+        kvtier.Engine(slab_config(tmp_path, metrics={"listen": "localhost:1"}), arr)

@@ -308,6 +308,17 @@ def test_orchestrator_cascade_and_promotion(vllm, spec, tmp_path):
         assert reduced[f"vllm:kv_offload_kvtier_loaded_bytes:{label}"] == 3 * BLOCK
         assert reduced[f"vllm:kv_offload_kvtier_blocks_stored:{label}"] == 3
         assert reduced[f"vllm:kv_offload_kvtier_store_job_seconds:{label}_count"] == 1
+        # Labelled families: the tier label first, then kvtier's own labels.
+        used = {k: v for k, v in reduced.items()
+                if k.startswith("vllm:kv_offload_kvtier_device_used_bytes:")}
+        assert list(used.values()) == [3 * BLOCK], used
+        assert reduced["vllm:kv_offload_kvtier_lookups:('KvtierTierManager', 'hit_nvme')"] >= 3
+        assert reduced["vllm:kv_offload_kvtier_queued_blocks:('KvtierTierManager', 'store')"] == 0
+        assert not any(k.startswith("vllm:kv_offload_kvtier_s3_") for k in reduced)
+        assert "vllm:kv_offload_kvtier_s3_requests" in type(tier).build_metric_definitions({})
+        # A second payload carries only what moved since (counters are deltas).
+        again = mgr.get_stats().reduce()
+        assert "vllm:kv_offload_kvtier_lookups:('KvtierTierManager', 'hit_nvme')" not in again
         defs = type(tier).build_metric_definitions({})
         assert set(k for k in reduced if k.startswith("vllm:kv_offload_kvtier_")) and all(
             k.split(":(")[0].removesuffix("_count").removesuffix("_sum") in defs

@@ -97,7 +97,7 @@ impl Engine {
                 &router,
                 &cores,
                 &shared,
-                &devices.summaries,
+                &config.devices,
                 &derived,
             )),
             metrics_server: Mutex::new(None),

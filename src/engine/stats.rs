@@ -6,8 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
 use crate::cold::ColdTier;
-use crate::config::{Derived, Layout};
-use crate::engine::DeviceSummary;
+use crate::config::{Derived, DeviceConfig, Layout};
 use crate::job::Shared;
 use crate::metrics::{Stats, WorkerStats};
 use crate::route::Router;
@@ -30,7 +29,7 @@ impl StatsSource {
         router: &Router,
         cores: &[Option<usize>],
         shared: &Arc<Shared>,
-        devices: &[DeviceSummary],
+        devices: &[DeviceConfig],
         derived: &Derived,
     ) -> StatsSource {
         StatsSource {
