@@ -28,6 +28,7 @@ pub mod files;
 pub mod io;
 pub mod job;
 pub mod key;
+mod logs;
 pub mod metrics;
 pub mod region;
 mod route;

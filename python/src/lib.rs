@@ -742,6 +742,13 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     );
     d.set_item("load_latency", hist_dict(py, &s.load_latency_us)?)?;
     d.set_item("store_latency", hist_dict(py, &s.store_latency_us)?)?;
+    breakdown_into(py, &d, s)?;
+    stats_s3(py, &d, s)?;
+    Ok(d)
+}
+
+/// The breakdown of the flat counters: lookups by answer, jobs, and each device.
+fn breakdown_into<'py>(py: Python<'py>, d: &Bound<'py, PyDict>, s: &Stats) -> PyResult<()> {
     let lookups = PyDict::new(py);
     lookups.set_item("hit_nvme", s.lookups.hit_nvme)?;
     lookups.set_item("hit_s3", s.lookups.hit_s3)?;
@@ -780,6 +787,10 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
         devices.append(dd)?;
     }
     d.set_item("devices", devices)?;
+    Ok(())
+}
+
+fn stats_s3<'py>(py: Python<'py>, d: &Bound<'py, PyDict>, s: &Stats) -> PyResult<()> {
     match &s.s3 {
         None => d.set_item("s3", py.None())?,
         Some(s3) => {
@@ -806,11 +817,34 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
             d.set_item("s3", sd)?;
         }
     }
-    Ok(d)
+    Ok(())
+}
+
+/// kvtier's log lines on stderr: warnings and errors by default (a device marked failed, an
+/// object store that stops answering, recovery after a crash), `KVTIER_LOG` to choose (a
+/// `RUST_LOG`-style filter, e.g. `kvtier=info`), `KVTIER_LOG_FORMAT=json` for one JSON object
+/// per line. Left alone if the process already has a subscriber.
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let default = "warn,kvtier=warn,kvtier_sys=warn";
+    let filter = std::env::var("KVTIER_LOG")
+        .ok()
+        .and_then(|s| EnvFilter::try_new(s).ok())
+        .unwrap_or_else(|| EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false);
+    let _ = if std::env::var("KVTIER_LOG_FORMAT").as_deref() == Ok("json") {
+        builder.json().with_current_span(false).try_init()
+    } else {
+        builder.try_init()
+    };
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
     let py = m.py();
     m.add_class::<PyEngine>()?;
     m.add_class::<JobOutcome>()?;

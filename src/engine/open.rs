@@ -179,7 +179,16 @@ impl Engine {
     }
 
     fn log_ready(&self) {
-        let unroutable = self.stats().unroutable_entries;
+        let stats = self.stats();
+        let unroutable = stats.unroutable_entries;
+        if stats.torn_entries > 0 {
+            // One line after a crash: what recovery found and that nothing is to be done.
+            tracing::warn!(
+                recovered = stats.recovered_blocks,
+                torn = stats.torn_entries,
+                "recovered after an unclean stop (crash, kill or power loss): slot-table entries                  torn by it were dropped, their blocks are misses and are stored again by the                  next store; every recovered block is checksummed before it is served. Nothing                  to do"
+            );
+        }
         if unroutable > 0 {
             tracing::warn!(
                 blocks = unroutable,

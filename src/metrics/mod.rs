@@ -131,20 +131,18 @@ impl HistogramSnapshot {
     }
 }
 
-/// Histogram bounds exported to Prometheus, microseconds: two per power of two (×1 and ×1.5),
-/// 16 µs to 32 s. Each is a bucket edge of [`Histogram`], so the exported counts are exact.
-pub const EXPORT_BOUNDS_US: [u64; 43] = export_bounds();
+/// Histogram bounds exported to Prometheus, microseconds: four per power of two (×1, ×1.25,
+/// ×1.5, ×1.75: a quantile read from them is within 25 %), 16 µs to 32 s. Each is a bucket
+/// edge of [`Histogram`], so the exported counts are exact.
+pub const EXPORT_BOUNDS_US: [u64; 85] = export_bounds();
 
-const fn export_bounds() -> [u64; 43] {
-    let mut out = [0u64; 43];
+const fn export_bounds() -> [u64; 85] {
+    let mut out = [0u64; 85];
     let mut i = 0;
-    while i < 43 {
-        let exp = 4 + (i / 2) as u32;
-        out[i] = if i % 2 == 0 {
-            1 << exp
-        } else {
-            (1 << exp) + (1 << (exp - 1))
-        };
+    while i < 85 {
+        let exp = 4 + (i / 4) as u32;
+        // (4 + quarter) / 4 of 2^exp.
+        out[i] = (1 << exp) + (i as u64 % 4) * (1 << (exp - 2));
         i += 1;
     }
     out
@@ -683,6 +681,32 @@ impl Stats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn export_bounds_are_bucket_edges_so_cumulative_counts_are_exact() {
+        assert_eq!(EXPORT_BOUNDS_US[0], 16);
+        assert_eq!(&EXPORT_BOUNDS_US[..5], &[16, 20, 24, 28, 32]);
+        assert_eq!(EXPORT_BOUNDS_US[84], 1 << 25);
+        for &b in &EXPORT_BOUNDS_US {
+            assert_ne!(
+                bucket_of(b),
+                bucket_of(b - 1),
+                "{b} is the low edge of a bucket"
+            );
+        }
+        let h = Histogram::default();
+        let values: Vec<u64> = (0..5000u64).map(|i| i * i % 3_000_000).collect();
+        for &v in &values {
+            h.record(v);
+        }
+        let s = h.snapshot();
+        let below = s.cumulative_below(&EXPORT_BOUNDS_US);
+        for (&bound, &n) in EXPORT_BOUNDS_US.iter().zip(&below) {
+            let want = values.iter().filter(|&&v| v < bound).count() as u64;
+            assert_eq!(n, want, "below {bound} µs");
+        }
+        assert_eq!(s.sum_us(), values.iter().sum::<u64>());
+    }
 
     #[test]
     fn buckets_are_monotonic_and_cover_values() {

@@ -79,7 +79,13 @@ pub(crate) struct ObjectClient {
     pub metrics: Arc<S3Metrics>,
     pub closing: Arc<AtomicBool>,
     jitter: AtomicU64,
+    /// Consecutive operations that failed for good: one line when the store stops answering,
+    /// one when it answers again.
+    health: crate::logs::Health,
 }
+
+/// Operations failed in a row (each after its retries) before the store counts as down.
+const DOWN_AFTER_FAILURES: u32 = 5;
 
 impl ObjectClient {
     pub fn new(
@@ -103,6 +109,7 @@ impl ObjectClient {
             metrics,
             closing,
             jitter: AtomicU64::new(seed | 1),
+            health: crate::logs::Health::new(DOWN_AFTER_FAILURES),
         }
     }
 
@@ -168,8 +175,30 @@ impl ObjectClient {
             }
         };
         op.latency.record(started.elapsed().as_micros() as u64);
-        if let Err(Failure::Failed(_) | Failure::Checksum { .. } | Failure::Size { .. }) = &result {
-            op.errors.fetch_add(1, Relaxed);
+        match &result {
+            Err(Failure::Failed(cause)) => {
+                op.errors.fetch_add(1, Relaxed);
+                if self.health.failure() {
+                    tracing::error!(
+                        endpoint = %self.endpoint,
+                        bucket = %self.bucket,
+                        "the object store stopped answering: {DOWN_AFTER_FAILURES} operations                          in a row failed after their retries (last: {cause}). Loads of keys not                          on NVMe fail (vLLM recomputes them) and uploads are dropped until it                          answers; check s3.endpoint, the credentials and the network"
+                    );
+                }
+            }
+            Err(Failure::Checksum { .. } | Failure::Size { .. }) => {
+                op.errors.fetch_add(1, Relaxed);
+            }
+            Ok(_) => {
+                if self.health.success() {
+                    tracing::info!(
+                        endpoint = %self.endpoint,
+                        bucket = %self.bucket,
+                        "the object store answers again"
+                    );
+                }
+            }
+            Err(_) => {}
         }
         result
     }

@@ -46,6 +46,13 @@ use crate::Region;
 use client::{Failure, ObjectClient};
 use permits::{Class, Permits};
 
+/// Warnings that repeat for every request while the object store fails: at most 5 per 10 s
+/// each (the metrics count every one).
+static UPLOAD_WARNINGS: crate::logs::RateLimit =
+    crate::logs::RateLimit::new(5, std::time::Duration::from_secs(10));
+static LOOKUP_WARNINGS: crate::logs::RateLimit =
+    crate::logs::RateLimit::new(5, std::time::Duration::from_secs(10));
+
 /// The reactor threads' nice value when they share cores with NVMe workers.
 const REACTOR_NICE: i32 = 5;
 
@@ -433,7 +440,9 @@ impl ColdTier for S3Tier {
                             me.metrics
                                 .background_upload_failures
                                 .fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!("demotion upload failed: {detail}");
+                            if let Some(suppressed) = UPLOAD_WARNINGS.admit() {
+                                tracing::warn!(suppressed, "demotion upload failed: {detail}");
+                            }
                         }
                     }
                 } else {
@@ -610,7 +619,12 @@ impl Inner {
                             Ok(false) => Verdict::Absent,
                             Err(f) => {
                                 if !matches!(f, Failure::Closed) {
-                                    tracing::warn!("S3 lookup failed, answering miss: {f:?}");
+                                    if let Some(suppressed) = LOOKUP_WARNINGS.admit() {
+                                        tracing::warn!(
+                                            suppressed,
+                                            "S3 lookup failed, answering miss: {f:?}"
+                                        );
+                                    }
                                 }
                                 Verdict::Absent
                             }
@@ -756,7 +770,9 @@ impl Inner {
                         me.metrics
                             .background_upload_failures
                             .fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!("background upload failed: {detail}");
+                        if let Some(suppressed) = UPLOAD_WARNINGS.admit() {
+                            tracing::warn!(suppressed, "background upload failed: {detail}");
+                        }
                     }
                     me.upload_queue.add_permits(1);
                 });

@@ -181,7 +181,7 @@ pub(crate) struct Core<O> {
     failed: u64,
     /// Recent timeouts per device, oldest first (for marking a device failed).
     timeouts: Vec<VecDeque<Instant>>,
-    error_logs: u32,
+    error_log: crate::logs::RateLimit,
 }
 
 /// A device with this many timeouts within [`FAILURE_WINDOW_DEADLINES`] deadlines is marked
@@ -324,12 +324,11 @@ impl<O: LayoutOp> Core<O> {
         true
     }
 
-    /// Logs an I/O error, at most 20 times per worker and then every 1000th, so a dead device
-    /// cannot flood the log.
+    /// Logs an I/O error, at most 10 per 10 s per worker, so a dead device cannot flood the
+    /// log; a line after some were held back says how many (`suppressed`).
     pub fn log_error(&mut self, msg: &str) {
-        self.error_logs += 1;
-        if self.error_logs <= 20 || self.error_logs % 1000 == 0 {
-            tracing::error!(worker = self.id, count = self.error_logs, "{msg}");
+        if let Some(suppressed) = self.error_log.admit() {
+            tracing::error!(worker = self.id, suppressed, "{msg}");
         }
     }
 
@@ -435,7 +434,7 @@ impl<L: Layout> Worker<L> {
                 io_timeout: p.io_timeout,
                 failed: 0,
                 timeouts: Vec::new(),
-                error_logs: 0,
+                error_log: crate::logs::RateLimit::new(10, Duration::from_secs(10)),
             },
             layout,
             rx: p.rx,

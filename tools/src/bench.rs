@@ -129,6 +129,10 @@ pub struct BenchArgs {
         help = "Seconds per timed phase (load, mixed; load_alone runs half of it)"
     )]
     duration: f64,
+    /// Serve the engine's metrics on this address while it runs (as `[metrics] listen`; watch
+    /// with `kvtier stats --url http://ADDR/metrics`).
+    #[arg(long, value_name = "IP:PORT")]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// Also write the results as JSON to PATH, or to stdout with `-` (the table then goes to
     /// stderr).
     #[arg(long, value_name = "PATH|-")]
@@ -340,6 +344,9 @@ fn effective_config(args: &BenchArgs, scratch: Option<&Path>) -> CliResult<Confi
         }
     }
     config.region_blocks = (2 * u64::from(args.queue_depth)).max(REGION_BLOCKS_MIN);
+    if let Some(addr) = args.metrics_listen {
+        config.metrics.listen = Some(addr);
+    }
     config.validate()?;
     Ok(config)
 }

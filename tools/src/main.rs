@@ -15,6 +15,7 @@ mod cold;
 mod fio_compare;
 mod inspect;
 mod interrupt;
+mod live;
 mod output;
 mod probe;
 mod rng;
@@ -65,6 +66,9 @@ enum Command {
     Get(block::GetArgs),
     /// Store one block from a file of block_size bytes, through the engine.
     Put(block::PutArgs),
+    /// A live view of a running engine's metrics endpoint ([metrics] listen): GiB/s per tier,
+    /// hit rate, load p50/p99, queues and errors every second.
+    Stats(live::StatsArgs),
     /// Parse and validate a config file and print the effective config.
     ConfigCheck {
         /// The TOML config file.
@@ -87,6 +91,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect::run(&args),
         Command::Get(args) => block::get(&args),
         Command::Put(args) => block::put(&args),
+        Command::Stats(args) => live::run(&args),
         Command::ConfigCheck { file } => config_check(&file),
     };
     match outcome {
@@ -114,12 +119,28 @@ fn init_tracing(verbose: bool, engine_level: &str) {
         }),
         _ => EnvFilter::new(&default),
     };
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
-        .with_target(verbose)
-        .init();
+        .with_writer(std::io::stderr);
+    match std::env::var("KVTIER_LOG_FORMAT").as_deref() {
+        // One JSON object per line, for log shippers.
+        Ok("json") => builder.json().with_current_span(false).init(),
+        other => {
+            if let Ok(v) = other {
+                if v != "text" {
+                    eprintln!(
+                        "warning: KVTIER_LOG_FORMAT={v:?}: use \"json\" or \"text\"; using text"
+                    );
+                }
+            }
+            builder
+                .with_ansi(
+                    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none(),
+                )
+                .with_target(verbose)
+                .init();
+        }
+    }
 }
 
 /// `kvtier config-check FILE`: the effective config on stdout, or the error and exit 2.
