@@ -202,6 +202,46 @@ fn scrape_counts_exactly_the_work_done_on_two_real_devices() {
         10.0
     );
     drop(idle);
+    // Nor can a client that sends a byte now and then hold it: the whole request has a deadline.
+    let mut drip = TcpStream::connect(addr).expect("connect");
+    drip.set_read_timeout(Some(Duration::from_millis(300)))
+        .expect("timeout");
+    let mut cut = false;
+    for b in b"GET /metrics HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa" {
+        if drip.write_all(&[*b]).is_err() {
+            cut = true;
+            break;
+        }
+        // 300 ms per byte: the 60 bytes would take 18 s.
+        let mut one = [0u8; 1];
+        match drip.read(&mut one) {
+            Ok(0) => {
+                cut = true;
+                break;
+            }
+            Ok(_) => panic!("an answer to a request that was never finished"),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => {
+                cut = true;
+                break;
+            }
+        }
+    }
+    assert!(
+        cut,
+        "the server closed a connection that never finished its request"
+    );
+    assert_eq!(
+        value(
+            &scrape(addr),
+            r#"kvtier_jobs_total{op="store",result="ok"}"#
+        ),
+        10.0
+    );
 
     engine.shutdown();
     assert!(engine.metrics_addr().is_none());

@@ -478,6 +478,8 @@ def test_metrics_endpoint_parses_and_counts_the_work(tmp_path, layout):
 
     extra = {"metrics": {"listen": "127.0.0.1:0"}}
     cfg = slab_config(tmp_path, **extra) if layout == "slab" else files_config(tmp_path, **extra)
+    if layout == "files":
+        cfg["devices"][0]["capacity_bytes"] = 16 * 1024 * 1024 + 1000  # 256 whole blocks
     arr = region()
     arr[:4] = pattern(7, 4)
     with kvtier.Engine(cfg, arr) as e:
@@ -519,6 +521,10 @@ def test_metrics_endpoint_parses_and_counts_the_work(tmp_path, layout):
         assert _value(fams, "kvtier_device_bytes", "kvtier_device_bytes_total", device=dev,
                       op="read") == 3 * BLOCK
         assert sum(s.value for s in fams["kvtier_device_errors"].samples) == 0
+        capacity = _value(fams, "kvtier_device_capacity_bytes", "kvtier_device_capacity_bytes",
+                          device=dev)
+        slots = e.info()["devices"][0]["slots"] if layout == "slab" else 256
+        assert capacity == slots * BLOCK and 0 < slots <= 256
         assert _value(fams, "kvtier_info", "kvtier_info", layout=layout) == 1
     # Closed with the engine.
     with pytest.raises(OSError):

@@ -186,7 +186,10 @@ impl Engine {
             tracing::warn!(
                 recovered = stats.recovered_blocks,
                 torn = stats.torn_entries,
-                "recovered after an unclean stop (crash, kill or power loss): slot-table entries                  torn by it were dropped, their blocks are misses and are stored again by the                  next store; every recovered block is checksummed before it is served. Nothing                  to do"
+                "recovered after an unclean stop (crash, kill or power loss): slot-table entries \
+                 torn by it were dropped, their blocks are misses and are stored again by the \
+                 next store; every recovered block is checksummed before it is served. Nothing \
+                 to do"
             );
         }
         if unroutable > 0 {

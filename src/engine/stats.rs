@@ -20,6 +20,9 @@ pub(crate) struct StatsSource {
     pub cold: OnceLock<Arc<dyn ColdTier>>,
     /// The configured device paths, in config order.
     pub devices: Vec<String>,
+    /// Files layout: each directory's bound in blocks (`capacity_bytes`), if it has one. The
+    /// workers share a directory's bound rather than splitting it, so it is not theirs to count.
+    pub files_capacity_blocks: Vec<Option<u64>>,
     pub block_bytes: u64,
     pub layout: &'static str,
 }
@@ -44,6 +47,15 @@ impl StatsSource {
             devices: devices
                 .iter()
                 .map(|d| d.path.display().to_string())
+                .collect(),
+            files_capacity_blocks: devices
+                .iter()
+                .map(|d| {
+                    (d.layout == Layout::Files)
+                        .then_some(d.capacity_bytes)
+                        .flatten()
+                        .map(|c| c / derived.block_bytes)
+                })
                 .collect(),
             block_bytes: derived.block_bytes,
             layout: match derived.layout {
@@ -82,8 +94,16 @@ impl StatsSource {
             });
         }
         s.devices.truncate(self.devices.len().max(1));
-        for (d, path) in s.devices.iter_mut().zip(&self.devices) {
+        for ((d, path), cap) in s
+            .devices
+            .iter_mut()
+            .zip(&self.devices)
+            .zip(&self.files_capacity_blocks)
+        {
             d.path.clone_from(path);
+            if let Some(cap) = cap {
+                d.slots_total = *cap;
+            }
         }
         s.sum_devices();
         s.jobs = self.shared.metrics.jobs();

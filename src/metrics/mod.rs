@@ -132,7 +132,7 @@ impl HistogramSnapshot {
 }
 
 /// Histogram bounds exported to Prometheus, microseconds: four per power of two (×1, ×1.25,
-/// ×1.5, ×1.75: a quantile read from them is within 25 %), 16 µs to 32 s. Each is a bucket
+/// ×1.5, ×1.75: a quantile read from them is within 25 %), 16 µs to 2^25 µs (33.5 s). Each is a bucket
 /// edge of [`Histogram`], so the exported counts are exact.
 pub const EXPORT_BOUNDS_US: [u64; 85] = export_bounds();
 

@@ -1,7 +1,10 @@
 //! `GET /metrics` over HTTP/1.1 (`[metrics] listen`), from a thread of its own: never a
 //! worker's ring thread, never the S3 reactor. One connection at a time, each answered and
-//! closed; a request must arrive within [`READ_TIMEOUT`] and fit in [`REQUEST_MAX`] bytes, so a
-//! stuck or hostile client holds the endpoint for at most that long and costs no memory.
+//! closed; a whole request must arrive within [`READ_DEADLINE`] and fit in [`REQUEST_MAX`]
+//! bytes, and the answer must be taken within [`WRITE_DEADLINE`], so a stuck, slow or hostile
+//! client holds the endpoint for at most their sum and costs no memory. The thread waits for
+//! connections in `poll` with a timeout and checks the stop flag between them, so `stop`
+//! returns within [`POLL_INTERVAL`] plus one connection's deadlines.
 //!
 //! The body is Prometheus text (0.0.4), or OpenMetrics text when the scraper's `Accept` asks for
 //! `application/openmetrics-text` (as Prometheus itself does).
@@ -11,15 +14,16 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::engine::StatsSource;
 use crate::error::Error;
 use crate::metrics::render::{render, Format};
 
-const READ_TIMEOUT: Duration = Duration::from_secs(2);
-const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+const READ_DEADLINE: Duration = Duration::from_secs(2);
+const WRITE_DEADLINE: Duration = Duration::from_secs(5);
 const REQUEST_MAX: usize = 8192;
+const POLL_INTERVAL: Duration = Duration::from_millis(250);
 
 pub(crate) struct MetricsServer {
     addr: SocketAddr,
@@ -52,6 +56,10 @@ impl MetricsServer {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::Metrics(format!("metrics.listen = \"{addr}\": {e}")))?;
+        // Accepted only once poll says a connection waits; never blocks if it went away.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::Metrics(format!("metrics.listen = \"{addr}\": {e}")))?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
@@ -66,18 +74,10 @@ impl MetricsServer {
         self.addr
     }
 
-    /// Stops answering and joins the thread (within the timeouts of a connection being served).
+    /// Stops answering and joins the thread: within [`POLL_INTERVAL`], or the deadlines of a
+    /// connection being served.
     pub fn stop(self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the accept: a connection to ourselves (the thread sees the flag and exits).
-        let mut wake = self.addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(match wake {
-                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-            });
-        }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         if self.thread.join().is_err() {
             tracing::error!("the metrics thread panicked");
         }
@@ -85,12 +85,30 @@ impl MetricsServer {
 }
 
 fn serve(listener: &TcpListener, stop: &AtomicBool, source: &StatsSource) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
     let mut logged = 0u32;
-    for conn in listener.incoming() {
-        if stop.load(Ordering::Acquire) {
-            return;
+    let timeout = PollTimeout::try_from(POLL_INTERVAL).unwrap_or(PollTimeout::MAX);
+    while !stop.load(Ordering::Acquire) {
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, timeout) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!("metrics: poll on the listening socket failed: {}", e.desc());
+                std::thread::sleep(POLL_INTERVAL);
+                continue;
+            }
         }
-        let result = conn.and_then(|stream| answer(stream, source));
+        let result = match listener.accept() {
+            Ok((stream, _)) => answer(stream, source),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                // Out of file descriptors, say: do not spin on a listener that stays readable.
+                std::thread::sleep(POLL_INTERVAL);
+                Err(e)
+            }
+        };
         if let Err(e) = result {
             // A scraper that hangs up early, or a port scan: worth a line now and then only.
             logged += 1;
@@ -99,6 +117,14 @@ fn serve(listener: &TcpListener, stop: &AtomicBool, source: &StatsSource) {
             }
         }
     }
+}
+
+/// The time left before `deadline`, or a timed-out error.
+fn left(deadline: Instant) -> std::io::Result<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::TimedOut))
 }
 
 /// What a request asks for.
@@ -149,8 +175,8 @@ pub(crate) fn parse_request(head: &[u8]) -> Request {
 }
 
 fn answer(mut stream: TcpStream, source: &StatsSource) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(READ_TIMEOUT))?;
-    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    stream.set_nonblocking(false)?;
+    let read_by = Instant::now() + READ_DEADLINE;
     let mut buf = vec![0u8; REQUEST_MAX];
     let mut len = 0;
     let end = loop {
@@ -160,6 +186,7 @@ fn answer(mut stream: TcpStream, source: &StatsSource) -> std::io::Result<()> {
         if len == buf.len() {
             break None;
         }
+        stream.set_read_timeout(Some(left(read_by)?))?;
         let n = stream.read(&mut buf[len..])?;
         if n == 0 {
             // Closed before a whole request (the wake-up connection of `stop`, or a probe).
@@ -206,8 +233,18 @@ fn answer(mut stream: TcpStream, source: &StatsSource) -> std::io::Result<()> {
     if !head {
         out.extend_from_slice(body.as_bytes());
     }
-    stream.write_all(&out)?;
-    stream.flush()
+    let write_by = Instant::now() + WRITE_DEADLINE;
+    let mut sent = 0;
+    while sent < out.len() {
+        stream.set_write_timeout(Some(left(write_by)?))?;
+        match stream.write(&out[sent..]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

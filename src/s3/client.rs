@@ -182,7 +182,10 @@ impl ObjectClient {
                     tracing::error!(
                         endpoint = %self.endpoint,
                         bucket = %self.bucket,
-                        "the object store stopped answering: {DOWN_AFTER_FAILURES} operations                          in a row failed after their retries (last: {cause}). Loads of keys not                          on NVMe fail (vLLM recomputes them) and uploads are dropped until it                          answers; check s3.endpoint, the credentials and the network"
+                        "the object store stopped answering: {DOWN_AFTER_FAILURES} operations \
+                         in a row failed after their retries (last: {cause}). Loads of keys not \
+                         on NVMe fail (vLLM recomputes them) and uploads are dropped until it \
+                         answers; check s3.endpoint, the credentials and the network"
                     );
                 }
             }

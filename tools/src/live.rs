@@ -350,9 +350,19 @@ pub(crate) fn run(args: &StatsArgs) -> CliResult<ExitCode> {
     };
     let interval = Duration::from_millis(args.interval_ms);
     let started = Instant::now();
-    let stop_at = args
-        .duration
-        .map(|s| started + Duration::from_secs_f64(s.max(0.0)));
+    let stop_at = match args.duration {
+        None => None,
+        Some(s) => Some(
+            Duration::try_from_secs_f64(s)
+                .ok()
+                .and_then(|d| started.checked_add(d))
+                .ok_or_else(|| {
+                    CliError::usage(format!(
+                        "--duration {s}: a number of seconds, at least 0 (and not absurdly large)"
+                    ))
+                })?,
+        ),
+    };
     crate::interrupt::install();
     let mut prev = scrape()?;
     let mut seen = Vec::new();
