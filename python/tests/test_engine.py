@@ -541,3 +541,28 @@ def test_metrics_listen_errors_are_clear(tmp_path):
             kvtier.Engine(cfg, region())
     with pytest.raises(kvtier.ConfigError, match=r"metrics.listen.*localhost:1.*127.0.0.1:9464"):
         kvtier.Engine(slab_config(tmp_path, metrics={"listen": "localhost:1"}), arr)
+
+
+def test_logs_reach_stderr_as_json_lines(tmp_path):
+    """The module logs kvtier's warnings to stderr; KVTIER_LOG_FORMAT=json makes each line one
+    JSON object (here: the warning that a files directory has no capacity bound)."""
+    import json
+
+    cfg = files_config(tmp_path)
+    code = (
+        "import json, sys, numpy as np, kvtier\n"
+        "cfg = json.loads(sys.argv[1])\n"
+        "r = np.frombuffer(kvtier.allocate_region(4, cfg['block_size']), dtype=np.uint8)\n"
+        "with kvtier.Engine(cfg, r.reshape(4, -1)):\n"
+        "    pass\n"
+    )
+    env = dict(os.environ, KVTIER_LOG_FORMAT="json")
+    env.pop("KVTIER_LOG", None)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stderr.splitlines() if line.strip()]
+    assert any(rec["level"] == "WARN" and "grows without bound" in rec["fields"]["message"]
+               for rec in lines), out.stderr
+    # The default level is warnings: no info lines.
+    assert all(rec["level"] in ("WARN", "ERROR") for rec in lines), out.stderr
