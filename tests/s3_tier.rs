@@ -159,6 +159,29 @@ fn write_through_uploads_exact_bytes_under_vllm_object_names() {
     assert_eq!(s3.put.bytes, 3 * BLOCK);
     assert_eq!(s3.put.errors, 0);
     assert!(s3.put.latency_us.count() == 3);
+    // The same figures in the metrics text, per tier and per S3 operation.
+    let text = engine.metrics_text();
+    let block = BLOCK.to_string();
+    for line in [
+        r#"kvtier_s3_requests_total{op="put"} 3"#.to_owned(),
+        r#"kvtier_s3_errors_total{op="put"} 0"#.to_owned(),
+        r#"kvtier_s3_request_seconds_count{op="put"} 3"#.to_owned(),
+        format!(
+            r#"kvtier_moved_bytes_total{{tier="s3",op="store"}} {}"#,
+            3 * BLOCK
+        ),
+        format!(
+            r#"kvtier_moved_bytes_total{{tier="nvme",op="store"}} {}"#,
+            3 * BLOCK
+        ),
+        r#"kvtier_jobs_total{op="store",result="ok"} 1"#.to_owned(),
+        format!(r#"kvtier_info{{version="0.1.0",layout="slab",block_bytes="{block}"}} 1"#),
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
+    }
 }
 
 #[test]
@@ -192,6 +215,25 @@ fn lookup_is_pending_then_hit_or_miss_and_s3_only_keys_load_and_promote() {
     let s3 = engine.stats().s3.expect("s3 stats");
     assert_eq!(s3.promotions, 3);
     assert_eq!(s3.get.bytes, 3 * BLOCK);
+    let text = engine.metrics_text();
+    for line in [
+        r#"kvtier_s3_promotions_total{result="ok"} 3"#,
+        r#"kvtier_s3_requests_total{op="head"} 3"#,
+        r#"kvtier_lookups_total{answer="hit_s3"} 2"#,
+        r#"kvtier_lookups_total{answer="miss"} 1"#,
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
+    }
+    // Pending at least once per key of the first lookup, and once per poll while pending.
+    let pending: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"kvtier_lookups_total{answer="pending"} "#))
+        .and_then(|v| v.parse().ok())
+        .expect("a pending count");
+    assert!(pending >= 3, "{pending}");
     drop(server);
     let r = load(&engine, &region, 8, &[3, 1]);
     assert!(r.success, "{r:?}");

@@ -447,10 +447,13 @@ impl ColdTier for S3Tier {
                     }
                 } else {
                     me.metrics.demotions_dropped.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        key = %key.to_hex(),
-                        "an evicted block does not match its crc32c: not demoted"
-                    );
+                    if let Some(suppressed) = UPLOAD_WARNINGS.admit() {
+                        tracing::warn!(
+                            key = %key.to_hex(),
+                            suppressed,
+                            "an evicted block does not match its crc32c: not demoted"
+                        );
+                    }
                 }
                 me.upload_queue.add_permits(1);
             });
