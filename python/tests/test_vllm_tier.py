@@ -316,6 +316,15 @@ def test_orchestrator_cascade_and_promotion(vllm, spec, tmp_path):
         assert reduced["vllm:kv_offload_kvtier_queued_blocks:('KvtierTierManager', 'store')"] == 0
         assert not any(k.startswith("vllm:kv_offload_kvtier_s3_") for k in reduced)
         assert "vllm:kv_offload_kvtier_s3_requests" in type(tier).build_metric_definitions({})
+        # Rendered the way vLLM's OffloadPromMetrics does (one prometheus_client metric per
+        # definition, labels = vLLM's engine labels + the definition's), the payload is valid
+        # Prometheus text with kvtier's labels in place.
+        text = _render_like_vllm(type(tier).build_metric_definitions({}), stats)
+        from prometheus_client.parser import text_string_to_metric_families
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        (s,) = [s for s in fams["vllm:kv_offload_kvtier_device_used_bytes"].samples]
+        assert s.labels["engine"] == "0" and s.labels["tier"] == "KvtierTierManager"
+        assert s.labels["device"] and s.value == 3 * BLOCK
         # A second payload carries only what moved since (counters are deltas).
         again = mgr.get_stats().reduce()
         assert "vllm:kv_offload_kvtier_lookups:('KvtierTierManager', 'hit_nvme')" not in again
@@ -328,6 +337,41 @@ def test_orchestrator_cascade_and_promotion(vllm, spec, tmp_path):
         assert set(type(tier).config_info_keys({})) <= set(infos[1])
     finally:
         orch.shutdown()
+
+
+def _render_like_vllm(defs, stats):
+    """vLLM's OffloadPromMetrics.observe, on a registry of its own: checks each payload entry
+    has as many label values as its definition has label names (vLLM asserts it), and returns
+    the Prometheus text."""
+    import prometheus_client as pc
+
+    registry = pc.CollectorRegistry()
+    made = {}
+    for name, md in defs.items():
+        kind = type(md).__name__
+        labels = ["engine", *md.labelnames]
+        if kind == "OffloadingCounterMetadata":
+            made[name] = pc.Counter(name, md.documentation, labels, registry=registry)
+        elif kind == "OffloadingGaugeMetadata":
+            made[name] = pc.Gauge(name, md.documentation, labels, registry=registry)
+        else:
+            made[name] = pc.Histogram(name, md.documentation, labels, registry=registry,
+                                      buckets=md.buckets)
+    types, values = stats.metric_sections()
+    for name, by_labels in values.items():
+        if not name.startswith("vllm:kv_offload_kvtier_"):
+            continue  # the manager's and the CPU tier's own
+        for labelvalues, value in by_labels.items():
+            assert len(labelvalues) == len(defs[name].labelnames), (name, labelvalues)
+            m = made[name].labels("0", *labelvalues)
+            if types[name] == "counter":
+                m.inc(value)
+            elif types[name] == "gauge":
+                m.set(value)
+            else:
+                for v in value:
+                    m.observe(v)
+    return pc.generate_latest(registry).decode()
 
 
 def _store_rows(vllm, tier, primary, keys, data, job_id):
