@@ -130,3 +130,91 @@ fn soak_with_faults_never_serves_wrong_bytes() {
     }
     assert!(served > 0, "seed {seed}: something survived the restart");
 }
+
+/// Failure isolation: with two devices, one answering every request with EIO leaves the other
+/// fully working (loads and stores, byte-exact), its keys fail with the device's errno, the
+/// per-device error counters say which device, and once it works again it serves and stores.
+#[test]
+fn a_failing_device_leaves_the_other_fully_working() {
+    let sim = SimStorage::new(11, &[16 << 20, 16 << 20]);
+    let cfg = sim_config(2, 2);
+    let region = region(64);
+    let engine = open_sim(&cfg, &region, &sim);
+    let ids: Vec<u64> = (0..32).collect();
+    assert!(store(&engine, &region, 1, &ids).success);
+    let on = |d: usize| -> Vec<u64> {
+        ids.iter()
+            .copied()
+            .filter(|&i| key(i).device(2) == d)
+            .collect()
+    };
+    let (dev0, dev1) = (on(0), on(1));
+    assert!(!dev0.is_empty() && !dev1.is_empty());
+
+    sim.fail_device(0, true);
+    // Loads: every key of device 1 arrives byte-exact; every key of device 0 fails with EIO.
+    let r = load(&engine, &region, 2, &ids);
+    let failed: Vec<u64> = r.failures.iter().map(|f| ids[f.key_index]).collect();
+    assert_eq!(failed, dev0, "exactly device 0's keys fail");
+    for f in &r.failures {
+        assert_eq!(f.reason, KeyFailure::Io(kvtier::Errno::EIO), "{f:?}");
+    }
+    for (b, &id) in ids.iter().enumerate() {
+        if key(id).device(2) == 1 {
+            assert!(
+                holds(&region, b as u32, id),
+                "device 1 key {id} loads byte-exact"
+            );
+        }
+    }
+    // Stores: new keys of device 1 are stored and load back; device 0's fail.
+    let fresh: Vec<u64> = (100..140).collect();
+    let r = store(&engine, &region, 3, &fresh);
+    let failed: Vec<u64> = r.failures.iter().map(|f| fresh[f.key_index]).collect();
+    let fresh0: Vec<u64> = fresh
+        .iter()
+        .copied()
+        .filter(|&i| key(i).device(2) == 0)
+        .collect();
+    let fresh1: Vec<u64> = fresh
+        .iter()
+        .copied()
+        .filter(|&i| key(i).device(2) == 1)
+        .collect();
+    assert_eq!(failed, fresh0, "exactly device 0's stores fail");
+    assert!(load(&engine, &region, 4, &fresh1).success);
+    for (b, &id) in fresh1.iter().enumerate() {
+        assert!(holds(&region, b as u32, id));
+    }
+    assert_eq!(
+        engine.lookup(&fresh0.iter().map(|&i| key(i)).collect::<Vec<_>>()),
+        vec![Lookup::Miss; fresh0.len()],
+        "a failed store is not a hit"
+    );
+    // The counters name the device.
+    let s = engine.stats();
+    assert!(
+        s.devices[0].errors[0] >= (dev0.len() + fresh0.len()) as u64,
+        "{:?}",
+        s.devices[0]
+    );
+    assert_eq!(s.devices[1].io_errors(), 0);
+    let text = engine.metrics_text();
+    assert!(text.contains(r#"kvtier_device_errors_total{device="sim1",class="io"} 0"#));
+    assert!(!text.contains(r#"kvtier_device_errors_total{device="sim0",class="io"} 0"#));
+
+    // Working again: device 0 stores and serves.
+    sim.fail_device(0, false);
+    assert!(store(&engine, &region, 5, &fresh0).success);
+    assert!(load(&engine, &region, 6, &fresh0).success);
+    for (b, &id) in fresh0.iter().enumerate() {
+        assert!(holds(&region, b as u32, id));
+    }
+    // A key whose load failed is served again, or is a miss: never other bytes.
+    let r = load(&engine, &region, 7, &dev0);
+    for (b, &id) in dev0.iter().enumerate() {
+        if !r.failures.iter().any(|f| f.key_index == b) {
+            assert!(holds(&region, b as u32, id));
+        }
+    }
+}

@@ -119,6 +119,8 @@ struct State {
     paused: AtomicBool,
     /// Devices (bit i = device i) that accept requests and never complete them.
     hung: AtomicU64,
+    /// Devices (bit i = device i) that answer every request with EIO.
+    failing: AtomicU64,
     log: Mutex<Vec<LogEntry>>,
     log_enabled: AtomicBool,
     /// Completed writes not yet durable, oldest first (`None`: not tracking).
@@ -159,6 +161,7 @@ impl SimStorage {
                 crashed: AtomicBool::new(false),
                 paused: AtomicBool::new(false),
                 hung: AtomicU64::new(0),
+                failing: AtomicU64::new(0),
                 log: Mutex::new(Vec::new()),
                 log_enabled: AtomicBool::new(false),
                 journal: Mutex::new(None),
@@ -182,6 +185,16 @@ impl SimStorage {
             self.state.hung.fetch_or(bit, Ordering::SeqCst);
         } else {
             self.state.hung.fetch_and(!bit, Ordering::SeqCst);
+        }
+    }
+
+    /// Makes `device` answer every request (data and slot table) with EIO, or work again.
+    pub fn fail_device(&self, device: usize, failing: bool) {
+        let bit = 1u64 << device;
+        if failing {
+            self.state.failing.fetch_or(bit, Ordering::SeqCst);
+        } else {
+            self.state.failing.fetch_and(!bit, Ordering::SeqCst);
         }
     }
 
@@ -491,6 +504,9 @@ impl SimBackend {
         let region = Arc::clone(&self.buffers[req.buf.region as usize]);
         let dev = req.device as usize;
         let faulty = !(f.data_only && req.class == IoClass::Meta);
+        if self.state.failing.load(Ordering::SeqCst) & (1u64 << dev) != 0 {
+            return -(Errno::EIO as i32);
+        }
         if req.kind == IoKind::Write {
             if self.state.crashed.load(Ordering::SeqCst) {
                 return self.tear(req, &region);
