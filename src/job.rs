@@ -287,16 +287,14 @@ impl JobState {
     }
 
     /// Keeps the lease past the publication of the result, for an I/O still in flight after
-    /// its deadline; [`JobState::release_hold`] when it completes (or never, if it never does).
+    /// its deadline; [`JobState::release_lease_ref`] when it completes (or never, if it never does).
     pub fn hold_lease(&self) {
         self.lease_refs.fetch_add(1, Ordering::AcqRel);
     }
 
-    pub fn release_hold(&self) {
-        self.drop_lease_ref();
-    }
-
-    fn drop_lease_ref(&self) {
+    /// Drops one reference on the lease (the result's publication, or a hold); the last one
+    /// releases it.
+    pub fn release_lease_ref(&self) {
         if self.lease_refs.fetch_sub(1, Ordering::AcqRel) == 1 {
             if let (true, Some(lease)) = (self.owns_lease, &self.lease) {
                 lease.release();
@@ -407,7 +405,7 @@ impl JobState {
         };
         // Before anyone can see the result: the caller may touch the blocks then (unless an
         // I/O past its deadline still holds them).
-        self.drop_lease_ref();
+        self.release_lease_ref();
         let then = self
             .then
             .lock()

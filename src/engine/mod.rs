@@ -578,7 +578,7 @@ impl Engine {
     /// Every counter now in the Prometheus text format (version 0.0.4): what `GET /metrics`
     /// serves (`[metrics] listen`). Families are listed in [`crate::metrics::render`].
     pub fn metrics_text(&self) -> String {
-        crate::metrics::render::render(&self.stats(), crate::metrics::render::Format::Prometheus)
+        crate::metrics::render::render(self.stats(), crate::metrics::render::Format::Prometheus)
     }
 
     /// The address the metrics endpoint listens on (the port chosen when `listen` had port 0);

@@ -63,10 +63,10 @@ impl Format {
     }
 }
 
-/// `stats` as text in `format`.
-pub fn render(stats: &Stats, format: Format) -> String {
+/// `stats` as text in `format` (the snapshot moves into the collector: no copy).
+pub fn render(stats: Stats, format: Format) -> String {
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(Snapshot(stats.clone())));
+    registry.register_collector(Box::new(Snapshot(stats)));
     let mut out = String::new();
     let r = match format {
         Format::Prometheus => {
@@ -613,7 +613,7 @@ mod tests {
 
     #[test]
     fn prometheus_text_has_families_labels_and_exact_histogram() {
-        let text = render(&sample(), Format::Prometheus);
+        let text = render(sample(), Format::Prometheus);
         for line in [
             "kvtier_blocks_total{op=\"load\",result=\"ok\"} 7",
             "kvtier_device_errors_total{device=\"/dev/nvme0n1\",class=\"io\"} 2",
@@ -642,7 +642,7 @@ mod tests {
     fn openmetrics_text_ends_with_eof_and_escapes_labels() {
         let mut s = sample();
         s.devices[0].path = "/data/a \"b\"\\c".into();
-        let text = render(&s, Format::OpenMetrics);
+        let text = render(s, Format::OpenMetrics);
         assert!(text.ends_with("# EOF\n"));
         assert!(
             text.contains(r#"device="/data/a \"b\"\\c""#),
@@ -656,7 +656,7 @@ mod tests {
     fn files_directory_without_cap_has_no_capacity_series() {
         let mut s = sample();
         s.devices[0].slots_total = 0;
-        let text = render(&s, Format::Prometheus);
+        let text = render(s, Format::Prometheus);
         assert!(!text.contains("kvtier_device_capacity_bytes{"));
         assert!(text.contains("kvtier_device_used_bytes{"));
     }

@@ -202,7 +202,7 @@ fn answer(mut stream: TcpStream, source: &StatsSource) -> std::io::Result<()> {
         Request::Metrics { head, format } => (
             "200 OK",
             format.content_type(),
-            render(&source.stats(), format),
+            render(source.stats(), format),
             head,
         ),
         Request::NotFound => (

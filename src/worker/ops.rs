@@ -61,7 +61,7 @@ impl<T: TableOp> OpTable<T> {
         self.ops[i].clear();
         // The kernel is done with the op's buffers: the leases it kept can go.
         for job in self.holds[i].drain(..) {
-            job.release_hold();
+            job.release_lease_ref();
         }
         self.free.push(idx);
     }
