@@ -96,6 +96,21 @@ pub enum Layout {
     Files,
 }
 
+/// What a device path is used as (`[[devices]] kind`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    /// Judged from the path: NVMe passthrough for an NVMe generic device (`/dev/ngXnY`), the
+    /// block layer for a block device, a slab file for a regular file.
+    #[default]
+    Auto,
+    /// NVMe passthrough: the path is `/dev/ngXnY`, or `/dev/nvmeXnY`, whose generic device is
+    /// used. Falls back to the block device, with a warning, where passthrough is unavailable.
+    Nvme,
+    /// Through the block layer even for `/dev/ngXnY` (its block device `/dev/nvmeXnY` is used).
+    Block,
+}
+
 /// Locality tag carried by emitted events; spelt in upper case, as vLLM spells it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "UPPERCASE")]
@@ -129,6 +144,17 @@ impl Named for DirectIo {
             Self::Required => "required",
             Self::Auto => "auto",
             Self::Off => "off",
+        }
+    }
+}
+
+impl Named for DeviceKind {
+    const ALL: &'static [Self] = &[Self::Auto, Self::Nvme, Self::Block];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Nvme => "nvme",
+            Self::Block => "block",
         }
     }
 }
@@ -193,7 +219,7 @@ macro_rules! display_by_name {
         }
     )*};
 }
-display_by_name!(SyncMode, HugePages, DirectIo, Layout, Locality);
+display_by_name!(SyncMode, HugePages, DirectIo, Layout, DeviceKind, Locality);
 
 /// The CPUs worker threads are pinned to: one worker per listed CPU.
 ///
@@ -498,6 +524,8 @@ pub struct MetricsConfig {
 pub struct DeviceConfig {
     pub path: PathBuf,
     pub layout: Layout,
+    /// How the path is used (NVMe passthrough or the block layer); `auto` judges by the path.
+    pub kind: DeviceKind,
     /// Needed to create a file that does not exist yet.
     #[serde(
         serialize_with = "serialize_size_opt",
@@ -514,6 +542,7 @@ impl DeviceConfig {
         DeviceConfig {
             path: path.into(),
             layout: Layout::Slab,
+            kind: DeviceKind::Auto,
             capacity_bytes: None,
             overwrite: false,
         }

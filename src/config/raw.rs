@@ -7,9 +7,10 @@ use serde::Deserialize;
 use toml::Value;
 
 use super::{
-    invalid, parse_size, Config, ConfigError, Cores, DeviceConfig, EventsConfig, FilesConfig,
-    Layout, MetricsConfig, Named, S3Config, S3Write, SchedulerConfig, Secret, SyncMode, WriteAck,
-    AT_LEAST_ONE, BOOL_FORMS, CORES_FORMS, CPU_FORMS, PATH_FORMS, RING_ENTRIES_FORMS, SIZE_FORMS,
+    invalid, parse_size, Config, ConfigError, Cores, DeviceConfig, DeviceKind, EventsConfig,
+    FilesConfig, Layout, MetricsConfig, Named, S3Config, S3Write, SchedulerConfig, Secret,
+    SyncMode, WriteAck, AT_LEAST_ONE, BOOL_FORMS, CORES_FORMS, CPU_FORMS, PATH_FORMS,
+    RING_ENTRIES_FORMS, SIZE_FORMS,
 };
 
 // Raw stage: the same keys as the typed structs, each leaf kept as the TOML value written, so
@@ -316,6 +317,7 @@ pub(super) struct RawMetrics {
 pub(super) struct RawDevice {
     path: Option<Value>,
     layout: Option<Value>,
+    kind: Option<Value>,
     capacity_bytes: Option<Value>,
     overwrite: Option<Value>,
 }
@@ -505,6 +507,7 @@ pub(super) fn device_from_raw(prefix: &str, raw: RawDevice) -> Result<DeviceConf
     Ok(DeviceConfig {
         path,
         layout: choice_or(&format!("{prefix}.layout"), raw.layout, Layout::Slab)?,
+        kind: choice_or(&format!("{prefix}.kind"), raw.kind, DeviceKind::Auto)?,
         capacity_bytes: raw
             .capacity_bytes
             .map(|value| size_from_value(&format!("{prefix}.capacity_bytes"), &value))

@@ -397,6 +397,7 @@ fn toml_round_trip() {
     config.devices.push(DeviceConfig {
         path: "/dev/nvme1n1".into(),
         layout: Layout::Slab,
+        kind: DeviceKind::Nvme,
         capacity_bytes: Some(20_000_000),
         overwrite: true,
     });
@@ -460,6 +461,7 @@ fn enum_names_match_serde() {
     check::<HugePages>();
     check::<DirectIo>();
     check::<Layout>();
+    check::<DeviceKind>();
     check::<Locality>();
 }
 

@@ -5,9 +5,9 @@ use std::path::Path;
 
 use super::{
     ensure, invalid, show_path, show_size, store_chunk_bytes, validate_cores, Config, ConfigError,
-    Derived, DeviceConfig, Layout, Named, RawConfig, S3Write, ALIGN_BYTES, AT_LEAST_ONE,
-    BLOCK_SIZE_FORMS, BLOCK_SIZE_MAX, DEMOTION_STAGING_BLOCKS, DEVICE_CAPACITY_MIN, GIB,
-    PATH_FORMS, REGION_BYTES_MAX, REGISTERED_PIECE_MAX, RING_ENTRIES_FORMS, RING_ENTRIES_MAX,
+    Derived, DeviceConfig, DeviceKind, Layout, Named, RawConfig, S3Write, ALIGN_BYTES,
+    AT_LEAST_ONE, BLOCK_SIZE_FORMS, BLOCK_SIZE_MAX, DEMOTION_STAGING_BLOCKS, DEVICE_CAPACITY_MIN,
+    GIB, PATH_FORMS, REGION_BYTES_MAX, REGISTERED_PIECE_MAX, RING_ENTRIES_FORMS, RING_ENTRIES_MAX,
     RING_ENTRIES_MIN,
 };
 
@@ -215,6 +215,14 @@ impl Config {
                     format!("devices[{index}].path"),
                     show_path(&device.path),
                     format!("a path no other device uses (devices[{earlier}] has it)"),
+                ));
+            }
+            if device.layout == Layout::Files && device.kind != DeviceKind::Auto {
+                return Err(invalid(
+                    format!("devices[{index}].kind"),
+                    device.kind,
+                    "\"auto\" with layout = \"files\" (a files directory is not an NVMe \
+                     namespace; kind = \"nvme\" and \"block\" are for slab devices)",
                 ));
             }
             if device.layout == Layout::Files && self.files.is_none() {

@@ -34,6 +34,9 @@ use ioctl::{blkgetsize64, blksszget};
 pub enum FileKind {
     Regular,
     BlockDevice,
+    /// An NVMe namespace's generic character device (`/dev/ngXnY`): no `read`/`write`, only
+    /// passthrough commands ([`crate::nvme`]).
+    NvmeGeneric,
 }
 
 /// How to open a [`DeviceFile`].
@@ -86,6 +89,8 @@ impl DeviceFile {
             FileKind::BlockDevice
         } else if meta.file_type().is_file() {
             FileKind::Regular
+        } else if crate::nvme::generic_name(path).is_some() {
+            FileKind::NvmeGeneric
         } else {
             return Err(Errno::EINVAL);
         };
@@ -110,9 +115,11 @@ impl DeviceFile {
         &self.path
     }
 
-    /// Size in bytes: `st_size` for files, the `BLKGETSIZE64` ioctl for block devices.
+    /// Size in bytes: `st_size` for files, the `BLKGETSIZE64` ioctl for block devices (ENOTTY
+    /// for an NVMe generic device: its size is in [`crate::nvme::Geometry`]).
     pub fn size_bytes(&self) -> Result<u64, Errno> {
         match self.kind {
+            FileKind::NvmeGeneric => Err(Errno::ENOTTY),
             FileKind::Regular => Ok(self.file.metadata().map_err(|e| errno_of(&e))?.len()),
             FileKind::BlockDevice => {
                 let mut size = 0_u64;
@@ -129,6 +136,7 @@ impl DeviceFile {
     /// alignment from statx, or 512 where the kernel does not report it.
     pub fn logical_block_bytes(&self) -> Result<u32, Errno> {
         match self.kind {
+            FileKind::NvmeGeneric => Err(Errno::ENOTTY),
             FileKind::Regular => Ok(self.dio_alignment().map_or(512, |a| a.offset_align)),
             FileKind::BlockDevice => {
                 let mut size: libc::c_int = 0;

@@ -27,6 +27,7 @@ pub mod dir;
 pub mod eventfd;
 pub mod file;
 pub mod mem;
+pub mod nvme;
 pub mod probe;
 pub mod ring;
 pub mod shared;

@@ -273,6 +273,7 @@ fn sqpoll_ring_round_trips_or_falls_back() {
         sqpoll: true,
         sqpoll_idle_ms: 10,
         iopoll: false,
+        big_entries: false,
     };
     let Ok(mut ring) = Ring::new(&cfg) else {
         println!("SKIP: io_uring unavailable");

@@ -9,9 +9,10 @@
 
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use kvtier_sys::file::{DeviceFile, FileKind, OpenOptions};
+use kvtier_sys::nvme::Namespace;
 use kvtier_sys::ring::{ioprio, IoprioClass, Ring, RingConfig};
 
 use crate::config::{DeviceConfig, DirectIo};
@@ -25,81 +26,100 @@ use crate::Errno;
 /// Bytes written per call while pre-writing a new file.
 const PREWRITE_CHUNK_BYTES: usize = 8 << 20;
 
+mod nvme;
+
+/// An open device: a file or block device, or an NVMe namespace driven by passthrough.
+#[derive(Clone)]
+struct Opened {
+    file: Arc<DeviceFile>,
+    nvme: Option<Arc<Namespace>>,
+}
+
 /// Devices opened through the kernel.
 #[derive(Default)]
 pub struct KernelStorage {
-    files: RwLock<Vec<Option<Arc<DeviceFile>>>>,
+    devices: RwLock<Vec<Option<Opened>>>,
+    /// Whether this kernel's io_uring has `URING_CMD` (asked once).
+    uring_cmd: OnceLock<bool>,
 }
 
 impl KernelStorage {
-    fn file(&self, index: usize) -> Result<Arc<DeviceFile>> {
-        self.files
+    fn device(&self, index: usize) -> Result<Opened> {
+        self.devices
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(index)
             .and_then(Clone::clone)
             .ok_or_else(|| Error::Worker(format!("device {index} is not open")))
     }
-}
 
-fn errno_msg(what: &str, e: Errno) -> String {
-    format!("{what}: {} ({e})", e.desc())
-}
+    fn uring_cmd(&self) -> bool {
+        *self.uring_cmd.get_or_init(|| {
+            let cfg = RingConfig {
+                entries: 4,
+                big_entries: true,
+                ..RingConfig::default()
+            };
+            Ring::new(&cfg).is_ok_and(|ring| ring.supports_uring_cmd())
+        })
+    }
 
-fn open_file(path: &Path, create: bool, direct: DirectIo) -> Result<DeviceFile> {
-    let want_direct = direct != DirectIo::Off;
-    let opts = OpenOptions {
-        create,
-        direct: want_direct,
-        read_only: false,
-    };
-    match DeviceFile::open(path, opts) {
-        Ok(f) => Ok(f),
-        Err(Errno::EINVAL) if want_direct && direct == DirectIo::Auto => {
-            tracing::warn!(
-                path = %path.display(),
-                "the filesystem refuses O_DIRECT: falling back to buffered I/O (direct_io = \"auto\"); \
-                 loads and stores now go through the page cache"
-            );
-            DeviceFile::open(path, OpenOptions { create, direct: false, read_only: false })
-                .map_err(|e| Error::device(path, errno_msg("open", e)))
+    fn keep(&self, index: usize, opened: Opened) {
+        let mut devices = self
+            .devices
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if devices.len() <= index {
+            devices.resize(index + 1, None);
         }
-        Err(Errno::EINVAL) if want_direct => Err(Error::device(
-            path,
-            "the filesystem refuses O_DIRECT (ramfs, some FUSE and network filesystems do); \
-             set direct_io = \"auto\" to fall back to buffered I/O, or use a path on ext4/xfs/a block device",
-        )),
-        Err(e) => Err(Error::device(path, errno_msg("open", e))),
-    }
-}
-
-/// Writes zeros over `[from, to)` so that later reads hit real, written extents.
-fn prewrite(file: &DeviceFile, from: u64, to: u64) -> Result<()> {
-    let zeros = Region::allocate(PREWRITE_CHUNK_BYTES, kvtier_sys::mem::HugePages::Off)
-        .map_err(|e| Error::Memory(e.to_string()))?;
-    let mut at = from;
-    while at < to {
-        let len = (to - at).min(PREWRITE_CHUNK_BYTES as u64) as usize;
-        file.write_all_at(at, &zeros, 0, len)
-            .map_err(|e| Error::device(file.path(), errno_msg("pre-writing", e)))?;
-        at += len as u64;
-    }
-    Ok(())
-}
-
-impl Storage for KernelStorage {
-    fn supports_files(&self) -> bool {
-        true
+        devices[index] = Some(opened);
     }
 
+    /// Opens an NVMe namespace for passthrough: the slab occupies its LBAs from 0 (up to
+    /// `capacity_bytes` if set).
+    fn open_passthrough(&self, index: usize, cfg: &DeviceConfig, ns: Arc<Namespace>) -> DeviceInfo {
+        let g = ns.geometry().clone();
+        let mut size = g.size_bytes();
+        if let Some(cap) = cfg.capacity_bytes {
+            size = size.min(cap);
+        }
+        tracing::info!(
+            device = %cfg.path.display(),
+            nsid = g.nsid,
+            lba_bytes = g.lba_bytes(),
+            lbas = g.lbas,
+            max_transfer_bytes = g.max_transfer_bytes,
+            poll_queues = g.poll_queues,
+            geometry = g.source,
+            "NVMe passthrough device"
+        );
+        self.keep(
+            index,
+            Opened {
+                file: Arc::clone(ns.file()),
+                nvme: Some(ns),
+            },
+        );
+        DeviceInfo {
+            path: cfg.path.clone(),
+            size_bytes: size,
+            align_bytes: u64::from(g.lba_bytes()).max(512),
+            direct: true,
+            fresh: false,
+            kind: "nvme passthrough",
+        }
+    }
+
+    /// Opens a file or block device at `path` for the block layer (O_DIRECT), creating and
+    /// pre-writing a missing or short slab file.
     #[allow(clippy::too_many_lines)] // file and block device checks, each with its own message
-    fn open_device(
+    fn open_kernel(
         &self,
         index: usize,
+        path: &Path,
         cfg: &DeviceConfig,
         direct: DirectIo,
     ) -> Result<DeviceInfo> {
-        let path = cfg.path.as_path();
         let meta = std::fs::metadata(path);
         let mut fresh = false;
         let file = match meta {
@@ -190,15 +210,15 @@ impl Storage for KernelStorage {
         let kind = match file.kind() {
             FileKind::BlockDevice => "block device",
             FileKind::Regular => "file",
+            FileKind::NvmeGeneric => unreachable!("NVMe generic devices open as passthrough"),
         };
-        let mut files = self
-            .files
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if files.len() <= index {
-            files.resize(index + 1, None);
-        }
-        files[index] = Some(Arc::new(file));
+        self.keep(
+            index,
+            Opened {
+                file: Arc::new(file),
+                nvme: None,
+            },
+        );
         Ok(DeviceInfo {
             path: path.to_path_buf(),
             size_bytes: size,
@@ -207,6 +227,73 @@ impl Storage for KernelStorage {
             fresh,
             kind,
         })
+    }
+}
+
+fn errno_msg(what: &str, e: Errno) -> String {
+    format!("{what}: {} ({e})", e.desc())
+}
+
+fn open_file(path: &Path, create: bool, direct: DirectIo) -> Result<DeviceFile> {
+    let want_direct = direct != DirectIo::Off;
+    let opts = OpenOptions {
+        create,
+        direct: want_direct,
+        read_only: false,
+    };
+    match DeviceFile::open(path, opts) {
+        Ok(f) => Ok(f),
+        Err(Errno::EINVAL) if want_direct && direct == DirectIo::Auto => {
+            tracing::warn!(
+                path = %path.display(),
+                "the filesystem refuses O_DIRECT: falling back to buffered I/O (direct_io = \"auto\"); \
+                 loads and stores now go through the page cache"
+            );
+            DeviceFile::open(path, OpenOptions { create, direct: false, read_only: false })
+                .map_err(|e| Error::device(path, errno_msg("open", e)))
+        }
+        Err(Errno::EINVAL) if want_direct => Err(Error::device(
+            path,
+            "the filesystem refuses O_DIRECT (ramfs, some FUSE and network filesystems do); \
+             set direct_io = \"auto\" to fall back to buffered I/O, or use a path on ext4/xfs/a block device",
+        )),
+        Err(e) => Err(Error::device(path, errno_msg("open", e))),
+    }
+}
+
+/// Writes zeros over `[from, to)` so that later reads hit real, written extents.
+fn prewrite(file: &DeviceFile, from: u64, to: u64) -> Result<()> {
+    let zeros = Region::allocate(PREWRITE_CHUNK_BYTES, kvtier_sys::mem::HugePages::Off)
+        .map_err(|e| Error::Memory(e.to_string()))?;
+    let mut at = from;
+    while at < to {
+        let len = (to - at).min(PREWRITE_CHUNK_BYTES as u64) as usize;
+        file.write_all_at(at, &zeros, 0, len)
+            .map_err(|e| Error::device(file.path(), errno_msg("pre-writing", e)))?;
+        at += len as u64;
+    }
+    Ok(())
+}
+
+impl Storage for KernelStorage {
+    fn supports_files(&self) -> bool {
+        true
+    }
+
+    fn open_device(
+        &self,
+        index: usize,
+        cfg: &DeviceConfig,
+        direct: DirectIo,
+    ) -> Result<DeviceInfo> {
+        match nvme::resolve(cfg, self.uring_cmd()).map_err(|m| Error::device(&cfg.path, m))? {
+            nvme::Resolved::Passthrough(ns) => Ok(self.open_passthrough(index, cfg, ns)),
+            nvme::Resolved::Kernel(path) => {
+                let mut info = self.open_kernel(index, &path, cfg, direct)?;
+                info.path.clone_from(&cfg.path);
+                Ok(info)
+            }
+        }
     }
 
     fn read_sync(
@@ -217,13 +304,20 @@ impl Storage for KernelStorage {
         buf_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let f = self.file(device)?;
-        f.read_exact_at(offset, buf, buf_offset, len).map_err(|e| {
-            Error::device(
-                f.path(),
-                errno_msg(&format!("read {len} bytes at {offset}"), e),
-            )
-        })
+        let d = self.device(device)?;
+        if let Some(ns) = &d.nvme {
+            return ns
+                .read_sync(offset, buf, buf_offset, len)
+                .map_err(|e| Error::device(ns.path(), e.to_string()));
+        }
+        d.file
+            .read_exact_at(offset, buf, buf_offset, len)
+            .map_err(|e| {
+                Error::device(
+                    d.file.path(),
+                    errno_msg(&format!("read {len} bytes at {offset}"), e),
+                )
+            })
     }
 
     fn write_sync(
@@ -234,13 +328,20 @@ impl Storage for KernelStorage {
         buf_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let f = self.file(device)?;
-        f.write_all_at(offset, buf, buf_offset, len).map_err(|e| {
-            Error::device(
-                f.path(),
-                errno_msg(&format!("write {len} bytes at {offset}"), e),
-            )
-        })
+        let d = self.device(device)?;
+        if let Some(ns) = &d.nvme {
+            return ns
+                .write_sync(offset, buf, buf_offset, len)
+                .map_err(|e| Error::device(ns.path(), e.to_string()));
+        }
+        d.file
+            .write_all_at(offset, buf, buf_offset, len)
+            .map_err(|e| {
+                Error::device(
+                    d.file.path(),
+                    errno_msg(&format!("write {len} bytes at {offset}"), e),
+                )
+            })
     }
 
     fn backend(
@@ -250,18 +351,32 @@ impl Storage for KernelStorage {
         wake: Arc<EventFd>,
         settings: &BackendSettings,
     ) -> Result<Box<dyn IoBackend>> {
-        let files: Vec<Arc<DeviceFile>> = {
+        let opened: Vec<Opened> = {
             let guard = self
-                .files
+                .devices
                 .read()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             guard.iter().flatten().cloned().collect()
         };
+        let files: Vec<Arc<DeviceFile>> = opened.iter().map(|d| Arc::clone(&d.file)).collect();
+        let passthrough = nvme::Passthrough::new(
+            opened
+                .iter()
+                .map(|d| {
+                    d.nvme.as_ref().map(|ns| nvme::Device {
+                        path: ns.path().to_path_buf(),
+                        geometry: ns.geometry().clone(),
+                    })
+                })
+                .collect(),
+        );
         let ring_config = RingConfig {
             entries: settings.ring_entries,
             sqpoll: settings.sqpoll,
             sqpoll_idle_ms: settings.sqpoll_idle_ms,
             iopoll: settings.iopoll,
+            // Passthrough commands need 128-byte SQEs; every other op fits in them too.
+            big_entries: passthrough.any(),
         };
         let mut ring = build_ring(&ring_config, &buffers, &files, settings.piece_bytes)?;
         if settings.files_layout && !ring.supports_file_ops() {
@@ -271,7 +386,7 @@ impl Storage for KernelStorage {
                     .into(),
             ));
         }
-        if ring.features().iopoll && !iopoll_reads_work(&mut ring, files.len()) {
+        if ring.features().iopoll && !iopoll_reads_work(&mut ring, &opened) {
             // Some devices accept an IOPOLL ring but fail every polled read (EOPNOTSUPP, no
             // poll queues): fall back rather than fail every load.
             tracing::warn!(
@@ -284,18 +399,33 @@ impl Storage for KernelStorage {
             };
             ring = build_ring(&fallback, &buffers, &files, settings.piece_bytes)?;
         }
+        if ring.features().iopoll {
+            for ns in opened.iter().filter_map(|d| d.nvme.as_ref()) {
+                if !ns.geometry().poll_queues {
+                    tracing::warn!(
+                        device = %ns.path().display(),
+                        "iopoll = true but the NVMe driver has no poll queues \
+                         (/sys/block/<ns>/queue/io_poll is 0): its commands complete by \
+                         interrupt; load the driver with nvme.poll_queues=N to poll them"
+                    );
+                }
+            }
+        }
         let (load_prio, store_prio) = if settings.ioprio {
             (ioprio(IoprioClass::Be, 0), ioprio(IoprioClass::Be, 7))
         } else {
             (0, 0)
         };
         Ok(Box::new(UringBackend {
+            polled: ring.features().iopoll,
             ring,
             wake,
             armed: false,
             load_prio,
             store_prio,
             wait_limit: settings.wait_limit,
+            passthrough,
+            raw: Vec::new(),
         }))
     }
 }
@@ -317,25 +447,41 @@ fn build_ring(
     Ok(ring)
 }
 
-/// Reads the first 4 KiB of device 0 into the metadata buffer (buffer 1) and reports whether
-/// the polled read succeeded.
-fn iopoll_reads_work(ring: &mut Ring, devices: usize) -> bool {
-    if devices == 0 {
+/// Reads the first 4 KiB (one LBA of a passthrough device) of device 0 into the metadata
+/// buffer (buffer 1) and reports whether the polled read succeeded.
+fn iopoll_reads_work(ring: &mut Ring, devices: &[Opened]) -> bool {
+    let Some(first) = devices.first() else {
         return true;
-    }
-    let buf = BufRef {
-        region: 1,
-        offset: 0,
-        len: 4096,
     };
-    if ring.push_read(0, 0, 0, buf, 0).is_err() || ring.submit(1).is_err() {
+    let pushed = if let Some(ns) = &first.nvme {
+        let g = ns.geometry();
+        let buf = BufRef {
+            region: 1,
+            offset: 0,
+            len: g.lba_bytes(),
+        };
+        ring.push_nvme(0, 0, kvtier_sys::nvme::Opcode::Read, g.nsid, 0, 1, buf)
+    } else {
+        let buf = BufRef {
+            region: 1,
+            offset: 0,
+            len: 4096,
+        };
+        ring.push_read(0, 0, 0, buf, 0)
+    };
+    if pushed.is_err() || ring.submit(1).is_err() {
         return false;
     }
     let mut out = Vec::new();
     for _ in 0..10_000 {
         ring.complete(&mut out);
         if let Some(c) = out.first() {
-            return c.result >= 0;
+            // Passthrough answers 0 on success, a positive NVMe status on failure.
+            return if first.nvme.is_some() {
+                c.result == 0
+            } else {
+                c.result >= 0
+            };
         }
         if ring.submit(1).is_err() {
             return false;
@@ -356,6 +502,13 @@ struct UringBackend {
     store_prio: u16,
     /// The longest sleep while I/O is in flight (the worker checks deadlines between).
     wait_limit: std::time::Duration,
+    /// The ring polls for completions (IOPOLL): it cannot read the eventfd, and waiting means
+    /// polling while I/O is in flight and sleeping on the eventfd otherwise.
+    polled: bool,
+    /// Requests for NVMe passthrough devices, split into commands at the transfer limit.
+    passthrough: nvme::Passthrough,
+    /// Completions straight off the ring, before passthrough parts are folded into requests.
+    raw: Vec<Completion>,
 }
 
 impl IoBackend for UringBackend {
@@ -364,6 +517,11 @@ impl IoBackend for UringBackend {
             IoClass::Load => self.load_prio,
             IoClass::Store | IoClass::Meta => self.store_prio,
         };
+        if self.passthrough.owns(req.device) {
+            // NVMe passthrough has no I/O priority of its own; loads still go first through
+            // the worker's scheduler.
+            return self.passthrough.push(&mut self.ring, req);
+        }
         let file = u32::from(req.device);
         match req.kind {
             IoKind::Read => self
@@ -386,6 +544,21 @@ impl IoBackend for UringBackend {
     }
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
+        if self.passthrough.any() {
+            self.passthrough.flush_resubmits(&mut self.ring);
+        }
+        if self.polled {
+            // An IOPOLL ring reaps only what an enter polls for (submit(0) polls once); it may
+            // return with no completion, and the worker loops.
+            let idle = wait && self.in_flight() == 0;
+            let res = self.ring.submit(0);
+            if idle {
+                self.wake.wait_timeout(self.wait_limit);
+            }
+            return res
+                .map(|_| ())
+                .map_err(|e| std::io::Error::from_raw_os_error(e as i32));
+        }
         if wait && !self.armed {
             // Sleep in the kernel until an I/O completes or a submitter writes the eventfd.
             if self
@@ -408,7 +581,13 @@ impl IoBackend for UringBackend {
 
     fn complete(&mut self, out: &mut Vec<Completion>) {
         let start = out.len();
-        self.ring.complete(out);
+        if self.passthrough.any() {
+            self.ring.complete(&mut self.raw);
+            self.passthrough
+                .complete(&mut self.ring, &mut self.raw, out);
+        } else {
+            self.ring.complete(out);
+        }
         let before = out.len();
         out.retain(|c| c.user_data != WAKE_USER_DATA);
         if out.len() != before {
@@ -418,7 +597,8 @@ impl IoBackend for UringBackend {
     }
 
     fn in_flight(&self) -> usize {
-        self.ring.in_flight() - usize::from(self.armed)
+        self.ring.in_flight() - usize::from(self.armed) - self.passthrough.parts_in_ring
+            + self.passthrough.requests()
     }
 
     fn describe(&self) -> String {
@@ -438,6 +618,9 @@ impl IoBackend for UringBackend {
         }
         if f.iopoll {
             flags.push("IOPOLL");
+        }
+        if self.ring.big_entries() {
+            flags.push("SQE128|CQE32");
         }
         format!("io_uring [{}]", flags.join("|"))
     }

@@ -28,7 +28,11 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+
+use queues::Queues;
+
+mod queues;
 
 use crate::eventfd::EventFd;
 use crate::file::DeviceFile;
@@ -58,6 +62,9 @@ pub struct RingConfig {
     pub sqpoll_idle_ms: u32,
     /// Ask for polled completions (needs a device with poll queues).
     pub iopoll: bool,
+    /// 128-byte SQEs and 32-byte CQEs (`SQE128 | CQE32`), which NVMe passthrough commands
+    /// need ([`Ring::push_nvme`]); ordinary operations work on such a ring too.
+    pub big_entries: bool,
 }
 
 impl Default for RingConfig {
@@ -67,6 +74,7 @@ impl Default for RingConfig {
             sqpoll: false,
             sqpoll_idle_ms: 1000,
             iopoll: false,
+            big_entries: false,
         }
     }
 }
@@ -346,7 +354,7 @@ const SQPOLL_LADDER: [BaseFlags; 2] = [base(true, false, false), base(false, fal
 /// created it.
 pub struct Ring {
     // Declared first so that the ring fd closes before the Arcs below are released.
-    uring: IoUring,
+    uring: Queues,
     features: RingFeatures,
     /// SQEs pushed whose CQE has not been popped.
     in_flight: usize,
@@ -433,7 +441,7 @@ impl Ring {
         Err(last)
     }
 
-    fn with(ring: IoUring, features: RingFeatures) -> Ring {
+    fn with(ring: Queues, features: RingFeatures) -> Ring {
         let sink = NonNull::from(Box::leak(Box::new(0_u64)));
         Ring {
             uring: ring,
@@ -602,6 +610,42 @@ impl Ring {
     /// with `user_data` once someone calls [`EventFd::notify`]. Used to wake a worker sleeping
     /// in [`Ring::submit`]. The ring keeps the eventfd open until it is dropped. (An IOPOLL ring
     /// cannot poll an eventfd: there the CQE carries an error instead of waiting.)
+    /// Queues an NVMe passthrough read or write (`URING_CMD` with `IORING_URING_CMD_FIXED`) on
+    /// registered file `file`, an NVMe generic device: `lbas` logical blocks from `slba` of
+    /// namespace `nsid`, to or from the fixed buffer `buf` (exactly `lbas` LBAs long). The ring
+    /// must have been built with [`RingConfig::big_entries`]. The completion's `result` is 0,
+    /// `-errno`, or a positive NVMe status ([`crate::nvme::Outcome::from_result`]).
+    // Every argument is one field of the NVMe command; a struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_nvme(
+        &mut self,
+        user_data: u64,
+        file: u32,
+        op: crate::nvme::Opcode,
+        nsid: u32,
+        slba: u64,
+        lbas: u32,
+        buf: BufRef,
+    ) -> Result<(), SqFull> {
+        assert!(
+            self.uring.is_big(),
+            "push_nvme on a ring built without big_entries (128-byte SQEs)"
+        );
+        let (ptr, index) = self.fixed_buf(buf);
+        let fd = self.fixed_file(file);
+        let cmd = crate::nvme::Command::io(op, nsid, slba, lbas, ptr as u64, buf.len);
+        let entry = opcode::UringCmd80::new(fd, crate::nvme::URING_CMD_IO)
+            .cmd(cmd.to_sqe_bytes())
+            .buf_index(Some(index))
+            .build()
+            .user_data(user_data);
+        // SAFETY: the command's data range is `buf`, which lies inside one registered piece of
+        // a region this ring keeps alive until Drop has drained every CQE (checked by
+        // fixed_buf), and the kernel maps it through that registered buffer (CMD_FIXED); the
+        // 80-byte command itself is copied into the SQE; the file is registered.
+        unsafe { self.push_entry_big(&entry) }
+    }
+
     pub fn push_eventfd_read(&mut self, user_data: u64, efd: &Arc<EventFd>) -> Result<(), SqFull> {
         let entry = opcode::Read::new(types::Fd(efd.raw_fd()), self.sink.as_ptr().cast(), 8)
             .build()
@@ -773,7 +817,7 @@ impl Ring {
             .nsec(timeout.subsec_nanos());
         let args = types::SubmitArgs::new().timespec(&ts);
         loop {
-            match self.uring.submitter().submit_with_args(want, &args) {
+            match self.uring.submit_with_args(want, &args) {
                 Ok(n) => return Ok(n),
                 Err(e) => match errno_of(&e) {
                     Errno::EINTR => {}
@@ -787,10 +831,7 @@ impl Ring {
     /// Pops every available completion into `out`.
     pub fn complete(&mut self, out: &mut Vec<Completion>) {
         let before = out.len();
-        out.extend(self.uring.completion().map(|cqe| Completion {
-            user_data: cqe.user_data(),
-            result: cqe.result(),
-        }));
+        self.uring.drain_completions(out);
         let reaped = out.len() - before;
         assert!(
             reaped <= self.in_flight,
@@ -811,7 +852,7 @@ impl Ring {
             for c in &out[before..] {
                 self.paths.retire(c.user_data);
             }
-            let consumed = self.pushed - self.uring.submission().len() as u64;
+            let consumed = self.pushed - self.uring.sq_len_capacity().0 as u64;
             self.paths.release(consumed);
         }
     }
@@ -823,19 +864,14 @@ impl Ring {
 
     /// Free entries in the submission queue.
     pub fn sq_space_left(&self) -> usize {
-        // SAFETY: submission queue handles are only created inside `&mut self` methods and
-        // dropped before they return, so none exists while `&self` is held.
-        let sq = unsafe { self.uring.submission_shared() };
-        sq.capacity() - sq.len()
+        let (len, capacity) = self.uring.sq_len_capacity();
+        capacity - len
     }
 
     /// The kernel's opcode support table (`IORING_REGISTER_PROBE`, 5.6+).
     pub(crate) fn probe_opcodes(&self) -> Result<io_uring::Probe, Errno> {
         let mut probe = io_uring::Probe::new();
-        self.uring
-            .submitter()
-            .register_probe(&mut probe)
-            .map_err(|e| errno_of(&e))?;
+        self.uring.register_probe(&mut probe)?;
         Ok(probe)
     }
 
@@ -846,9 +882,8 @@ impl Ring {
     /// Every address in `entry` must stay valid (and the fd open) until its CQE is popped;
     /// this ring guarantees that for memory it keeps until Drop has drained.
     unsafe fn push_entry(&mut self, entry: &squeue::Entry) -> Result<(), SqFull> {
-        let mut sq = self.uring.submission();
         // SAFETY: the caller guarantees the entry's memory outlives the operation.
-        unsafe { sq.push(entry) }.map_err(|_| SqFull)?;
+        unsafe { self.uring.push(entry) }.map_err(|()| SqFull)?;
         self.in_flight += 1;
         self.pushed += 1;
         #[cfg(debug_assertions)]
@@ -863,6 +898,32 @@ impl Ring {
 
     /// Address and kernel buffer index of `buf`, after the bounds checks that keep the kernel
     /// inside the registered memory.
+    unsafe fn push_entry_big(&mut self, entry: &squeue::Entry128) -> Result<(), SqFull> {
+        // SAFETY: the caller guarantees the entry's memory outlives the operation.
+        unsafe { self.uring.push_big(entry) }.map_err(|()| SqFull)?;
+        self.in_flight += 1;
+        self.pushed += 1;
+        #[cfg(debug_assertions)]
+        {
+            *self
+                .live_user_data
+                .entry(entry.get_user_data())
+                .or_insert(0) += 1;
+        }
+        Ok(())
+    }
+
+    /// Whether the ring has 128-byte SQEs (and can take [`Ring::push_nvme`]).
+    pub fn big_entries(&self) -> bool {
+        self.uring.is_big()
+    }
+
+    /// Whether the kernel knows `IORING_OP_URING_CMD` (5.19+).
+    pub fn supports_uring_cmd(&self) -> bool {
+        self.probe_opcodes()
+            .is_ok_and(|probe| probe.is_supported(opcode::UringCmd80::CODE))
+    }
+
     fn fixed_buf(&self, buf: BufRef) -> (*mut u8, u16) {
         let Some(region) = self.regions.get(usize::from(buf.region)) else {
             panic!(
@@ -900,7 +961,7 @@ impl Ring {
         let res = if self.uring.params().is_feature_ext_arg() {
             let ts = types::Timespec::from(timeout);
             let args = types::SubmitArgs::new().timespec(&ts);
-            self.uring.submitter().submit_with_args(1, &args)
+            self.uring.submit_with_args(1, &args)
         } else {
             self.uring.submit_and_wait(1)
         };
@@ -1006,8 +1067,22 @@ fn warn_dropped(cfg: &RingConfig, got: RingFeatures, errno: Errno) {
     }
 }
 
-fn build(cfg: &RingConfig, sqpoll: bool, iopoll: bool, flags: BaseFlags) -> Result<IoUring, Errno> {
-    let mut b = IoUring::builder();
+fn build(cfg: &RingConfig, sqpoll: bool, iopoll: bool, flags: BaseFlags) -> Result<Queues, Errno> {
+    if cfg.big_entries {
+        build_sized::<squeue::Entry128, cqueue::Entry32>(cfg, sqpoll, iopoll, flags)
+            .map(Queues::Big)
+    } else {
+        build_sized(cfg, sqpoll, iopoll, flags).map(Queues::Small)
+    }
+}
+
+fn build_sized<S: squeue::EntryMarker, C: cqueue::EntryMarker>(
+    cfg: &RingConfig,
+    sqpoll: bool,
+    iopoll: bool,
+    flags: BaseFlags,
+) -> Result<IoUring<S, C>, Errno> {
+    let mut b = IoUring::<S, C>::builder();
     if flags.single_issuer {
         b.setup_single_issuer();
     }
@@ -1037,6 +1112,7 @@ pub(crate) fn setup_flag_supported(sqpoll: bool, iopoll: bool) -> bool {
         sqpoll,
         sqpoll_idle_ms: 10,
         iopoll,
+        big_entries: false,
     };
     build(&cfg, sqpoll, iopoll, base(false, false, false)).is_ok()
 }
