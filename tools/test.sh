@@ -2,7 +2,8 @@
 # The full test suite: formatting, lints, then every test of the workspace (unit, integration,
 # real-kernel, CLI end to end, and the criterion benches in quick test mode), then the Python
 # package's tests (the binding, and the vLLM tier against vLLM 0.33.0's real tiering code).
-# Real-kernel tests that need root (ramfs mount, loop devices) skip with a message elsewhere.
+# Real-kernel tests that need root (ramfs mount, loop devices) skip with a message elsewhere;
+# the NVMe passthrough tests run inside a QEMU guest (tools/guest/nvme-tests.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
@@ -37,6 +38,10 @@ fi
 # Every suite runs even when one fails, so the summary below covers them all.
 rc=0
 cargo test --workspace --all-targets --locked --features kvtier/sim 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
+# NVMe passthrough on a real kernel and a real (emulated) NVMe controller: the nvme_passthrough
+# tests, `kvtier probe`, `bench` and `inspect` inside two QEMU guests (tools/guest/nvme-tests.sh;
+# skipped with a message where QEMU or the guest kernel is missing, except under CI=true).
+bash tools/guest/nvme-tests.sh 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
 # Doc tests too (--all-targets skips them).
 cargo test --workspace --doc --locked --features kvtier/sim 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
 # The Python tests (from outside python/, so `import kvtier` is the installed package).

@@ -345,12 +345,24 @@ pub struct Namespace {
 impl Namespace {
     /// Opens `path` (`/dev/ngXnY`, read-write) and learns its geometry.
     pub fn open(path: &Path) -> Result<Namespace, String> {
+        Namespace::open_with(path, false)
+    }
+
+    /// Opens `path` read-only (reads only, e.g. `kvtier inspect`).
+    pub fn open_read_only(path: &Path) -> Result<Namespace, String> {
+        Namespace::open_with(path, true)
+    }
+
+    fn open_with(path: &Path, read_only: bool) -> Result<Namespace, String> {
         let name = generic_name(path)
             .ok_or_else(|| "not an NVMe generic character device (/dev/ngXnY)".to_owned())?;
         let (ctrl, block) =
             sibling_names(&name).ok_or_else(|| format!("cannot tell the controller of {name}"))?;
-        let file = DeviceFile::open(path, OpenOptions::default())
-            .map_err(|e| format!("open: {} ({e})", e.desc()))?;
+        let opts = OpenOptions {
+            read_only,
+            ..OpenOptions::default()
+        };
+        let file = DeviceFile::open(path, opts).map_err(|e| format!("open: {} ({e})", e.desc()))?;
         // SAFETY: NVME_IOCTL_ID takes no argument and returns the namespace id or -1.
         let nsid = unsafe { libc::ioctl(file.raw_fd(), IOCTL_ID as _) };
         if nsid <= 0 {

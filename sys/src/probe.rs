@@ -25,7 +25,7 @@ pub struct UringProbe {
     pub opcodes: Vec<(&'static str, bool)>,
 }
 
-const OPCODES: [(&str, u8); 12] = [
+const OPCODES: [(&str, u8); 13] = [
     ("ReadFixed", opcode::ReadFixed::CODE),
     ("WriteFixed", opcode::WriteFixed::CODE),
     ("Read", opcode::Read::CODE),
@@ -38,6 +38,8 @@ const OPCODES: [(&str, u8); 12] = [
     ("MkDirAt", opcode::MkDirAt::CODE),
     ("Fsync", opcode::Fsync::CODE),
     ("Fallocate", opcode::Fallocate::CODE),
+    // NVMe passthrough (5.19+).
+    ("UringCmd", opcode::UringCmd80::CODE),
 ];
 
 /// Builds small rings to find out what `io_uring` supports here.

@@ -694,20 +694,53 @@ fn exit(verify: Option<&VerifyReport>) -> ExitCode {
     }
 }
 
-fn open_read_only(path: &Path) -> CliResult<DeviceFile> {
+/// A slab device opened for reading: a file or block device, or an NVMe namespace read by
+/// passthrough commands (`/dev/ngXnY` has no `read(2)`).
+enum SlabReader {
+    File(DeviceFile),
+    Nvme(kvtier_sys::nvme::Namespace),
+}
+
+impl SlabReader {
+    fn read_exact_at(
+        &self,
+        offset: u64,
+        buf: &Region,
+        at: usize,
+        len: usize,
+    ) -> Result<(), String> {
+        match self {
+            SlabReader::File(f) => f
+                .read_exact_at(offset, buf, at, len)
+                .map_err(|e| format!("{} ({e})", e.desc())),
+            SlabReader::Nvme(ns) => ns
+                .read_sync(offset, buf, at, len)
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+fn open_read_only(path: &Path) -> CliResult<SlabReader> {
+    if kvtier_sys::nvme::generic_name(path).is_some() {
+        return kvtier_sys::nvme::Namespace::open_read_only(path)
+            .map(SlabReader::Nvme)
+            .map_err(|e| CliError::runtime(format!("open: {e}")));
+    }
     let opts = OpenOptions {
         read_only: true,
         ..OpenOptions::default()
     };
-    DeviceFile::open(path, opts).map_err(|e| CliError::runtime(format!("open: {} ({e})", e.desc())))
+    DeviceFile::open(path, opts)
+        .map(SlabReader::File)
+        .map_err(|e| CliError::runtime(format!("open: {} ({e})", e.desc())))
 }
 
 /// Reads a slab device's header into `buf` and returns its geometry if it holds a ready store
 /// of `block_bytes` blocks.
-fn read_geometry(file: &DeviceFile, buf: &Region, block_bytes: u64) -> CliResult<slab::Geometry> {
+fn read_geometry(file: &SlabReader, buf: &Region, block_bytes: u64) -> CliResult<slab::Geometry> {
     let header_bytes = slab::HEADER_BYTES as usize;
     file.read_exact_at(0, buf, 0, header_bytes)
-        .map_err(|e| CliError::runtime(format!("reading the header: {} ({e})", e.desc())))?;
+        .map_err(|e| CliError::runtime(format!("reading the header: {e}")))?;
     let header = buf.with_bytes(0, header_bytes, slab::Header::decode);
     let geometry =
         match header {
@@ -759,9 +792,7 @@ fn scan_device(
         // Whole 4 KiB pages: the table is page-padded on the device.
         let read_len = len.next_multiple_of(slab::TABLE_PAGE_BYTES);
         file.read_exact_at(geometry.table_offset + at, &buf, 0, read_len)
-            .map_err(|e| {
-                CliError::runtime(format!("reading the slot table: {} ({e})", e.desc()))
-            })?;
+            .map_err(|e| CliError::runtime(format!("reading the slot table: {e}")))?;
         buf.with_bytes(0, len, |raw| {
             for entry in raw.chunks_exact(slab::ENTRY_BYTES) {
                 match slab::Entry::decode(entry) {

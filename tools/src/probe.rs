@@ -45,7 +45,25 @@ struct Report {
     memlock: MemlockSection,
     cores: Vec<usize>,
     block_device: Option<QueueSection>,
+    /// Every NVMe namespace's generic device (`/sys/class/nvme-generic`).
+    nvme: Vec<NvmeSection>,
     advice: Vec<String>,
+}
+
+/// One NVMe generic device and whether kvtier can drive it by passthrough.
+#[derive(Serialize)]
+struct NvmeSection {
+    device: PathBuf,
+    /// Whether `[[devices]] path = "<device>"` gets passthrough (else the block device).
+    passthrough: bool,
+    error: Option<String>,
+    block_device: Option<PathBuf>,
+    nsid: Option<u32>,
+    lba_bytes: Option<u32>,
+    capacity_bytes: Option<u64>,
+    max_transfer_bytes: Option<u32>,
+    poll_queues: Option<bool>,
+    geometry_source: Option<&'static str>,
 }
 
 // The flags mirror the kernel's setup flags one to one: an enum would only obscure the report.
@@ -140,6 +158,11 @@ fn collect(dir: &Path) -> Report {
         ));
     }
     advise_queue(dir, queue.as_ref(), &mut advice);
+    let uring_cmd = uring
+        .opcodes
+        .iter()
+        .any(|&(name, ok)| name == "UringCmd" && ok);
+    let nvme = probe_nvme(uring_cmd, &mut advice);
     Report {
         io_uring: UringSection {
             available: uring.available,
@@ -172,8 +195,79 @@ fn collect(dir: &Path) -> Report {
             logical_block_size: q.logical_block_size,
             max_sectors_kb: q.max_sectors_kb,
         }),
+        nvme,
         advice,
     }
+}
+
+/// Opens every NVMe generic device as the engine would and reports its geometry, or why
+/// passthrough is unavailable.
+fn probe_nvme(uring_cmd: bool, advice: &mut Vec<String>) -> Vec<NvmeSection> {
+    let mut names: Vec<String> = std::fs::read_dir("/sys/class/nvme-generic")
+        .map(|dir| {
+            dir.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    let mut out = Vec::new();
+    for name in names {
+        let device = PathBuf::from(format!("/dev/{name}"));
+        let mut section = NvmeSection {
+            device: device.clone(),
+            passthrough: false,
+            error: None,
+            block_device: None,
+            nsid: None,
+            lba_bytes: None,
+            capacity_bytes: None,
+            max_transfer_bytes: None,
+            poll_queues: None,
+            geometry_source: None,
+        };
+        match kvtier_sys::nvme::Namespace::open(&device) {
+            Ok(ns) => {
+                let g = ns.geometry();
+                section.passthrough = uring_cmd;
+                section.block_device = Some(g.block_device.clone());
+                section.nsid = Some(g.nsid);
+                section.lba_bytes = Some(g.lba_bytes());
+                section.capacity_bytes = Some(g.size_bytes());
+                section.max_transfer_bytes = Some(g.max_transfer_bytes);
+                section.poll_queues = Some(g.poll_queues);
+                section.geometry_source = Some(g.source);
+                if !uring_cmd {
+                    section.error = Some("io_uring has no URING_CMD (Linux 5.19+)".to_owned());
+                    advice.push(format!(
+                        "{}: this kernel's io_uring lacks URING_CMD, so kvtier uses the block \
+                         device; NVMe passthrough needs Linux 5.19 or later (6.1+ advised)",
+                        device.display()
+                    ));
+                }
+                if !g.poll_queues {
+                    advice.push(format!(
+                        "{}: the NVMe driver has no poll queues, so iopoll = true completes by \
+                         interrupt; load it with nvme.poll_queues=N (kernel argument or modprobe \
+                         option, N <= cores) for polled completions",
+                        device.display()
+                    ));
+                }
+            }
+            Err(why) => {
+                advice.push(format!(
+                    "{}: passthrough unavailable ({why}); kvtier falls back to the block device. \
+                     The generic device is root-only by default: run kvtier as root or grant its \
+                     user read-write access to {} (a udev rule)",
+                    device.display(),
+                    device.display()
+                ));
+                section.error = Some(why);
+            }
+        }
+        out.push(section);
+    }
+    out
 }
 
 /// `probe_o_direct`, then the DIO alignment of a temporary file opened with `O_DIRECT`.
@@ -443,7 +537,40 @@ fn render(report: &Report) -> String {
     out
 }
 
-/// Everything but `io_uring`: `O_DIRECT`, memory, cores, block queue, advice.
+fn render_nvme(report: &Report, out: &mut String) {
+    if report.nvme.is_empty() {
+        let _ = writeln!(out, "nvme           no NVMe generic devices (/dev/ngXnY)");
+    }
+    for n in &report.nvme {
+        match (&n.error, n.lba_bytes) {
+            (None, Some(lba)) => {
+                let _ = writeln!(
+                    out,
+                    "nvme           {}: passthrough {}, nsid {}, {} LBAs, {}, max transfer {}, \
+                     poll queues {} (geometry from {})",
+                    n.device.display(),
+                    yes(n.passthrough),
+                    n.nsid.unwrap_or(0),
+                    output::size(u64::from(lba)),
+                    output::size(n.capacity_bytes.unwrap_or(0)),
+                    output::size(u64::from(n.max_transfer_bytes.unwrap_or(0))),
+                    yes(n.poll_queues.unwrap_or(false)),
+                    n.geometry_source.unwrap_or("?")
+                );
+            }
+            (err, _) => {
+                let _ = writeln!(
+                    out,
+                    "nvme           {}: passthrough no: {}",
+                    n.device.display(),
+                    err.as_deref().unwrap_or("unknown")
+                );
+            }
+        }
+    }
+}
+
+/// Everything but `io_uring`: `O_DIRECT`, memory, cores, block queue, NVMe, advice.
 fn render_host(report: &Report, out: &mut String) {
     let direct = &report.o_direct;
     let state = match direct.supported {
@@ -511,6 +638,7 @@ fn render_host(report: &Report, out: &mut String) {
             );
         }
     }
+    render_nvme(report, out);
     out.push('\n');
     if report.advice.is_empty() {
         out.push_str("advice: none; this host offers everything kvtier uses\n");

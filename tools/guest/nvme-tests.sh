@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The NVMe passthrough tests on a real kernel with a real (emulated) NVMe controller: boots a
+# QEMU guest (tools/guest/run.sh) twice and runs, inside it, the `nvme_passthrough` test binary
+# against /dev/ng0n1, then `kvtier probe` and a short `kvtier bench` on the same device.
+#
+#   round 1: 512 B LBAs, one poll queue (polled completions), QEMU's default MDTS (512 KiB)
+#   round 2: 4 KiB LBAs, no poll queues (iopoll falls back to interrupts), MDTS 5 (128 KiB)
+#
+# Blocks are 1 MiB, so every block is several NVMe commands in both rounds. Emulated NVMe says
+# nothing about a real drive's speed: these check correctness only.
+#
+# The test binary is the one `cargo test --workspace --all-targets --features kvtier/sim` built
+# (the same flags, so nothing is rebuilt); `kvtier` is target/release/kvtier. Each round's
+# `test result:` line is printed so that tools/test.sh counts the guest's tests in its summary.
+# Where the guest cannot run (no QEMU or kernel and not CI), it says why and exits 0; with
+# CI=true a missing guest is a failure.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+say() { printf 'nvme-tests: %s\n' "$*" >&2; }
+unavailable() {
+  if [ "${CI:-}" = true ]; then
+    say "error: $*"
+    exit 1
+  fi
+  say "skipping the NVMe guest tests: $*"
+  exit 0
+}
+
+command -v qemu-system-x86_64 >/dev/null 2>&1 || unavailable "qemu-system-x86_64 is not installed (tools/guest/setup.sh installs it)"
+kernel="${KVTIER_GUEST_KERNEL:-}"
+if [ -z "$kernel" ]; then
+  kernel=$(tools/guest/setup.sh 2>/dev/null | sed -n 's/^KVTIER_GUEST_KERNEL=//p' | tail -1) || true
+fi
+[ -n "$kernel" ] && [ -f "$kernel" ] || unavailable "no guest kernel (run tools/guest/setup.sh)"
+
+test_bin=$(cargo test --workspace --all-targets --locked --features kvtier/sim --no-run \
+  --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    exe = m.get("executable")
+    if m.get("reason") == "compiler-artifact" and exe and m["target"]["name"] == "nvme_passthrough":
+        print(exe)
+')
+[ -x "$test_bin" ] || { say "error: the nvme_passthrough test binary was not found"; exit 1; }
+kvtier=target/release/kvtier
+[ -x "$kvtier" ] || cargo build --release --locked -p kvtier-cli
+
+# Stripped copies: the guest's initramfs lives in its RAM.
+work=$(mktemp -d /tmp/kvtier-nvme-tests.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+strip -o "$work/nvme_passthrough" "$test_bin"
+strip -o "$work/kvtier" "$kvtier"
+cat > "$work/bench.toml" <<'EOF'
+block_size = "1 MiB"
+cores = [0]
+iopoll = true
+region_blocks = 64
+
+[[devices]]
+path = "/dev/ng0n1"
+overwrite = true
+EOF
+
+round() {
+  local name=$1 lba=$2 poll=$3 mdts=$4
+  local polled=0
+  [ "$poll" -gt 0 ] && polled=1
+  local log="$work/$name.log"
+  say "round $name: LBA $lba B, poll queues $poll, MDTS $mdts"
+  local rc=0
+  # `kvtier bench` uses the namespace after the tests; its figures are emulated, not a drive's.
+  tools/guest/run.sh --kernel "$kernel" --lba-size "$lba" --poll-queues "$poll" --mdts "$mdts" \
+    --disk-mib 512 --mem-mib 2048 --timeout "${KVTIER_GUEST_TIMEOUT:-900}" --log "$log" \
+    --bin "$work/nvme_passthrough" --bin "$work/kvtier" --file "$work/bench.toml:/etc/kvtier-bench.toml" -- \
+    "export KVTIER_NVME_DEVICE=/dev/ng0n1 KVTIER_NVME_POLLED=$polled KVTIER_NVME_LBA=$lba; \
+     nvme_passthrough --test-threads=1 && kvtier probe --dir /tmp && \
+     quiet() { \"\$@\" 2>/tmp/err || { cat /tmp/err; return 1; }; } && \
+     quiet kvtier bench --config /etc/kvtier-bench.toml --blocks 96 --queue-depth 8 --duration 3 \
+       --workload all && quiet kvtier inspect --config /etc/kvtier-bench.toml" \
+    >/dev/null 2>&1 || rc=$?
+  # The test lines, the probe and the bench report, for the log of the whole suite.
+  sed -n '/^running [0-9]* tests/,/^KVTIER_GUEST_EXIT=/p' "$log" | grep -v '^KVTIER_GUEST_EXIT='
+  if [ "$rc" -ne 0 ]; then
+    say "round $name failed (exit $rc); the guest's console:"
+    tail -n 80 "$log" >&2
+    return "$rc"
+  fi
+}
+
+rc=0
+round lba512-polled 512 1 7 || rc=1
+round lba4k-interrupt 4096 0 5 || rc=1
+exit "$rc"
