@@ -545,7 +545,7 @@ impl IoBackend for UringBackend {
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
         if self.passthrough.any() {
-            self.passthrough.flush_resubmits(&mut self.ring);
+            self.passthrough.flush(&mut self.ring);
         }
         if self.polled {
             // An IOPOLL ring reaps only what an enter polls for (submit(0) polls once); it may

@@ -8,7 +8,7 @@
 //! A failure whose NVMe status allows a retry (no DNR bit) resubmits the whole request, up to
 //! [`TRIES`] times: re-reading or re-writing a part that succeeded is harmless.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -107,7 +107,11 @@ pub(super) struct Device {
 /// A request in flight on a passthrough device.
 struct Pending {
     req: IoRequest,
-    /// Parts whose completion has not been reaped.
+    /// Commands the request is cut into.
+    parts: u32,
+    /// Parts of this attempt pushed so far (the rest wait in `backlog` for queue room).
+    pushed: u32,
+    /// Parts of this attempt whose completion has not been reaped, pushed or not.
     left: u32,
     /// The first failure among the parts of this attempt.
     failed: Option<Outcome>,
@@ -121,8 +125,9 @@ pub(super) struct Passthrough {
     pending: HashMap<u64, Pending>,
     /// Parts pushed on the ring whose completion has not been reaped.
     pub parts_in_ring: usize,
-    /// Requests to resubmit (a retry found the submission queue full).
-    resubmit: Vec<u64>,
+    /// Requests with parts still to push, oldest first: a request cut into more commands than
+    /// the submission queue has room for, and retries.
+    backlog: VecDeque<u64>,
     log: RateLimit,
 }
 
@@ -132,7 +137,7 @@ impl Passthrough {
             devices,
             pending: HashMap::new(),
             parts_in_ring: 0,
-            resubmit: Vec::new(),
+            backlog: VecDeque::new(),
             log: RateLimit::new(10, Duration::from_secs(10)),
         }
     }
@@ -147,41 +152,52 @@ impl Passthrough {
             .is_some_and(Option::is_some)
     }
 
-    /// Requests in flight (pending, including those waiting for resubmission).
+    /// Requests in flight (pending, including those waiting for queue room).
     pub fn requests(&self) -> usize {
         self.pending.len()
     }
 
-    /// Pushes every part of `req` (a request for a passthrough device), or nothing if the
-    /// submission queue lacks room for all of them.
+    /// Takes `req` (a request for a passthrough device) and pushes as many of its commands as
+    /// the submission queue has room for (the rest go at the next [`Passthrough::flush`]);
+    /// `false`, taking nothing, if the queue is full.
     pub fn push(&mut self, ring: &mut Ring, req: &IoRequest) -> bool {
-        let parts = self.parts(req);
-        if ring.sq_space_left() < parts.len() {
+        if ring.sq_space_left() == 0 {
             return false;
         }
-        self.push_parts(ring, req, &parts);
+        self.track(req);
+        if !self.feed(ring, req.user_data) {
+            self.backlog.push_back(req.user_data);
+        }
+        true
+    }
+
+    /// Records `req`, none of its parts pushed yet.
+    fn track(&mut self, req: &IoRequest) {
+        let parts = self.part_count(req);
         self.pending.insert(
             req.user_data,
             Pending {
                 req: *req,
-                left: parts.len() as u32,
+                parts,
+                pushed: 0,
+                left: parts,
                 failed: None,
                 tries: 1,
             },
         );
-        true
     }
 
-    /// (start LBA, LBAs, buffer) of each command of `req`.
-    fn parts(&self, req: &IoRequest) -> Vec<(u64, u32, BufRef)> {
+    fn device(&self, req: &IoRequest) -> &Device {
         let Some(Some(dev)) = self.devices.get(usize::from(req.device)) else {
-            unreachable!(
-                "Passthrough::push for device {} it does not own",
-                req.device
-            );
+            unreachable!("passthrough I/O for device {} it does not own", req.device);
         };
-        let g = &dev.geometry;
-        let lba = u64::from(g.lba_bytes());
+        dev
+    }
+
+    /// Commands `req` is cut into; checks it is whole LBAs.
+    fn part_count(&self, req: &IoRequest) -> u32 {
+        let dev = self.device(req);
+        let lba = u64::from(dev.geometry.lba_bytes());
         assert!(
             req.offset % lba == 0 && u64::from(req.buf.len) % lba == 0,
             "I/O of {} bytes at {} on {} is not a multiple of its {lba}-byte LBA",
@@ -189,73 +205,65 @@ impl Passthrough {
             req.offset,
             dev.path.display()
         );
-        let mut out = Vec::new();
-        let mut done = 0_u32;
-        while done < req.buf.len {
-            let len = (req.buf.len - done).min(g.max_transfer_bytes);
-            out.push((
-                (req.offset + u64::from(done)) >> g.lba_shift,
-                len >> g.lba_shift,
-                BufRef {
-                    region: req.buf.region,
-                    offset: req.buf.offset + done as usize,
-                    len,
-                },
-            ));
-            done += len;
-        }
-        out
+        req.buf.len.div_ceil(dev.geometry.max_transfer_bytes)
     }
 
-    fn push_parts(&mut self, ring: &mut Ring, req: &IoRequest, parts: &[(u64, u32, BufRef)]) {
-        let nsid = self.devices[usize::from(req.device)]
-            .as_ref()
-            .map_or(0, |d| d.geometry.nsid);
+    /// (start LBA, LBAs, buffer) of command `i` of `req`.
+    fn part(&self, req: &IoRequest, i: u32) -> (u64, u32, BufRef) {
+        let g = &self.device(req).geometry;
+        let done = i * g.max_transfer_bytes;
+        let len = (req.buf.len - done).min(g.max_transfer_bytes);
+        (
+            (req.offset + u64::from(done)) >> g.lba_shift,
+            len >> g.lba_shift,
+            BufRef {
+                region: req.buf.region,
+                offset: req.buf.offset + done as usize,
+                len,
+            },
+        )
+    }
+
+    /// Pushes the request's next parts while the queue has room; true once all are pushed.
+    fn feed(&mut self, ring: &mut Ring, user_data: u64) -> bool {
+        let Some(p) = self.pending.get(&user_data) else {
+            return true;
+        };
+        let (req, mut next, parts) = (p.req, p.pushed, p.parts);
+        let nsid = self.device(&req).geometry.nsid;
         let op = match req.kind {
             IoKind::Read => Opcode::Read,
             IoKind::Write => Opcode::Write,
         };
-        for &(slba, lbas, buf) in parts {
-            let pushed = ring.push_nvme(
-                req.user_data,
-                u32::from(req.device),
-                op,
-                nsid,
-                slba,
-                lbas,
-                buf,
-            );
-            // The caller checked there is room for every part.
-            assert!(
-                pushed.is_ok(),
-                "submission queue full after checking its room"
-            );
+        while next < parts {
+            let (slba, lbas, buf) = self.part(&req, next);
+            let file = u32::from(req.device);
+            if ring
+                .push_nvme(user_data, file, op, nsid, slba, lbas, buf)
+                .is_err()
+            {
+                break;
+            }
+            next += 1;
             self.parts_in_ring += 1;
         }
+        if let Some(p) = self.pending.get_mut(&user_data) {
+            p.pushed = next;
+        }
+        next == parts
     }
 
-    /// Resubmits requests whose retry found the queue full; call before submitting.
-    pub fn flush_resubmits(&mut self, ring: &mut Ring) {
-        while let Some(&user_data) = self.resubmit.last() {
-            let Some(p) = self.pending.get(&user_data) else {
-                self.resubmit.pop();
-                continue;
-            };
-            let req = p.req;
-            let parts = self.parts(&req);
-            if ring.sq_space_left() < parts.len() {
+    /// Pushes the parts of backlogged requests (cut into many commands, or retried) while the
+    /// queue has room; call before submitting.
+    pub fn flush(&mut self, ring: &mut Ring) {
+        while let Some(&user_data) = self.backlog.front() {
+            if !self.feed(ring, user_data) {
                 return;
             }
-            self.resubmit.pop();
-            self.push_parts(ring, &req, &parts);
-            if let Some(p) = self.pending.get_mut(&user_data) {
-                p.left = parts.len() as u32;
-            }
+            self.backlog.pop_front();
         }
     }
 
-    /// Folds the parts among `raw` into request completions, appended to `out`; every other
-    /// completion is passed through unchanged. Retryable failures are resubmitted.
     pub fn complete(
         &mut self,
         ring: &mut Ring,
@@ -263,35 +271,43 @@ impl Passthrough {
         out: &mut Vec<Completion>,
     ) {
         for c in raw.drain(..) {
-            let Some(p) = self.pending.get_mut(&c.user_data) else {
-                out.push(c);
-                continue;
-            };
-            self.parts_in_ring -= 1;
-            p.left -= 1;
-            let outcome = Outcome::from_result(c.result);
-            if outcome != Outcome::Done && p.failed.is_none() {
-                p.failed = Some(outcome);
+            if let Some(done) = self.absorb(c) {
+                out.push(done);
             }
-            if p.left > 0 {
-                continue;
-            }
-            let retry = match p.failed {
-                Some(Outcome::Status(s)) => s.retryable() && p.tries < TRIES,
-                _ => false,
-            };
-            if retry {
-                p.tries += 1;
-                p.failed = None;
-                self.resubmit.push(c.user_data);
-                continue;
-            }
-            let Some(p) = self.pending.remove(&c.user_data) else {
-                continue;
-            };
-            out.push(self.finish(&p));
         }
-        self.flush_resubmits(ring);
+        self.flush(ring);
+    }
+
+    /// One completion off the ring: the request's completion once its last part is in (or the
+    /// completion itself if it is not a passthrough part); `None` while parts are outstanding
+    /// or when the request was queued for a retry.
+    fn absorb(&mut self, c: Completion) -> Option<Completion> {
+        let Some(p) = self.pending.get_mut(&c.user_data) else {
+            return Some(c);
+        };
+        self.parts_in_ring -= 1;
+        p.left -= 1;
+        let outcome = Outcome::from_result(c.result);
+        if outcome != Outcome::Done && p.failed.is_none() {
+            p.failed = Some(outcome);
+        }
+        if p.left > 0 {
+            return None;
+        }
+        let retry = match p.failed {
+            Some(Outcome::Status(s)) => s.retryable() && p.tries < TRIES,
+            _ => false,
+        };
+        if retry {
+            p.tries += 1;
+            p.failed = None;
+            p.pushed = 0;
+            p.left = p.parts;
+            self.backlog.push_back(c.user_data);
+            return None;
+        }
+        let p = self.pending.remove(&c.user_data)?;
+        Some(self.finish(&p))
     }
 
     fn finish(&self, p: &Pending) -> Completion {
@@ -323,5 +339,212 @@ impl Passthrough {
             user_data: p.req.user_data,
             result: -(err.errno() as i32),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::io::IoClass;
+
+    fn passthrough(max_transfer_bytes: u32) -> Passthrough {
+        let geometry = Geometry {
+            nsid: 1,
+            lba_shift: 12,
+            lbas: 1 << 20,
+            max_transfer_bytes,
+            poll_queues: false,
+            source: "test",
+            controller: "/dev/nvme9".into(),
+            block_device: "/dev/nvme9n1".into(),
+        };
+        Passthrough::new(vec![
+            None,
+            Some(Device {
+                path: "/dev/ng9n1".into(),
+                geometry,
+            }),
+        ])
+    }
+
+    fn request(user_data: u64, kind: IoKind, offset: u64, len: u32) -> IoRequest {
+        IoRequest {
+            user_data,
+            kind,
+            device: 1,
+            offset,
+            buf: BufRef {
+                region: 0,
+                offset: 8 << 20,
+                len,
+            },
+            class: IoClass::Load,
+        }
+    }
+
+    /// Pretends every part of `req` was pushed.
+    fn pushed(p: &mut Passthrough, req: &IoRequest) -> u32 {
+        p.track(req);
+        let pending = p.pending.get_mut(&req.user_data).expect("tracked");
+        pending.pushed = pending.parts;
+        p.parts_in_ring += pending.parts as usize;
+        pending.parts
+    }
+
+    /// As `flush` does for a request queued for a retry.
+    fn resubmitted(p: &mut Passthrough, user_data: u64) {
+        assert_eq!(p.backlog.pop_front(), Some(user_data));
+        assert!(p.backlog.is_empty());
+        let pending = p.pending.get_mut(&user_data).expect("pending");
+        assert_eq!((pending.pushed, pending.left), (0, pending.parts));
+        pending.pushed = pending.parts;
+        p.parts_in_ring += pending.parts as usize;
+    }
+
+    fn cqe(user_data: u64, result: i32) -> (u64, i32) {
+        (user_data, result)
+    }
+
+    fn absorb(p: &mut Passthrough, user_data: u64, result: i32) -> Option<(u64, i32)> {
+        p.absorb(Completion { user_data, result })
+            .map(|c| (c.user_data, c.result))
+    }
+
+    #[test]
+    fn a_request_is_cut_at_the_transfer_limit() {
+        let p = passthrough(512 << 10);
+        assert!(p.owns(1) && !p.owns(0) && !p.owns(7));
+        let req = request(5, IoKind::Read, 3 << 20, (1 << 20) + (4 << 10));
+        assert_eq!(p.part_count(&req), 3);
+        let got: Vec<(u64, u32, usize, u32)> = (0..3)
+            .map(|i| p.part(&req, i))
+            .map(|(slba, lbas, buf)| (slba, lbas, buf.offset, buf.len))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (768, 128, 8 << 20, 512 << 10),
+                (768 + 128, 128, (8 << 20) + (512 << 10), 512 << 10),
+                (768 + 256, 1, (8 << 20) + (1 << 20), 4 << 10),
+            ]
+        );
+    }
+
+    #[test]
+    fn parts_fold_into_one_completion_and_other_completions_pass() {
+        let mut p = passthrough(512 << 10);
+        let req = request(42, IoKind::Write, 0, 1 << 20);
+        assert_eq!(pushed(&mut p, &req), 2);
+        assert_eq!(p.requests(), 1);
+        assert_eq!(
+            absorb(&mut p, 7, 4096),
+            Some(cqe(7, 4096)),
+            "not a passthrough part"
+        );
+        assert_eq!(absorb(&mut p, 42, 0), None, "one part still out");
+        assert_eq!(absorb(&mut p, 42, 0), Some(cqe(42, 1 << 20)));
+        assert_eq!((p.requests(), p.parts_in_ring), (0, 0));
+    }
+
+    #[test]
+    fn a_retryable_status_resubmits_and_do_not_retry_fails_at_once() {
+        let mut p = passthrough(512 << 10);
+        pushed(&mut p, &request(9, IoKind::Read, 0, 1 << 20));
+        // Namespace not ready, without DNR: the whole request goes again once both parts are in.
+        assert_eq!(absorb(&mut p, 9, 0x0082), None);
+        assert_eq!(absorb(&mut p, 9, 0), None);
+        assert_eq!(
+            p.requests(),
+            1,
+            "in flight while it waits to be resubmitted"
+        );
+        resubmitted(&mut p, 9);
+        assert_eq!(absorb(&mut p, 9, 0), None);
+        assert_eq!(absorb(&mut p, 9, 0), Some(cqe(9, 1 << 20)));
+        // LBA out of range with DNR: no retry, EINVAL.
+        pushed(&mut p, &request(10, IoKind::Read, 0, 4096));
+        assert_eq!(
+            absorb(&mut p, 10, 0x4080),
+            Some(cqe(10, -(crate::Errno::EINVAL as i32)))
+        );
+        assert!(p.backlog.is_empty());
+        // An errno is never retried.
+        pushed(&mut p, &request(11, IoKind::Write, 0, 4096));
+        assert_eq!(absorb(&mut p, 11, -5), Some(cqe(11, -5)));
+        assert_eq!((p.requests(), p.parts_in_ring), (0, 0));
+    }
+
+    #[test]
+    fn retries_stop_after_the_last_try() {
+        let mut p = passthrough(1 << 20);
+        pushed(&mut p, &request(3, IoKind::Read, 0, 4096));
+        for _ in 1..TRIES {
+            assert_eq!(
+                absorb(&mut p, 3, 0x0006),
+                None,
+                "internal error, no DNR: retried"
+            );
+            resubmitted(&mut p, 3);
+        }
+        assert_eq!(
+            absorb(&mut p, 3, 0x0006),
+            Some(cqe(3, -5)),
+            "EIO after {TRIES} tries"
+        );
+        assert_eq!(p.requests(), 0);
+    }
+
+    /// A request of more commands than the submission queue holds goes in pieces, through a
+    /// real ring; the commands target a regular file, which answers every `URING_CMD` with an
+    /// errno, so the request ends, once, with that errno and nothing retried.
+    #[test]
+    fn a_request_longer_than_the_queue_is_fed_in_pieces() {
+        use kvtier_sys::ring::RingConfig;
+        let Ok(mut ring) = Ring::new(&RingConfig {
+            entries: 4,
+            big_entries: true,
+            ..RingConfig::default()
+        }) else {
+            return println!("skipping: io_uring unavailable");
+        };
+        let region = std::sync::Arc::new(
+            crate::Region::allocate(64 << 10, kvtier_sys::mem::HugePages::Off).expect("region"),
+        );
+        ring.register_buffers(vec![region], 64 << 10)
+            .expect("buffers");
+        let dir = tempfile::tempdir().expect("dir");
+        let file = kvtier_sys::file::DeviceFile::open(
+            &dir.path().join("f"),
+            kvtier_sys::file::OpenOptions {
+                create: true,
+                ..Default::default()
+            },
+        )
+        .expect("file");
+        ring.register_files(vec![std::sync::Arc::new(file)])
+            .expect("files");
+        let mut p = passthrough(4096);
+        p.devices.swap(0, 1);
+        let mut req = request(77, IoKind::Read, 0, 32 << 10);
+        req.device = 0;
+        req.buf.offset = 0;
+        assert!(p.push(&mut ring, &req));
+        assert_eq!(p.parts_in_ring, 4, "the queue holds four");
+        assert_eq!(p.backlog.len(), 1);
+        let mut raw = Vec::new();
+        let mut out = Vec::new();
+        for _ in 0..100 {
+            if !out.is_empty() {
+                break;
+            }
+            ring.submit(1).expect("submit");
+            ring.complete(&mut raw);
+            p.complete(&mut ring, &mut raw, &mut out);
+        }
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].user_data, 77);
+        assert!(out[0].result < 0, "{out:?}");
+        assert_eq!((p.requests(), p.parts_in_ring, p.backlog.len()), (0, 0, 0));
+        assert_eq!(ring.in_flight(), 0);
     }
 }

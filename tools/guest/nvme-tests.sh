@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The NVMe passthrough tests on a real kernel with a real (emulated) NVMe controller: boots a
 # QEMU guest (tools/guest/run.sh) twice and runs, inside it, the `nvme_passthrough` test binary
-# against /dev/ng0n1, then `kvtier probe` and a short `kvtier bench` on the same device.
+# against /dev/ng0n1, then `kvtier probe`, a short `kvtier bench` and `kvtier inspect` on the same
+# device, and in the first round a short `kvtier fio-compare` against fio's io_uring_cmd engine.
 #
 #   round 1: 512 B LBAs, one poll queue (polled completions), QEMU's default MDTS (512 KiB)
 #   round 2: 4 KiB LBAs, no poll queues (iopoll falls back to interrupts), MDTS 5 (128 KiB)
@@ -63,22 +64,35 @@ path = "/dev/ng0n1"
 overwrite = true
 EOF
 
+command -v fio >/dev/null 2>&1 || { say "error: fio is not installed (.ci/run installs it)"; exit 1; }
+fio_bin=$(command -v fio)
+
 round() {
-  local name=$1 lba=$2 poll=$3 mdts=$4
+  local name=$1 lba=$2 poll=$3 mdts=$4 compare=$5
   local polled=0
   [ "$poll" -gt 0 ] && polled=1
   local log="$work/$name.log"
   say "round $name: LBA $lba B, poll queues $poll, MDTS $mdts"
   local rc=0
+  local fio_compare=true
+  if [ "$compare" = yes ]; then
+    # One pair per cell, 1 s runs: a check that both sides run on the same LBAs, not a figure.
+    fio_compare="quiet kvtier fio-compare --config /etc/kvtier-bench.toml --device /dev/ng0n1 \
+      --overwrite --block-size 256KiB --queue-depth 8 --pairs 1 --duration 1 --workload all"
+  fi
   # `kvtier bench` uses the namespace after the tests; its figures are emulated, not a drive's.
   tools/guest/run.sh --kernel "$kernel" --lba-size "$lba" --poll-queues "$poll" --mdts "$mdts" \
     --disk-mib 512 --mem-mib 2048 --timeout "${KVTIER_GUEST_TIMEOUT:-900}" --log "$log" \
-    --bin "$work/nvme_passthrough" --bin "$work/kvtier" --file "$work/bench.toml:/etc/kvtier-bench.toml" -- \
+    --bin "$work/nvme_passthrough" --bin "$work/kvtier" --bin "$fio_bin" --file "$work/bench.toml:/etc/kvtier-bench.toml" -- \
     "export KVTIER_NVME_DEVICE=/dev/ng0n1 KVTIER_NVME_POLLED=$polled KVTIER_NVME_LBA=$lba; \
-     nvme_passthrough --test-threads=1 && kvtier probe --dir /tmp && \
+     nvme_passthrough --include-ignored --test-threads=1 && kvtier probe --dir /tmp && \
      quiet() { \"\$@\" 2>/tmp/err || { cat /tmp/err; return 1; }; } && \
      quiet kvtier bench --config /etc/kvtier-bench.toml --blocks 96 --queue-depth 8 --duration 3 \
-       --workload all && quiet kvtier inspect --config /etc/kvtier-bench.toml" \
+       --workload all && quiet kvtier inspect --config /etc/kvtier-bench.toml && \
+     head -c 1048576 /dev/urandom > /tmp/block && \
+     quiet kvtier put --config /etc/kvtier-bench.toml --key 6b76746965722d677565737400000000 --in /tmp/block && \
+     quiet kvtier get --config /etc/kvtier-bench.toml --key 6b76746965722d677565737400000000 --out /tmp/back && \
+     cmp /tmp/block /tmp/back && echo 'kvtier put + get on /dev/ng0n1: byte-exact' && $fio_compare" \
     >/dev/null 2>&1 || rc=$?
   # The test lines, the probe and the bench report, for the log of the whole suite.
   sed -n '/^running [0-9]* tests/,/^KVTIER_GUEST_EXIT=/p' "$log" | grep -v '^KVTIER_GUEST_EXIT='
@@ -90,6 +104,6 @@ round() {
 }
 
 rc=0
-round lba512-polled 512 1 7 || rc=1
-round lba4k-interrupt 4096 0 5 || rc=1
+round lba512-polled 512 1 7 yes || rc=1
+round lba4k-interrupt 4096 0 5 no || rc=1
 exit "$rc"

@@ -16,6 +16,9 @@
 //!   fio runs `numjobs = W`, `iodepth = ceil(N / W)` (more than N in flight in total when W does
 //!   not divide N: the table says so). Each fio job is pinned to one of kvtier's worker cores
 //!   (`cpus_allowed_policy = split`).
+//! * NVMe passthrough: on an NVMe generic device (`/dev/ngXnY`, which kvtier drives by
+//!   passthrough) fio runs `ioengine=io_uring_cmd` (NVMe commands, `cmd_type=nvme`) with
+//!   `direct=0` on the same LBAs, and the header is cleared and checked by passthrough too.
 //! * Kernel path: fio uses io_uring with `direct=1`, `fixedbufs`, `registerfiles`, `hipri` and
 //!   `sqthread_poll` as kvtier's config has iopoll/sqpoll, and `iomem=mmaphuge` when kvtier's
 //!   region is hugetlb memory (else malloc: kvtier's THP region then has an edge that fio cannot
@@ -105,8 +108,9 @@ pub struct FioCompareArgs {
     /// Where the scratch directory with its 1 GiB slab goes [default: /var/tmp].
     #[arg(long, conflicts_with_all = ["config", "device"])]
     dir: Option<PathBuf>,
-    /// Measure this file or block device instead (its contents are destroyed; see --overwrite).
-    /// Block devices: the first 4 GiB unless --size.
+    /// Measure this file, block device or NVMe generic device (`/dev/ngXnY`: kvtier by
+    /// passthrough, fio with `ioengine=io_uring_cmd`) instead; its contents are destroyed (see
+    /// --overwrite). Devices: the first 4 GiB unless --size.
     #[arg(long)]
     device: Option<PathBuf>,
     #[arg(
@@ -289,9 +293,23 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
     let mut intro = output::engine_text(&first.info, &cores);
     let _ = writeln!(
         intro,
-        "fio: {fio_version}; {} job(s) per run pinned like kvtier's workers ({}), iomem={}",
-        first.numjobs, first.cpus, first.iomem
+        "fio: {fio_version}; {} job(s) per run pinned like kvtier's workers ({}), iomem={}, \
+         ioengine={}",
+        first.numjobs,
+        first.cpus,
+        first.iomem,
+        first.engine.vars()[0].1
     );
+    if let Some(max) = first.max_command_bytes {
+        let _ = writeln!(
+            intro,
+            "NVMe passthrough: one command carries at most {} on this device and neither the \
+             kernel nor fio splits one, so fio issues commands of at most that size, with \
+             proportionally more in flight (as kvtier cuts its blocks); fio's latencies are per \
+             command, kvtier's per block",
+            output::size(max)
+        );
+    }
     if let Some(note) = memory_note(first, &plan_of(&plan)) {
         let _ = writeln!(intro, "{note}");
     }
@@ -539,7 +557,12 @@ impl Target {
             let mut d = DeviceConfig::new(path);
             d.capacity_bytes = match (args.size, std::fs::metadata(path)) {
                 (Some(size), _) => Some(size),
-                (None, Ok(m)) if m.file_type().is_block_device() => Some(BLOCK_DEVICE_BYTES),
+                (None, Ok(m))
+                    if m.file_type().is_block_device()
+                        || FioEngine::of(path) == FioEngine::UringCmd =>
+                {
+                    Some(BLOCK_DEVICE_BYTES)
+                }
                 (None, Ok(_)) => None,
                 (None, Err(_)) => Some(SCRATCH_BYTES),
             };
@@ -556,7 +579,8 @@ impl Target {
             if args.size.is_some() {
                 d.capacity_bytes = args.size;
             } else if d.capacity_bytes.is_none()
-                && std::fs::metadata(&d.path).is_ok_and(|m| m.file_type().is_block_device())
+                && (std::fs::metadata(&d.path).is_ok_and(|m| m.file_type().is_block_device())
+                    || FioEngine::of(&d.path) == FioEngine::UringCmd)
             {
                 d.capacity_bytes = Some(BLOCK_DEVICE_BYTES);
             }
@@ -638,6 +662,12 @@ impl Target {
             iomem,
             hipri: u8::from(config.iopoll),
             sqpoll: u8::from(config.sqpoll),
+            engine: if dev.kind == "nvme passthrough" {
+                FioEngine::UringCmd
+            } else {
+                FioEngine::Uring
+            },
+            max_command_bytes: max_command_bytes(&dev.path),
             config,
             info,
         })
@@ -648,6 +678,19 @@ impl Target {
     fn wipe_header(&self) -> CliResult<()> {
         if !self.path.exists() {
             return Ok(());
+        }
+        if FioEngine::of(&self.path) == FioEngine::UringCmd {
+            let ns = kvtier_sys::nvme::Namespace::open(&self.path).map_err(|e| {
+                CliError::runtime(format!(
+                    "{}: opening to clear the header: {e}",
+                    self.path.display()
+                ))
+            })?;
+            let page = kvtier::Region::allocate(PAGE_BYTES, HugePages::Off)
+                .map_err(|e| CliError::runtime(e.to_string()))?;
+            return ns
+                .write_sync(0, &page, 0, PAGE_BYTES)
+                .map_err(|e| CliError::runtime(format!("clearing the slab header: {e}")));
         }
         let fail = |what: &str, e: kvtier::Errno| {
             CliError::runtime(format!(
@@ -680,7 +723,23 @@ fn check_target(path: &Path, may_hold_data: bool, overwrite: bool) -> CliResult<
     let is_block = meta
         .as_ref()
         .is_some_and(|m| m.file_type().is_block_device());
-    if is_block {
+    if FioEngine::of(path) == FioEngine::UringCmd {
+        // An NVMe generic device: no filesystem and no mount of its own; its block device
+        // (the same namespace) must not be mounted.
+        if let Some(block) = kvtier_sys::nvme::Namespace::open_read_only(path)
+            .ok()
+            .map(|ns| ns.geometry().block_device.clone())
+        {
+            if let Some(mount) = mounted(&block) {
+                return Err(CliError::usage(format!(
+                    "{} is mounted through {} ({mount}): fio-compare writes over the whole \
+                     namespace",
+                    path.display(),
+                    block.display()
+                )));
+            }
+        }
+    } else if is_block {
         if let Some(mount) = mounted(path) {
             return Err(CliError::usage(format!(
                 "{} is mounted ({mount}): fio-compare writes over the whole device; use an \
@@ -736,6 +795,16 @@ fn check_target(path: &Path, may_hold_data: bool, overwrite: bool) -> CliResult<
 /// What the first page of `path` says it holds; `None` when it is all zeros.
 fn holds_data(path: &Path) -> CliResult<Option<String>> {
     let mut page = vec![0u8; PAGE_BYTES];
+    if FioEngine::of(path) == FioEngine::UringCmd {
+        let fail = |e: String| CliError::runtime(format!("{}: {e}", path.display()));
+        let ns = kvtier_sys::nvme::Namespace::open_read_only(path).map_err(fail)?;
+        let buf = kvtier::Region::allocate(PAGE_BYTES, HugePages::Off)
+            .map_err(|e| CliError::runtime(e.to_string()))?;
+        ns.read_sync(0, &buf, 0, PAGE_BYTES)
+            .map_err(|e| fail(e.to_string()))?;
+        buf.read(0, &mut page);
+        return Ok(describe_first_page(&page));
+    }
     let mut file = std::fs::File::open(path)
         .map_err(|e| CliError::runtime(format!("{}: {e}", path.display())))?;
     let mut got = 0;
@@ -747,11 +816,15 @@ fn holds_data(path: &Path) -> CliResult<Option<String>> {
             Err(e) => return Err(CliError::runtime(format!("{}: {e}", path.display()))),
         }
     }
-    Ok(match Header::decode(&page) {
+    Ok(describe_first_page(&page))
+}
+
+fn describe_first_page(page: &[u8]) -> Option<String> {
+    match Header::decode(page) {
         HeaderRead::Empty => None,
         HeaderRead::Valid(_) => Some("holds a kvtier store".to_owned()),
         HeaderRead::Foreign(why) => Some(format!("holds other data ({why})")),
-    })
+    }
 }
 
 /// The mount entry using block device `path` or one of its partitions, if any.
@@ -795,6 +868,39 @@ struct Prepared {
     iomem: &'static str,
     hipri: u8,
     sqpoll: u8,
+    /// fio's engine and `direct`: `io_uring` and 1, or `io_uring_cmd` and 0 on an NVMe generic
+    /// device (passthrough, as kvtier drives it).
+    engine: FioEngine,
+    /// With `io_uring_cmd`: the device's transfer limit. The kernel never splits a passthrough
+    /// command and fio does not either, so fio runs commands of this size with as many more in
+    /// flight: the same commands and bytes in flight that kvtier issues for its blocks.
+    max_command_bytes: Option<u64>,
+}
+
+/// How fio reaches the target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FioEngine {
+    /// `ioengine=io_uring`, `direct=1`: files and block devices.
+    Uring,
+    /// `ioengine=io_uring_cmd` (NVMe passthrough, `cmd_type=nvme`), `direct=0`: `/dev/ngXnY`.
+    UringCmd,
+}
+
+impl FioEngine {
+    fn of(path: &Path) -> FioEngine {
+        if kvtier_sys::nvme::generic_name(path).is_some() {
+            FioEngine::UringCmd
+        } else {
+            FioEngine::Uring
+        }
+    }
+
+    fn vars(self) -> [(&'static str, String); 2] {
+        match self {
+            FioEngine::Uring => [("IOENGINE", "io_uring".into()), ("DIRECT", "1".into())],
+            FioEngine::UringCmd => [("IOENGINE", "io_uring_cmd".into()), ("DIRECT", "0".into())],
+        }
+    }
 }
 
 /// A cell to measure, with its fio job filled in.
@@ -814,12 +920,18 @@ impl CellPlan {
         queue_depth: u32,
         runtime: Duration,
     ) -> CliResult<CellPlan> {
-        let iodepth = queue_depth.div_ceil(prep.numjobs);
+        let mut iodepth = queue_depth.div_ceil(prep.numjobs);
+        let mut fio_bs = prep.block_bytes;
+        if let Some(max) = prep.max_command_bytes.filter(|&m| m < prep.block_bytes) {
+            let per_block = u32::try_from(prep.block_bytes.div_ceil(max)).unwrap_or(u32::MAX);
+            iodepth = iodepth.saturating_mul(per_block);
+            fio_bs = max;
+        }
         let vars = [
             ("FILENAME", prep.info.devices[0].path.display().to_string()),
             ("OFFSET", prep.data_offset.to_string()),
             ("SIZE", prep.data_bytes.to_string()),
-            ("BS", prep.block_bytes.to_string()),
+            ("BS", fio_bs.to_string()),
             ("NUMJOBS", prep.numjobs.to_string()),
             ("IODEPTH", iodepth.to_string()),
             ("CPUS", prep.cpus.clone()),
@@ -830,6 +942,7 @@ impl CellPlan {
             // fio reads time values with a unit suffix; kvtier runs exactly as long.
             ("RUNTIME", format!("{}ms", runtime.as_millis().max(1))),
         ];
+        let vars: Vec<(&str, String)> = vars.into_iter().chain(prep.engine.vars()).collect();
         let job = fill_template(kind.template(), &vars)
             .map_err(|e| CliError::runtime(format!("tools/fio/{}: {e}", kind.fio_file())))?;
         let job = strip_comments(&job);
@@ -857,15 +970,32 @@ impl CellPlan {
 /// (at most 1 MiB) that divides its size.
 fn fill_job(path: &Path, device_bytes: u64) -> String {
     let bytes = device_bytes / PAGE_BYTES as u64 * PAGE_BYTES as u64;
-    let bs = (1u64 << bytes.trailing_zeros().min(63)).min(FILL_BS_MAX);
+    let mut bs = (1u64 << bytes.trailing_zeros().min(63)).min(FILL_BS_MAX);
+    if let Some(max) = max_command_bytes(path) {
+        // Powers of two both: the fill's request stays a divisor of the size.
+        bs = bs.min(1 << max.ilog2());
+    }
     let vars = [
         ("FILENAME", path.display().to_string()),
         ("SIZE", bytes.to_string()),
         ("BS", bs.to_string()),
     ];
+    let vars: Vec<(&str, String)> = vars.into_iter().chain(FioEngine::of(path).vars()).collect();
     strip_comments(
-        &fill_template(FILL_JOB, &vars).expect("fill.fio uses only FILENAME, SIZE and BS"),
+        &fill_template(FILL_JOB, &vars)
+            .expect("fill.fio uses only FILENAME, SIZE, BS, IOENGINE and DIRECT"),
     )
+}
+
+/// The transfer limit of an NVMe generic device (what one passthrough command may carry);
+/// `None` for anything else.
+fn max_command_bytes(path: &Path) -> Option<u64> {
+    if FioEngine::of(path) != FioEngine::UringCmd {
+        return None;
+    }
+    kvtier_sys::nvme::Namespace::open_read_only(path)
+        .ok()
+        .map(|ns| u64::from(ns.geometry().max_transfer_bytes))
 }
 
 /// The job without its `;` comment lines (the templates' documentation), as it is run.
@@ -1658,6 +1788,8 @@ mod tests {
             ("HIPRI", "0".to_owned()),
             ("SQPOLL", "0".to_owned()),
             ("RUNTIME", "5000ms".to_owned()),
+            ("IOENGINE", "io_uring".to_owned()),
+            ("DIRECT", "1".to_owned()),
         ];
         for kind in [Kind::Load, Kind::Store, Kind::Mixed] {
             let job = fill_template(kind.template(), &prep_vars).expect("fills");
