@@ -75,6 +75,40 @@ impl KernelStorage {
         devices[index] = Some(opened);
     }
 
+    /// `read_sync`/`write_sync`: by passthrough commands on an NVMe namespace, else `pread` /
+    /// `pwrite` loops.
+    fn transfer_sync(
+        &self,
+        write: bool,
+        device: usize,
+        offset: u64,
+        buf: &Region,
+        buf_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let d = self.device(device)?;
+        if let Some(ns) = &d.nvme {
+            let done = if write {
+                ns.write_sync(offset, buf, buf_offset, len)
+            } else {
+                ns.read_sync(offset, buf, buf_offset, len)
+            };
+            return done.map_err(|e| Error::device(ns.path(), e.to_string()));
+        }
+        let done = if write {
+            d.file.write_all_at(offset, buf, buf_offset, len)
+        } else {
+            d.file.read_exact_at(offset, buf, buf_offset, len)
+        };
+        done.map_err(|e| {
+            let what = if write { "write" } else { "read" };
+            Error::device(
+                d.file.path(),
+                errno_msg(&format!("{what} {len} bytes at {offset}"), e),
+            )
+        })
+    }
+
     /// Opens an NVMe namespace for passthrough: the slab occupies its LBAs from 0 (up to
     /// `capacity_bytes` if set).
     fn open_passthrough(&self, index: usize, cfg: &DeviceConfig, ns: Arc<Namespace>) -> DeviceInfo {
@@ -304,20 +338,7 @@ impl Storage for KernelStorage {
         buf_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let d = self.device(device)?;
-        if let Some(ns) = &d.nvme {
-            return ns
-                .read_sync(offset, buf, buf_offset, len)
-                .map_err(|e| Error::device(ns.path(), e.to_string()));
-        }
-        d.file
-            .read_exact_at(offset, buf, buf_offset, len)
-            .map_err(|e| {
-                Error::device(
-                    d.file.path(),
-                    errno_msg(&format!("read {len} bytes at {offset}"), e),
-                )
-            })
+        self.transfer_sync(false, device, offset, buf, buf_offset, len)
     }
 
     fn write_sync(
@@ -328,20 +349,7 @@ impl Storage for KernelStorage {
         buf_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let d = self.device(device)?;
-        if let Some(ns) = &d.nvme {
-            return ns
-                .write_sync(offset, buf, buf_offset, len)
-                .map_err(|e| Error::device(ns.path(), e.to_string()));
-        }
-        d.file
-            .write_all_at(offset, buf, buf_offset, len)
-            .map_err(|e| {
-                Error::device(
-                    d.file.path(),
-                    errno_msg(&format!("write {len} bytes at {offset}"), e),
-                )
-            })
+        self.transfer_sync(true, device, offset, buf, buf_offset, len)
     }
 
     fn backend(

@@ -884,33 +884,32 @@ impl Ring {
     unsafe fn push_entry(&mut self, entry: &squeue::Entry) -> Result<(), SqFull> {
         // SAFETY: the caller guarantees the entry's memory outlives the operation.
         unsafe { self.uring.push(entry) }.map_err(|()| SqFull)?;
-        self.in_flight += 1;
-        self.pushed += 1;
-        #[cfg(debug_assertions)]
-        {
-            *self
-                .live_user_data
-                .entry(entry.get_user_data())
-                .or_insert(0) += 1;
-        }
+        self.count_pushed(entry.get_user_data());
         Ok(())
     }
 
-    /// Address and kernel buffer index of `buf`, after the bounds checks that keep the kernel
-    /// inside the registered memory.
+    /// [`Ring::push_entry`] for a 128-byte entry (a ring built with `big_entries`).
+    ///
+    /// # Safety
+    ///
+    /// As for `push_entry`.
     unsafe fn push_entry_big(&mut self, entry: &squeue::Entry128) -> Result<(), SqFull> {
         // SAFETY: the caller guarantees the entry's memory outlives the operation.
         unsafe { self.uring.push_big(entry) }.map_err(|()| SqFull)?;
+        self.count_pushed(entry.get_user_data());
+        Ok(())
+    }
+
+    /// Bookkeeping of one pushed SQE.
+    fn count_pushed(&mut self, user_data: u64) {
         self.in_flight += 1;
         self.pushed += 1;
         #[cfg(debug_assertions)]
         {
-            *self
-                .live_user_data
-                .entry(entry.get_user_data())
-                .or_insert(0) += 1;
+            *self.live_user_data.entry(user_data).or_insert(0) += 1;
         }
-        Ok(())
+        #[cfg(not(debug_assertions))]
+        let _ = user_data;
     }
 
     /// Whether the ring has 128-byte SQEs (and can take [`Ring::push_nvme`]).
@@ -924,6 +923,8 @@ impl Ring {
             .is_ok_and(|probe| probe.is_supported(opcode::UringCmd80::CODE))
     }
 
+    /// Address and kernel buffer index of `buf`, after the bounds checks that keep the kernel
+    /// inside the registered memory.
     fn fixed_buf(&self, buf: BufRef) -> (*mut u8, u16) {
         let Some(region) = self.regions.get(usize::from(buf.region)) else {
             panic!(
