@@ -340,7 +340,7 @@ fn shutdown_with_io_in_flight_loses_nothing_acknowledged() {
 
 #[test]
 #[ignore = "needs KVTIER_NVME_DEVICE=/dev/ngXnY: tools/guest/nvme-tests.sh runs it in a QEMU guest"]
-fn kind_block_uses_the_block_device_of_the_namespace() {
+fn kind_block_and_kind_nvme_pick_the_path_and_share_the_layout() {
     let Some(path) = device() else { return };
     let region = region(4);
     let mut cfg = config(&path, false);
@@ -354,8 +354,16 @@ fn kind_block_uses_the_block_device_of_the_namespace() {
         assert!(holds(&region, b as u32, id));
     }
     engine.shutdown();
-    // And the passthrough engine reads what the block layer wrote: one on-device layout.
-    let engine = Engine::open(&config(&path, false), Arc::clone(&region)).expect("open");
+    // And the passthrough engine reads what the block layer wrote: one on-device layout. Here
+    // through kind = "nvme" on the block device's path, which uses its generic device.
+    let block = Namespace::open(&path)
+        .expect("namespace")
+        .geometry()
+        .block_device
+        .clone();
+    let mut cfg = config(&block, false);
+    cfg.devices[0].kind = DeviceKind::Nvme;
+    let engine = Engine::open(&cfg, Arc::clone(&region)).expect("open");
     assert_eq!(engine.info().devices[0].kind, "nvme passthrough");
     assert!(load(&engine, &region, 3, &ids).success);
     for (b, &id) in ids.iter().enumerate() {

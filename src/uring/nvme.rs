@@ -34,7 +34,11 @@ pub(super) enum Resolved {
 /// Decides how to open `cfg.path`: passthrough for an NVMe generic device (or for a namespace's
 /// block device with `kind = "nvme"`), the block device for `kind = "block"`, and the block
 /// device again, with one warning, when passthrough is unavailable.
-pub(super) fn resolve(cfg: &DeviceConfig, uring_cmd: bool) -> Result<Resolved, String> {
+/// `uring_cmd` says whether io_uring has `URING_CMD`; it is asked only for NVMe devices.
+pub(super) fn resolve(
+    cfg: &DeviceConfig,
+    uring_cmd: impl FnOnce() -> bool,
+) -> Result<Resolved, String> {
     let path = cfg.path.as_path();
     let generic = kvtier_sys::nvme::generic_name(path);
     let generic_path = match (cfg.kind, &generic) {
@@ -47,11 +51,27 @@ pub(super) fn resolve(cfg: &DeviceConfig, uring_cmd: bool) -> Result<Resolved, S
             return Ok(Resolved::Kernel(path.to_path_buf()))
         }
         (DeviceKind::Auto | DeviceKind::Nvme, Some(_)) => path.to_path_buf(),
-        (DeviceKind::Nvme, None) => generic_sibling(path).ok_or_else(|| {
-            "kind = \"nvme\" needs an NVMe namespace: its generic device /dev/ngXnY or its \
-             block device /dev/nvmeXnY"
-                .to_owned()
-        })?,
+        (DeviceKind::Nvme, None) => match generic_sibling(path) {
+            Some(generic) => generic,
+            // A namespace's block device whose generic device is missing (kernels before 5.13
+            // have none): the block device it is.
+            None if is_namespace_block_device(path) => {
+                tracing::warn!(
+                    device = %path.display(),
+                    "kind = \"nvme\" but this namespace has no generic device /dev/ngXnY \
+                     (Linux 5.13+): using the block device with O_DIRECT; `kvtier probe` says \
+                     what passthrough needs"
+                );
+                return Ok(Resolved::Kernel(path.to_path_buf()));
+            }
+            None => {
+                return Err(
+                    "kind = \"nvme\" needs an NVMe namespace: its generic device \
+                            /dev/ngXnY or its block device /dev/nvmeXnY"
+                        .to_owned(),
+                )
+            }
+        },
     };
     let fallback = |why: String| {
         let name = generic_path
@@ -72,7 +92,7 @@ pub(super) fn resolve(cfg: &DeviceConfig, uring_cmd: bool) -> Result<Resolved, S
         );
         Ok(Resolved::Kernel(block))
     };
-    if !uring_cmd {
+    if !uring_cmd() {
         return fallback("this kernel's io_uring has no URING_CMD (Linux 5.19+)".to_owned());
     }
     match Namespace::open(&generic_path) {
@@ -95,6 +115,22 @@ fn generic_sibling(path: &Path) -> Option<PathBuf> {
     let rest = name.strip_prefix("nvme")?;
     let generic = PathBuf::from(format!("/dev/ng{rest}"));
     kvtier_sys::nvme::generic_name(&generic).map(|_| generic)
+}
+
+/// Whether `path` is an NVMe namespace's block device (`nvmeXnY`, by its sysfs entry).
+fn is_namespace_block_device(path: &Path) -> bool {
+    let Ok(canonical) = std::fs::canonicalize(path) else {
+        return false;
+    };
+    let is_block = std::fs::metadata(&canonical)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()));
+    let name = canonical
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned());
+    is_block
+        && name.is_some_and(|n| {
+            n.starts_with("nvme") && Path::new("/sys/block").join(&n).join("nsid").exists()
+        })
 }
 
 /// A passthrough device as the backend sees it.

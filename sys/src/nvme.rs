@@ -378,23 +378,12 @@ impl Namespace {
             })
             .map(|(lba_shift, lbas, mdts)| {
                 let limits = SysLimits::read(&sys);
-                let mut max = mdts.unwrap_or(u64::MAX);
-                if let Some(hw) = limits.max_hw_bytes {
-                    max = max.min(hw);
-                }
-                if let Some(segments) = limits.max_segments {
-                    max = max.min(segments * 4096);
-                }
-                if max == u64::MAX {
-                    max = 128 << 10;
-                }
-                let lba = 1_u64 << lba_shift;
-                let max = (max.min(u64::from(u32::MAX)) / lba * lba).max(lba);
+                let max = transfer_limit(lba_shift, mdts, &limits);
                 Geometry {
                     nsid,
                     lba_shift,
                     lbas,
-                    max_transfer_bytes: max as u32,
+                    max_transfer_bytes: max,
                     poll_queues: limits.io_poll,
                     source: if mdts.is_some() { "identify" } else { "sysfs" },
                     controller: controller.clone(),
@@ -553,6 +542,27 @@ fn admin_identify(
     Ok(out)
 }
 
+/// The longest transfer of one command: the least of MDTS, the driver's `max_hw_sectors_kb`
+/// and `max_segments` 4 KiB pages (a buffer of small pages needs a segment per page; past the
+/// limit the kernel would bounce the data through a copy), 128 KiB when none is known, in whole
+/// LBAs.
+fn transfer_limit(lba_shift: u32, mdts: Option<u64>, limits: &SysLimits) -> u32 {
+    let mut max = mdts.unwrap_or(u64::MAX);
+    if let Some(hw) = limits.max_hw_bytes {
+        max = max.min(hw);
+    }
+    if let Some(segments) = limits.max_segments {
+        max = max.min(segments * 4096);
+    }
+    if max == u64::MAX {
+        max = 128 << 10;
+    }
+    let lba = 1_u64 << lba_shift;
+    // At most 4 GiB - 1 LBA: fits the u32 the command's data length is.
+    let max = (max.min(u64::from(u32::MAX)) / lba * lba).max(lba);
+    u32::try_from(max).unwrap_or(u32::MAX)
+}
+
 fn sysfs_u64(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
@@ -670,5 +680,59 @@ mod tests {
             "a char device of another class"
         );
         assert_eq!(generic_name(Path::new("/")), None);
+    }
+
+    #[test]
+    fn geometry_from_sysfs_when_identify_is_not_allowed() {
+        let dir = tempfile::tempdir().expect("dir");
+        let sys = dir.path();
+        std::fs::create_dir_all(sys.join("queue")).expect("queue dir");
+        let put = |name: &str, value: &str| std::fs::write(sys.join(name), value).expect(name);
+        put("queue/logical_block_size", "4096\n");
+        put("size", "1048576\n"); // 512-byte sectors: 512 MiB
+        put("queue/max_hw_sectors_kb", "512\n");
+        put("queue/max_segments", "33\n");
+        put("queue/io_poll", "1\n");
+        assert_eq!(from_sysfs(sys), Ok((12, 131_072, None)));
+        let limits = SysLimits::read(sys);
+        assert_eq!(limits.max_hw_bytes, Some(512 << 10));
+        assert_eq!(limits.max_segments, Some(33));
+        assert!(limits.io_poll);
+        put("queue/logical_block_size", "1000\n");
+        let err = from_sysfs(sys).expect_err("not a power of two");
+        assert!(err.contains("1000"), "{err}");
+        std::fs::remove_file(sys.join("size")).expect("rm");
+        assert!(from_sysfs(sys).expect_err("no size").contains("size"));
+    }
+
+    #[test]
+    fn the_transfer_limit_is_the_least_of_the_device_limits() {
+        let limits = |hw: Option<u64>, segments: Option<u64>| SysLimits {
+            max_hw_bytes: hw,
+            max_segments: segments,
+            io_poll: false,
+        };
+        // QEMU's defaults: MDTS 7 (512 KiB), 512 KiB, 128 segments.
+        assert_eq!(
+            transfer_limit(9, Some(512 << 10), &limits(Some(512 << 10), Some(128))),
+            512 << 10
+        );
+        // MDTS 5, 33 segments: MDTS wins.
+        assert_eq!(
+            transfer_limit(12, Some(128 << 10), &limits(Some(128 << 10), Some(33))),
+            128 << 10
+        );
+        // Few segments: 127 pages, rounded down to whole 4 KiB LBAs.
+        assert_eq!(
+            transfer_limit(12, None, &limits(Some(2 << 20), Some(127))),
+            127 * 4096
+        );
+        // Nothing known: 128 KiB.
+        assert_eq!(transfer_limit(9, None, &limits(None, None)), 128 << 10);
+        // No MDTS limit (0 in Identify) and a huge hardware limit: capped below 4 GiB.
+        assert_eq!(
+            transfer_limit(12, Some(u64::MAX), &limits(Some(1 << 40), None)),
+            u32::MAX / 4096 * 4096
+        );
     }
 }
