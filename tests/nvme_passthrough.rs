@@ -203,9 +203,9 @@ fn an_out_of_range_lba_is_a_named_error() {
         offset: 0,
         len: g.lba_bytes(),
     };
-    ring.push_nvme(1, 0, Opcode::Read, g.nsid, g.lbas, 1, one)
+    ring.push_nvme(1, 0, Opcode::Read, g.nsid, g.lbas, g.lba_shift, one)
         .expect("push");
-    ring.push_nvme(2, 0, Opcode::Read, g.nsid, 0, 1, one)
+    ring.push_nvme(2, 0, Opcode::Read, g.nsid, 0, g.lba_shift, one)
         .expect("push");
     ring.submit(2).expect("submit");
     let mut out = Vec::new();

@@ -44,7 +44,15 @@ pub(super) fn iopoll_reads_work(ring: &mut Ring, devices: &[Opened]) -> bool {
             offset: 0,
             len: g.lba_bytes(),
         };
-        ring.push_nvme(0, 0, kvtier_sys::nvme::Opcode::Read, g.nsid, 0, 1, buf)
+        ring.push_nvme(
+            0,
+            0,
+            kvtier_sys::nvme::Opcode::Read,
+            g.nsid,
+            0,
+            g.lba_shift,
+            buf,
+        )
     } else {
         let buf = BufRef {
             region: 1,

@@ -23,6 +23,16 @@ use crate::logs::RateLimit;
 /// Attempts per request when the device's status allows retrying.
 pub(super) const TRIES: u8 = 3;
 
+/// Whether a part's outcome allows resubmitting: success, an NVMe status without Do Not Retry,
+/// or EINTR/EAGAIN (a command aborted by a timeout or a controller reset, a busy queue).
+fn retryable(outcome: Outcome) -> bool {
+    match outcome {
+        Outcome::Done => true,
+        Outcome::Status(s) => s.retryable(),
+        Outcome::Errno(e) => matches!(e, crate::Errno::EINTR | crate::Errno::EAGAIN),
+    }
+}
+
 /// What a device path resolves to.
 pub(super) enum Resolved {
     /// Use passthrough on this namespace.
@@ -74,10 +84,8 @@ pub(super) fn resolve(
         },
     };
     let fallback = |why: String| {
-        let name = generic_path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        // The kernel's name, not the path's (which may be a symlink such as /dev/disk/by-id/...).
+        let name = kvtier_sys::nvme::generic_name(&generic_path).unwrap_or_default();
         let block = block_sibling(&name).ok_or_else(|| {
             format!(
                 "NVMe passthrough on {} is unavailable ({why}) and its block device is unknown",
@@ -93,9 +101,9 @@ pub(super) fn resolve(
         Ok(Resolved::Kernel(block))
     };
     if !uring_cmd() {
-        return fallback("this kernel's io_uring has no URING_CMD (Linux 5.19+)".to_owned());
+        return fallback("this kernel's io_uring has no URING_CMD (passthrough with fixed buffers needs Linux 6.1+)".to_owned());
     }
-    match Namespace::open(&generic_path) {
+    match Namespace::open(&generic_path).and_then(|ns| ns.check_io().map(|()| ns)) {
         Ok(ns) => Ok(Resolved::Passthrough(Arc::new(ns))),
         Err(why) => fallback(why),
     }
@@ -151,6 +159,8 @@ struct Pending {
     left: u32,
     /// The first failure among the parts of this attempt.
     failed: Option<Outcome>,
+    /// A part of this attempt failed with Do Not Retry: the request is not retried.
+    final_failure: bool,
     tries: u8,
 }
 
@@ -218,6 +228,7 @@ impl Passthrough {
                 pushed: 0,
                 left: parts,
                 failed: None,
+                final_failure: false,
                 tries: 1,
             },
         );
@@ -232,6 +243,7 @@ impl Passthrough {
 
     /// Commands `req` is cut into; checks it is whole LBAs.
     fn part_count(&self, req: &IoRequest) -> u32 {
+        assert!(req.buf.len > 0, "zero-length passthrough I/O: {req:?}");
         let dev = self.device(req);
         let lba = u64::from(dev.geometry.lba_bytes());
         assert!(
@@ -266,16 +278,24 @@ impl Passthrough {
             return true;
         };
         let (req, mut next, parts) = (p.req, p.pushed, p.parts);
-        let nsid = self.device(&req).geometry.nsid;
+        let (nsid, shift) = {
+            let g = &self.device(&req).geometry;
+            (g.nsid, g.lba_shift)
+        };
         let op = match req.kind {
             IoKind::Read => Opcode::Read,
             IoKind::Write => Opcode::Write,
         };
         while next < parts {
-            let (slba, lbas, buf) = self.part(&req, next);
+            // Never more commands in flight than the completion queue holds: an overflowing
+            // queue keeps completions in kernel memory, and loses them if that allocation fails.
+            if ring.in_flight() >= ring.completion_capacity() {
+                break;
+            }
+            let (slba, _, buf) = self.part(&req, next);
             let file = u32::from(req.device);
             if ring
-                .push_nvme(user_data, file, op, nsid, slba, lbas, buf)
+                .push_nvme(user_data, file, op, nsid, slba, shift, buf)
                 .is_err()
             {
                 break;
@@ -327,14 +347,13 @@ impl Passthrough {
         if outcome != Outcome::Done && p.failed.is_none() {
             p.failed = Some(outcome);
         }
+        if !retryable(outcome) {
+            p.final_failure = true;
+        }
         if p.left > 0 {
             return None;
         }
-        let retry = match p.failed {
-            Some(Outcome::Status(s)) => s.retryable() && p.tries < TRIES,
-            _ => false,
-        };
-        if retry {
+        if p.failed.is_some() && !p.final_failure && p.tries < TRIES {
             p.tries += 1;
             p.failed = None;
             p.pushed = 0;
@@ -504,9 +523,21 @@ mod tests {
             Some(cqe(10, -(crate::Errno::EINVAL as i32)))
         );
         assert!(p.backlog.is_empty());
-        // An errno is never retried.
+        // EIO is not retried; EINTR (a command aborted by a reset) is.
         pushed(&mut p, &request(11, IoKind::Write, 0, 4096));
         assert_eq!(absorb(&mut p, 11, -5), Some(cqe(11, -5)));
+        pushed(&mut p, &request(12, IoKind::Write, 0, 4096));
+        assert_eq!(absorb(&mut p, 12, -(crate::Errno::EINTR as i32)), None);
+        resubmitted(&mut p, 12);
+        assert_eq!(absorb(&mut p, 12, 0), Some(cqe(12, 4096)));
+        // A retryable first failure, then a Do Not Retry part: no retry.
+        pushed(&mut p, &request(13, IoKind::Read, 0, 1 << 20));
+        assert_eq!(absorb(&mut p, 13, 0x0082), None);
+        assert_eq!(
+            absorb(&mut p, 13, 0x4002),
+            Some(cqe(13, -(crate::Errno::EAGAIN as i32)))
+        );
+        assert!(p.backlog.is_empty());
         assert_eq!((p.requests(), p.parts_in_ring), (0, 0));
     }
 

@@ -71,7 +71,10 @@ const _: () = assert!(std::mem::size_of::<Command>() == 72);
 impl Command {
     /// A read or write of `lbas` blocks from `slba`, to or from `len` bytes at `addr`.
     pub fn io(op: Opcode, nsid: u32, slba: u64, lbas: u32, addr: u64, len: u32) -> Command {
-        assert!(lbas > 0, "an NVMe transfer of zero blocks");
+        assert!(
+            (1..=MAX_LBAS_PER_COMMAND).contains(&lbas),
+            "an NVMe transfer of {lbas} blocks (1..={MAX_LBAS_PER_COMMAND})"
+        );
         Command {
             opcode: op as u8,
             nsid,
@@ -118,6 +121,9 @@ impl Command {
         out
     }
 }
+
+/// The NLB field of a read or write is 16 bits, zero-based: at most 65536 LBAs per command.
+pub const MAX_LBAS_PER_COMMAND: u32 = 1 << 16;
 
 /// `_IOWR('N', 0x80, struct nvme_uring_cmd)`: the `cmd_op` of an I/O `URING_CMD`.
 pub const URING_CMD_IO: u32 = ioc_readwrite(0x80);
@@ -169,11 +175,13 @@ impl Status {
             (0, 0x07) => "command abort requested",
             (0, 0x08) => "command aborted: SQ deleted",
             (0, 0x0b) => "invalid namespace or format",
-            (0, 0x15) => "namespace is write protected",
+            (0, 0x15) => "operation denied",
+            (0, 0x20) => "namespace is write protected",
             (0, 0x21) => "command interrupted",
             (0, 0x80) => "LBA out of range",
             (0, 0x81) => "capacity exceeded",
             (0, 0x82) => "namespace not ready",
+            (0, 0x83) => "reservation conflict",
             (1, 0x80) => "conflicting attributes",
             (1, 0x82) => "write to a read-only range",
             (2, 0x80) => "write fault",
@@ -196,8 +204,8 @@ impl Status {
             (0, 0x01 | 0x02 | 0x0b | 0x80) => Errno::EINVAL,
             (0, 0x81) => Errno::ENOSPC,
             (0, 0x82 | 0x21) => Errno::EAGAIN,
-            (0, 0x15) | (1, 0x82) => Errno::EROFS,
-            (2, 0x86) => Errno::EACCES,
+            (0, 0x20) | (1, 0x82) => Errno::EROFS,
+            (0, 0x15 | 0x83) | (2, 0x86) => Errno::EACCES,
             _ => Errno::EIO,
         }
     }
@@ -372,7 +380,12 @@ impl Namespace {
         let controller = PathBuf::from(format!("/dev/{ctrl}"));
         let sys = PathBuf::from(format!("/sys/block/{block}"));
         let geometry = identify(&controller, nsid)
+            .and_then(|found| agrees_with_sysfs(&sys, found))
             .or_else(|why| {
+                if why.contains("metadata") || why.contains("disagrees") {
+                    // Fail closed: the geometry is what keeps the device inside our buffers.
+                    return Err(why);
+                }
                 tracing::debug!(%why, "NVMe Identify unavailable; reading the geometry from sysfs");
                 from_sysfs(&sys)
             })
@@ -411,6 +424,57 @@ impl Namespace {
 
     pub fn raw_fd(&self) -> RawFd {
         self.file.raw_fd()
+    }
+
+    /// Checks that passthrough works here end to end: one LBA read by the ioctl (permission:
+    /// kernels before 6.2 refuse I/O commands to users without `CAP_SYS_ADMIN`) and one through
+    /// an io_uring `URING_CMD` with a fixed buffer (`IORING_URING_CMD_FIXED` arrived in 6.1).
+    pub fn check_io(&self) -> Result<(), String> {
+        let lba = self.geometry.lba_bytes() as usize;
+        let buf = std::sync::Arc::new(
+            Region::allocate(lba.max(4096), crate::mem::HugePages::Off)
+                .map_err(|e| e.to_string())?,
+        );
+        self.read_sync(0, &buf, 0, lba).map_err(|e| e.to_string())?;
+        let mut ring = crate::ring::Ring::new(&crate::ring::RingConfig {
+            entries: 2,
+            big_entries: true,
+            ..crate::ring::RingConfig::default()
+        })
+        .map_err(|e| format!("io_uring with 128-byte SQEs: {}", e.desc()))?;
+        ring.register_buffers(vec![std::sync::Arc::clone(&buf)], buf.len())
+            .map_err(|e| e.to_string())?;
+        ring.register_files(vec![std::sync::Arc::clone(&self.file)])
+            .map_err(|e| format!("registering {}: {}", self.path().display(), e.desc()))?;
+        let one = crate::ring::BufRef {
+            region: 0,
+            offset: 0,
+            len: self.geometry.lba_bytes(),
+        };
+        ring.push_nvme(
+            0,
+            0,
+            Opcode::Read,
+            self.geometry.nsid,
+            0,
+            self.geometry.lba_shift,
+            one,
+        )
+        .map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        while out.is_empty() {
+            ring.submit(1)
+                .map_err(|e| format!("io_uring_enter: {}", e.desc()))?;
+            ring.complete(&mut out);
+        }
+        match Outcome::from_result(out[0].result) {
+            Outcome::Done => Ok(()),
+            Outcome::Status(s) => Err(format!("a URING_CMD read of LBA 0 failed: {s}")),
+            Outcome::Errno(e) => Err(format!(
+                "a URING_CMD read of LBA 0 with a fixed buffer failed: {} ({e}; needs Linux 6.1+)",
+                e.desc()
+            )),
+        }
     }
 
     /// Reads `len` bytes at byte `offset` (both LBA multiples) into the region.
@@ -501,6 +565,15 @@ fn identify(controller: &Path, nsid: u32) -> Result<(u32, u64, Option<u64>), Str
             .unwrap_or_default(),
     );
     let lba_shift = (lbaf >> 16) & 0xff;
+    // Metadata per LBA (interleaved or separate) would make the device move more than the data
+    // buffer the kernel maps for a command.
+    let metadata = lbaf & 0xffff;
+    if metadata != 0 {
+        return Err(format!(
+            "the LBA format carries {metadata} bytes of metadata per LBA, which kvtier does not \
+             handle"
+        ));
+    }
     if !(9..=16).contains(&lba_shift) {
         return Err(format!(
             "Identify Namespace gives an LBA size of 2^{lba_shift} bytes"
@@ -558,9 +631,33 @@ fn transfer_limit(lba_shift: u32, mdts: Option<u64>, limits: &SysLimits) -> u32 
         max = 128 << 10;
     }
     let lba = 1_u64 << lba_shift;
-    // At most 4 GiB - 1 LBA: fits the u32 the command's data length is.
-    let max = (max.min(u64::from(u32::MAX)) / lba * lba).max(lba);
+    // At most 65536 LBAs (the NLB field) and below 4 GiB (the u32 data length).
+    let max = max
+        .min(u64::from(MAX_LBAS_PER_COMMAND) * lba)
+        .min(u64::from(u32::MAX));
+    let max = (max / lba * lba).max(lba);
     u32::try_from(max).unwrap_or(u32::MAX)
+}
+
+/// Checks what Identify said (through `/dev/nvmeX`, chosen by name) against the namespace's
+/// sysfs entry, where sysfs has it: a mismatch means Identify described another namespace.
+fn agrees_with_sysfs(
+    sys: &Path,
+    found: (u32, u64, Option<u64>),
+) -> Result<(u32, u64, Option<u64>), String> {
+    let (lba_shift, lbas, _) = found;
+    if let Ok((shift, sys_lbas, _)) = from_sysfs(sys) {
+        if (shift, sys_lbas) != (lba_shift, lbas) {
+            return Err(format!(
+                "Identify disagrees with {}: {} LBAs of {} B against {sys_lbas} of {} B",
+                sys.display(),
+                lbas,
+                1_u64 << lba_shift,
+                1_u64 << shift
+            ));
+        }
+    }
+    Ok(found)
 }
 
 fn sysfs_u64(path: &Path) -> Option<u64> {
@@ -573,6 +670,12 @@ fn from_sysfs(sys: &Path) -> Result<(u32, u64, Option<u64>), String> {
         .ok_or_else(|| format!("cannot read {}/queue/logical_block_size", sys.display()))?;
     let sectors = sysfs_u64(&sys.join("size"))
         .ok_or_else(|| format!("cannot read {}/size", sys.display()))?;
+    if sysfs_u64(&sys.join("metadata_bytes")).is_some_and(|m| m != 0) {
+        return Err(format!(
+            "{}/metadata_bytes is not 0: LBAs with metadata, which kvtier does not handle",
+            sys.display()
+        ));
+    }
     if !lba.is_power_of_two() || !(512..=65536).contains(&lba) {
         return Err(format!(
             "logical block size {lba} is not a power of two in 512..=65536"
@@ -729,10 +832,15 @@ mod tests {
         );
         // Nothing known: 128 KiB.
         assert_eq!(transfer_limit(9, None, &limits(None, None)), 128 << 10);
-        // No MDTS limit (0 in Identify) and a huge hardware limit: capped below 4 GiB.
+        // No MDTS limit (0 in Identify) and large hardware limits: 65536 LBAs at most.
         assert_eq!(
             transfer_limit(12, Some(u64::MAX), &limits(Some(1 << 40), None)),
-            u32::MAX / 4096 * 4096
+            256 << 20,
+            "65536 LBAs, the NLB field"
+        );
+        assert_eq!(
+            transfer_limit(9, Some(u64::MAX), &limits(Some(64 << 20), None)),
+            32 << 20
         );
     }
 }

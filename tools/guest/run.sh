@@ -171,7 +171,7 @@ nvme_dev="nvme,serial=kvtier0,drive=nvm,logical_block_size=$lba,physical_block_s
 [ -z "$mdts" ] || nvme_dev="$nvme_dev,mdts=$mdts"
 # panic=-1 with -no-reboot turns a guest panic into a QEMU exit instead of a hang until the
 # timeout; oops=panic does the same for an oops (the host then sees no exit marker).
-append="console=ttyS0 panic=-1 oops=panic quiet nvme.poll_queues=$poll"
+append="console=ttyS0 panic=-1 oops=panic quiet loglevel=5 nvme.poll_queues=$poll"
 [ -z "$extra_append" ] || append="$append $extra_append"
 
 mkdir -p "$(dirname "$logfile")"

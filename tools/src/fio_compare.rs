@@ -726,10 +726,16 @@ fn check_target(path: &Path, may_hold_data: bool, overwrite: bool) -> CliResult<
     if FioEngine::of(path) == FioEngine::UringCmd {
         // An NVMe generic device: no filesystem and no mount of its own; its block device
         // (the same namespace) must not be mounted.
-        if let Some(block) = kvtier_sys::nvme::Namespace::open_read_only(path)
-            .ok()
-            .map(|ns| ns.geometry().block_device.clone())
-        {
+        // From the kernel's name (ngXnY -> nvmeXnY), without opening anything, so the check
+        // cannot be skipped by a device that fails to open.
+        let block = kvtier_sys::nvme::generic_name(path)
+            .and_then(|name| {
+                name.strip_prefix("ng")
+                    .map(|rest| format!("/dev/nvme{rest}"))
+            })
+            .map(PathBuf::from)
+            .filter(|b| b.exists());
+        if let Some(block) = block {
             if let Some(mount) = mounted(&block) {
                 return Err(CliError::usage(format!(
                     "{} is mounted through {} ({mount}): fio-compare writes over the whole \

@@ -229,7 +229,8 @@ fn probe_nvme(uring_cmd: bool, advice: &mut Vec<String>) -> Vec<NvmeSection> {
         match kvtier_sys::nvme::Namespace::open(&device) {
             Ok(ns) => {
                 let g = ns.geometry();
-                section.passthrough = uring_cmd;
+                let io = if uring_cmd { ns.check_io() } else { Ok(()) };
+                section.passthrough = uring_cmd && io.is_ok();
                 section.block_device = Some(g.block_device.clone());
                 section.nsid = Some(g.nsid);
                 section.lba_bytes = Some(g.lba_bytes());
@@ -238,12 +239,18 @@ fn probe_nvme(uring_cmd: bool, advice: &mut Vec<String>) -> Vec<NvmeSection> {
                 section.poll_queues = Some(g.poll_queues);
                 section.geometry_source = Some(g.source);
                 if !uring_cmd {
-                    section.error = Some("io_uring has no URING_CMD (Linux 5.19+)".to_owned());
+                    section.error = Some("io_uring has no URING_CMD (Linux 6.1+)".to_owned());
                     advice.push(format!(
                         "{}: this kernel's io_uring lacks URING_CMD, so kvtier uses the block \
-                         device; NVMe passthrough needs Linux 5.19 or later (6.1+ advised)",
+                         device; NVMe passthrough with fixed buffers needs Linux 6.1 or later",
                         device.display()
                     ));
+                } else if let Err(why) = io {
+                    advice.push(format!(
+                        "{}: a passthrough read failed ({why}), so kvtier uses the block device",
+                        device.display()
+                    ));
+                    section.error = Some(why);
                 }
                 if !g.poll_queues {
                     advice.push(format!(

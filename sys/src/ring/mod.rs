@@ -606,13 +606,11 @@ impl Ring {
         unsafe { self.push_entry(&entry) }
     }
 
-    /// Queues an 8-byte read of `efd` into a buffer the ring owns; its CQE (result 8) arrives
-    /// with `user_data` once someone calls [`EventFd::notify`]. Used to wake a worker sleeping
-    /// in [`Ring::submit`]. The ring keeps the eventfd open until it is dropped. (An IOPOLL ring
-    /// cannot poll an eventfd: there the CQE carries an error instead of waiting.)
     /// Queues an NVMe passthrough read or write (`URING_CMD` with `IORING_URING_CMD_FIXED`) on
-    /// registered file `file`, an NVMe generic device: `lbas` logical blocks from `slba` of
-    /// namespace `nsid`, to or from the fixed buffer `buf` (exactly `lbas` LBAs long). The ring
+    /// registered file `file`, an NVMe generic device with LBAs of `1 << lba_shift` bytes: the
+    /// whole of the fixed buffer `buf` (a multiple of the LBA, at most
+    /// [`crate::nvme::MAX_LBAS_PER_COMMAND`] LBAs) from LBA `slba` of namespace `nsid`. The
+    /// block count is derived from `buf`, so the device never moves more than `buf` holds. The ring
     /// must have been built with [`RingConfig::big_entries`]. The completion's `result` is 0,
     /// `-errno`, or a positive NVMe status ([`crate::nvme::Outcome::from_result`]).
     // Every argument is one field of the NVMe command; a struct would only rename them.
@@ -624,13 +622,20 @@ impl Ring {
         op: crate::nvme::Opcode,
         nsid: u32,
         slba: u64,
-        lbas: u32,
+        lba_shift: u32,
         buf: BufRef,
     ) -> Result<(), SqFull> {
         assert!(
             self.uring.is_big(),
             "push_nvme on a ring built without big_entries (128-byte SQEs)"
         );
+        assert!(
+            (9..=16).contains(&lba_shift) && buf.len.is_multiple_of(1 << lba_shift),
+            "NVMe command of {} bytes with {}-byte LBAs",
+            buf.len,
+            1_u64 << lba_shift.min(63)
+        );
+        let lbas = buf.len >> lba_shift;
         let (ptr, index) = self.fixed_buf(buf);
         let fd = self.fixed_file(file);
         let cmd = crate::nvme::Command::io(op, nsid, slba, lbas, ptr as u64, buf.len);
@@ -646,6 +651,10 @@ impl Ring {
         unsafe { self.push_entry_big(&entry) }
     }
 
+    /// Queues an 8-byte read of `efd` into a buffer the ring owns; its CQE (result 8) arrives
+    /// with `user_data` once someone calls [`EventFd::notify`]. Used to wake a worker sleeping
+    /// in [`Ring::submit`]. The ring keeps the eventfd open until it is dropped. (An IOPOLL ring
+    /// cannot poll an eventfd: there the CQE carries an error instead of waiting.)
     pub fn push_eventfd_read(&mut self, user_data: u64, efd: &Arc<EventFd>) -> Result<(), SqFull> {
         let entry = opcode::Read::new(types::Fd(efd.raw_fd()), self.sink.as_ptr().cast(), 8)
             .build()
@@ -910,6 +919,11 @@ impl Ring {
         }
         #[cfg(not(debug_assertions))]
         let _ = user_data;
+    }
+
+    /// Entries of the completion queue.
+    pub fn completion_capacity(&self) -> usize {
+        self.uring.params().cq_entries() as usize
     }
 
     /// Whether the ring has 128-byte SQEs (and can take [`Ring::push_nvme`]).
