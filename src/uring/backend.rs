@@ -94,9 +94,6 @@ pub(super) struct UringBackend {
     store_prio: u16,
     /// The longest sleep while I/O is in flight (the worker checks deadlines between).
     wait_limit: std::time::Duration,
-    /// The ring polls for completions (IOPOLL): it cannot read the eventfd, and waiting means
-    /// polling while I/O is in flight and sleeping on the eventfd otherwise.
-    polled: bool,
     /// Requests for NVMe passthrough devices, split into commands at the transfer limit.
     passthrough: nvme::Passthrough,
     /// Completions straight off the ring, before passthrough parts are folded into requests.
@@ -112,7 +109,6 @@ impl UringBackend {
         passthrough: nvme::Passthrough,
     ) -> UringBackend {
         UringBackend {
-            polled: ring.features().iopoll,
             ring,
             wake,
             armed: false,
@@ -161,9 +157,10 @@ impl IoBackend for UringBackend {
         if self.passthrough.any() {
             self.passthrough.flush(&mut self.ring);
         }
-        if self.polled {
-            // An IOPOLL ring reaps only what an enter polls for (submit(0) polls once); it may
-            // return with no completion, and the worker loops.
+        if self.ring.features().iopoll {
+            // An IOPOLL ring cannot read the eventfd and reaps only what an enter polls for
+            // (submit(0) polls once): it may return with no completion, and the worker loops;
+            // an idle worker sleeps on the eventfd instead.
             let idle = wait && self.in_flight() == 0;
             let res = self.ring.submit(0);
             if idle {

@@ -9,11 +9,11 @@
 
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, RwLock};
 
 use kvtier_sys::file::{DeviceFile, FileKind, OpenOptions};
 use kvtier_sys::nvme::Namespace;
-use kvtier_sys::ring::{ioprio, IoprioClass, Ring, RingConfig};
+use kvtier_sys::ring::{ioprio, IoprioClass, RingConfig};
 
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
@@ -39,8 +39,6 @@ struct Opened {
 #[derive(Default)]
 pub struct KernelStorage {
     devices: RwLock<Vec<Option<Opened>>>,
-    /// Whether this kernel's io_uring has `URING_CMD` (asked once).
-    uring_cmd: OnceLock<bool>,
 }
 
 impl KernelStorage {
@@ -51,17 +49,6 @@ impl KernelStorage {
             .get(index)
             .and_then(Clone::clone)
             .ok_or_else(|| Error::Worker(format!("device {index} is not open")))
-    }
-
-    fn uring_cmd(&self) -> bool {
-        *self.uring_cmd.get_or_init(|| {
-            let cfg = RingConfig {
-                entries: 4,
-                big_entries: true,
-                ..RingConfig::default()
-            };
-            Ring::new(&cfg).is_ok_and(|ring| ring.supports_uring_cmd())
-        })
     }
 
     fn keep(&self, index: usize, opened: Opened) {
@@ -320,7 +307,7 @@ impl Storage for KernelStorage {
         cfg: &DeviceConfig,
         direct: DirectIo,
     ) -> Result<DeviceInfo> {
-        match nvme::resolve(cfg, || self.uring_cmd()).map_err(|m| Error::device(&cfg.path, m))? {
+        match nvme::resolve(cfg).map_err(|m| Error::device(&cfg.path, m))? {
             nvme::Resolved::Passthrough(ns) => Ok(self.open_passthrough(index, cfg, ns)),
             nvme::Resolved::Kernel(path) => {
                 let mut info = self.open_kernel(index, &path, cfg, direct)?;

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtier_sys::nvme::{CommandError, Geometry, Namespace, Opcode, Outcome};
+use kvtier_sys::nvme::{block_device_of, CommandError, Geometry, Namespace, Opcode, Outcome};
 use kvtier_sys::ring::Ring;
 
 use crate::config::{DeviceConfig, DeviceKind};
@@ -33,6 +33,13 @@ fn retryable(outcome: Outcome) -> bool {
     }
 }
 
+fn opcode(kind: IoKind) -> Opcode {
+    match kind {
+        IoKind::Read => Opcode::Read,
+        IoKind::Write => Opcode::Write,
+    }
+}
+
 /// What a device path resolves to.
 pub(super) enum Resolved {
     /// Use passthrough on this namespace.
@@ -43,17 +50,15 @@ pub(super) enum Resolved {
 
 /// Decides how to open `cfg.path`: passthrough for an NVMe generic device (or for a namespace's
 /// block device with `kind = "nvme"`), the block device for `kind = "block"`, and the block
-/// device again, with one warning, when passthrough is unavailable.
-/// `uring_cmd` says whether io_uring has `URING_CMD`; it is asked only for NVMe devices.
-pub(super) fn resolve(
-    cfg: &DeviceConfig,
-    uring_cmd: impl FnOnce() -> bool,
-) -> Result<Resolved, String> {
+/// device again, with one warning, when passthrough is unavailable: no permission, or a kernel
+/// whose io_uring cannot run `URING_CMD` with fixed buffers ([`Namespace::check_io`] tries one
+/// read both ways).
+pub(super) fn resolve(cfg: &DeviceConfig) -> Result<Resolved, String> {
     let path = cfg.path.as_path();
     let generic = kvtier_sys::nvme::generic_name(path);
     let generic_path = match (cfg.kind, &generic) {
         (DeviceKind::Block, Some(name)) => {
-            return block_sibling(name).map(Resolved::Kernel).ok_or_else(|| {
+            return block_device_of(name).map(Resolved::Kernel).ok_or_else(|| {
                 format!("kind = \"block\" but the block device of {name} is unknown")
             });
         }
@@ -86,7 +91,7 @@ pub(super) fn resolve(
     let fallback = |why: String| {
         // The kernel's name, not the path's (which may be a symlink such as /dev/disk/by-id/...).
         let name = kvtier_sys::nvme::generic_name(&generic_path).unwrap_or_default();
-        let block = block_sibling(&name).ok_or_else(|| {
+        let block = block_device_of(&name).ok_or_else(|| {
             format!(
                 "NVMe passthrough on {} is unavailable ({why}) and its block device is unknown",
                 generic_path.display()
@@ -100,20 +105,10 @@ pub(super) fn resolve(
         );
         Ok(Resolved::Kernel(block))
     };
-    if !uring_cmd() {
-        return fallback("this kernel's io_uring has no URING_CMD (passthrough with fixed buffers needs Linux 6.1+)".to_owned());
-    }
     match Namespace::open(&generic_path).and_then(|ns| ns.check_io().map(|()| ns)) {
         Ok(ns) => Ok(Resolved::Passthrough(Arc::new(ns))),
         Err(why) => fallback(why),
     }
-}
-
-/// `ngXnY` -> `/dev/nvmeXnY`, if that block device exists.
-fn block_sibling(generic: &str) -> Option<PathBuf> {
-    let rest = generic.strip_prefix("ng")?;
-    let block = PathBuf::from(format!("/dev/nvme{rest}"));
-    block.exists().then_some(block)
 }
 
 /// `/dev/nvmeXnY` -> `/dev/ngXnY`, if that generic device exists.
@@ -256,14 +251,13 @@ impl Passthrough {
         req.buf.len.div_ceil(dev.geometry.max_transfer_bytes)
     }
 
-    /// (start LBA, LBAs, buffer) of command `i` of `req`.
-    fn part(&self, req: &IoRequest, i: u32) -> (u64, u32, BufRef) {
+    /// (start LBA, buffer) of command `i` of `req`; the buffer's length gives its LBAs.
+    fn part(&self, req: &IoRequest, i: u32) -> (u64, BufRef) {
         let g = &self.device(req).geometry;
         let done = i * g.max_transfer_bytes;
         let len = (req.buf.len - done).min(g.max_transfer_bytes);
         (
             (req.offset + u64::from(done)) >> g.lba_shift,
-            len >> g.lba_shift,
             BufRef {
                 region: req.buf.region,
                 offset: req.buf.offset + done as usize,
@@ -282,17 +276,14 @@ impl Passthrough {
             let g = &self.device(&req).geometry;
             (g.nsid, g.lba_shift)
         };
-        let op = match req.kind {
-            IoKind::Read => Opcode::Read,
-            IoKind::Write => Opcode::Write,
-        };
+        let op = opcode(req.kind);
         while next < parts {
             // Never more commands in flight than the completion queue holds: an overflowing
             // queue keeps completions in kernel memory, and loses them if that allocation fails.
             if ring.in_flight() >= ring.completion_capacity() {
                 break;
             }
-            let (slba, _, buf) = self.part(&req, next);
+            let (slba, buf) = self.part(&req, next);
             let file = u32::from(req.device);
             if ring
                 .push_nvme(user_data, file, op, nsid, slba, shift, buf)
@@ -373,16 +364,11 @@ impl Passthrough {
                 result: i32::try_from(p.req.buf.len).unwrap_or(i32::MAX),
             };
         };
-        let dev = self.devices[usize::from(p.req.device)].as_ref();
-        let (path, shift) = dev.map_or((PathBuf::new(), 9), |d| {
-            (d.path.clone(), d.geometry.lba_shift)
-        });
+        let dev = self.device(&p.req);
+        let shift = dev.geometry.lba_shift;
         let err = CommandError {
-            device: path,
-            op: match p.req.kind {
-                IoKind::Read => Opcode::Read,
-                IoKind::Write => Opcode::Write,
-            },
+            device: dev.path.clone(),
+            op: opcode(p.req.kind),
             slba: p.req.offset >> shift,
             lbas: p.req.buf.len >> shift,
             outcome: failed,
@@ -473,7 +459,7 @@ mod tests {
         assert_eq!(p.part_count(&req), 3);
         let got: Vec<(u64, u32, usize, u32)> = (0..3)
             .map(|i| p.part(&req, i))
-            .map(|(slba, lbas, buf)| (slba, lbas, buf.offset, buf.len))
+            .map(|(slba, buf)| (slba, buf.len >> 12, buf.offset, buf.len))
             .collect();
         assert_eq!(
             got,

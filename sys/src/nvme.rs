@@ -330,6 +330,14 @@ pub fn generic_name(path: &Path) -> Option<String> {
         .then_some(name)
 }
 
+/// The block device of the namespace whose generic device is named `generic` (`ngXnY` ->
+/// `/dev/nvmeXnY`), if it exists.
+pub fn block_device_of(generic: &str) -> Option<PathBuf> {
+    let (_, block) = sibling_names(generic)?;
+    let path = PathBuf::from(format!("/dev/{block}"));
+    path.exists().then_some(path)
+}
+
 /// `ngXnY` -> (`nvmeX`, `nvmeXnY`).
 fn sibling_names(generic: &str) -> Option<(String, String)> {
     let rest = generic.strip_prefix("ng")?;
@@ -379,30 +387,29 @@ impl Namespace {
         let nsid = nsid.cast_unsigned();
         let controller = PathBuf::from(format!("/dev/{ctrl}"));
         let sys = PathBuf::from(format!("/sys/block/{block}"));
-        let geometry = identify(&controller, nsid)
-            .and_then(|found| agrees_with_sysfs(&sys, found))
-            .or_else(|why| {
-                if why.contains("metadata") || why.contains("disagrees") {
-                    // Fail closed: the geometry is what keeps the device inside our buffers.
-                    return Err(why);
-                }
+        // An answer from Identify is checked and refused when unsafe (the geometry is what
+        // keeps the device inside our buffers); only an unavailable Identify falls to sysfs.
+        let found = match identify(&controller, nsid) {
+            Ok(identified) => identified.checked(&sys),
+            Err(why) => {
                 tracing::debug!(%why, "NVMe Identify unavailable; reading the geometry from sysfs");
                 from_sysfs(&sys)
-            })
-            .map(|(lba_shift, lbas, mdts)| {
-                let limits = SysLimits::read(&sys);
-                let max = transfer_limit(lba_shift, mdts, &limits);
-                Geometry {
-                    nsid,
-                    lba_shift,
-                    lbas,
-                    max_transfer_bytes: max,
-                    poll_queues: limits.io_poll,
-                    source: if mdts.is_some() { "identify" } else { "sysfs" },
-                    controller: controller.clone(),
-                    block_device: PathBuf::from(format!("/dev/{block}")),
-                }
-            })?;
+            }
+        };
+        let geometry = found.map(|(lba_shift, lbas, mdts)| {
+            let limits = SysLimits::read(&sys);
+            let max = transfer_limit(lba_shift, mdts, &limits);
+            Geometry {
+                nsid,
+                lba_shift,
+                lbas,
+                max_transfer_bytes: max,
+                poll_queues: limits.io_poll,
+                source: if mdts.is_some() { "identify" } else { "sysfs" },
+                controller: controller.clone(),
+                block_device: PathBuf::from(format!("/dev/{block}")),
+            }
+        })?;
         Ok(Namespace {
             file: Arc::new(file),
             geometry,
@@ -550,7 +557,52 @@ impl Namespace {
 }
 
 /// (LBA shift, size in LBAs, MDTS in bytes) from Identify Namespace and Identify Controller.
-fn identify(controller: &Path, nsid: u32) -> Result<(u32, u64, Option<u64>), String> {
+/// What Identify Namespace and Identify Controller say, unchecked.
+struct Identified {
+    lba_shift: u32,
+    lbas: u64,
+    /// Metadata bytes per LBA of the namespace's format.
+    metadata: u32,
+    /// MDTS in bytes (`u64::MAX`: no limit).
+    mdts_bytes: u64,
+}
+
+impl Identified {
+    /// (LBA shift, size in LBAs, MDTS) if kvtier can use this format safely: no metadata, a
+    /// sane LBA size, and the same size and LBA as the namespace's sysfs entry where sysfs has
+    /// them (a mismatch means `/dev/nvmeX`, chosen by name, described another namespace).
+    fn checked(self, sys: &Path) -> Result<(u32, u64, Option<u64>), String> {
+        // Metadata per LBA (interleaved or separate) would make the device move more than the
+        // data buffer the kernel maps for a command.
+        if self.metadata != 0 {
+            return Err(format!(
+                "the LBA format carries {} bytes of metadata per LBA, which kvtier does not \
+                 handle",
+                self.metadata
+            ));
+        }
+        if !(9..=16).contains(&self.lba_shift) {
+            return Err(format!(
+                "Identify Namespace gives an LBA size of 2^{} bytes",
+                self.lba_shift
+            ));
+        }
+        if let Ok((shift, sys_lbas, _)) = from_sysfs(sys) {
+            if (shift, sys_lbas) != (self.lba_shift, self.lbas) {
+                return Err(format!(
+                    "Identify disagrees with {}: {} LBAs of {} B against {sys_lbas} of {} B",
+                    sys.display(),
+                    self.lbas,
+                    1_u64 << self.lba_shift,
+                    1_u64 << shift
+                ));
+            }
+        }
+        Ok((self.lba_shift, self.lbas, Some(self.mdts_bytes)))
+    }
+}
+
+fn identify(controller: &Path, nsid: u32) -> Result<Identified, String> {
     let ctrl = File::open(controller).map_err(|e| format!("open {}: {e}", controller.display()))?;
     let page = Region::allocate(8192, crate::mem::HugePages::Off).map_err(|e| e.to_string())?;
     let ns = admin_identify(&ctrl, &page, 0, nsid, 0)?;
@@ -564,26 +616,19 @@ fn identify(controller: &Path, nsid: u32) -> Result<(u32, u64, Option<u64>), Str
             .try_into()
             .unwrap_or_default(),
     );
-    let lba_shift = (lbaf >> 16) & 0xff;
-    // Metadata per LBA (interleaved or separate) would make the device move more than the data
-    // buffer the kernel maps for a command.
-    let metadata = lbaf & 0xffff;
-    if metadata != 0 {
-        return Err(format!(
-            "the LBA format carries {metadata} bytes of metadata per LBA, which kvtier does not \
-             handle"
-        ));
-    }
-    if !(9..=16).contains(&lba_shift) {
-        return Err(format!(
-            "Identify Namespace gives an LBA size of 2^{lba_shift} bytes"
-        ));
-    }
     // MDTS is a power of two in units of the controller's minimum page size; Linux always uses
     // 4 KiB pages with NVMe (NVME_CTRL_PAGE_SIZE). 0 means no limit.
     let mdts = controller_page[77];
-    let mdts_bytes = (mdts != 0).then(|| 4096_u64 << mdts.min(20));
-    Ok((lba_shift, nsze, Some(mdts_bytes.unwrap_or(u64::MAX))))
+    Ok(Identified {
+        lba_shift: (lbaf >> 16) & 0xff,
+        lbas: nsze,
+        metadata: lbaf & 0xffff,
+        mdts_bytes: if mdts == 0 {
+            u64::MAX
+        } else {
+            4096_u64 << mdts.min(20)
+        },
+    })
 }
 
 fn admin_identify(
@@ -637,27 +682,6 @@ fn transfer_limit(lba_shift: u32, mdts: Option<u64>, limits: &SysLimits) -> u32 
         .min(u64::from(u32::MAX));
     let max = (max / lba * lba).max(lba);
     u32::try_from(max).unwrap_or(u32::MAX)
-}
-
-/// Checks what Identify said (through `/dev/nvmeX`, chosen by name) against the namespace's
-/// sysfs entry, where sysfs has it: a mismatch means Identify described another namespace.
-fn agrees_with_sysfs(
-    sys: &Path,
-    found: (u32, u64, Option<u64>),
-) -> Result<(u32, u64, Option<u64>), String> {
-    let (lba_shift, lbas, _) = found;
-    if let Ok((shift, sys_lbas, _)) = from_sysfs(sys) {
-        if (shift, sys_lbas) != (lba_shift, lbas) {
-            return Err(format!(
-                "Identify disagrees with {}: {} LBAs of {} B against {sys_lbas} of {} B",
-                sys.display(),
-                lbas,
-                1_u64 << lba_shift,
-                1_u64 << shift
-            ));
-        }
-    }
-    Ok(found)
 }
 
 fn sysfs_u64(path: &Path) -> Option<u64> {
@@ -842,5 +866,36 @@ mod tests {
             transfer_limit(9, Some(u64::MAX), &limits(Some(64 << 20), None)),
             32 << 20
         );
+    }
+
+    #[test]
+    fn identify_answers_with_metadata_or_against_sysfs_are_refused() {
+        let dir = tempfile::tempdir().expect("dir");
+        let sys = dir.path();
+        let answer = |metadata, lba_shift, lbas| Identified {
+            lba_shift,
+            lbas,
+            metadata,
+            mdts_bytes: 512 << 10,
+        };
+        // No sysfs entry to compare with: a clean format is taken as it is.
+        assert_eq!(
+            answer(0, 12, 1000).checked(sys),
+            Ok((12, 1000, Some(512 << 10)))
+        );
+        let err = answer(8, 12, 1000).checked(sys).expect_err("metadata");
+        assert!(err.contains("8 bytes of metadata"), "{err}");
+        assert!(answer(0, 7, 1000).checked(sys).is_err(), "128-byte LBAs");
+        std::fs::create_dir_all(sys.join("queue")).expect("queue dir");
+        std::fs::write(sys.join("queue/logical_block_size"), "4096\n").expect("lba");
+        std::fs::write(sys.join("size"), "8000\n").expect("size"); // 1000 LBAs of 4 KiB
+        assert_eq!(
+            answer(0, 12, 1000).checked(sys),
+            Ok((12, 1000, Some(512 << 10)))
+        );
+        let err = answer(0, 9, 8000)
+            .checked(sys)
+            .expect_err("another namespace");
+        assert!(err.contains("disagrees"), "{err}");
     }
 }

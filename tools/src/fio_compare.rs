@@ -240,7 +240,12 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
         .map(|&bs| target.prepare(bs, queue_depths.iter().copied().max().unwrap_or(1)))
         .collect::<CliResult<Vec<Prepared>>>()?;
     let device_bytes = preps[0].device_bytes;
-    let fill = fill_job(&target.path, device_bytes);
+    let fill = fill_job(
+        &target.path,
+        device_bytes,
+        preps[0].engine,
+        preps[0].max_command_bytes,
+    );
     let duration = Duration::from_secs_f64(args.duration);
     let mut plan: Vec<CellPlan> = Vec::new();
     for kind in kinds(args.workload) {
@@ -636,6 +641,14 @@ impl Target {
             )));
         }
         let g = dev.geometry;
+        // fio goes the way kvtier went: passthrough when kvtier opened the generic device by
+        // passthrough (not after a fallback, and not `kind = "nvme"` on the block device's
+        // path, where fio runs io_uring on that block device: the same LBAs).
+        let engine = if dev.kind == "nvme passthrough" {
+            FioEngine::of(&dev.path)
+        } else {
+            FioEngine::Uring
+        };
         let cores: Vec<usize> = info.workers.iter().filter_map(|w| w.core).collect();
         let pinned = cores.len() == info.workers.len() && info.workers.iter().all(|w| w.pinned);
         let (cpus, cpus_policy) = if pinned {
@@ -662,12 +675,10 @@ impl Target {
             iomem,
             hipri: u8::from(config.iopoll),
             sqpoll: u8::from(config.sqpoll),
-            engine: if dev.kind == "nvme passthrough" {
-                FioEngine::UringCmd
-            } else {
-                FioEngine::Uring
-            },
-            max_command_bytes: max_command_bytes(&dev.path),
+            engine,
+            max_command_bytes: (engine == FioEngine::UringCmd)
+                .then(|| max_command_bytes(&dev.path))
+                .flatten(),
             config,
             info,
         })
@@ -729,12 +740,7 @@ fn check_target(path: &Path, may_hold_data: bool, overwrite: bool) -> CliResult<
         // From the kernel's name (ngXnY -> nvmeXnY), without opening anything, so the check
         // cannot be skipped by a device that fails to open.
         let block = kvtier_sys::nvme::generic_name(path)
-            .and_then(|name| {
-                name.strip_prefix("ng")
-                    .map(|rest| format!("/dev/nvme{rest}"))
-            })
-            .map(PathBuf::from)
-            .filter(|b| b.exists());
+            .and_then(|name| kvtier_sys::nvme::block_device_of(&name));
         if let Some(block) = block {
             if let Some(mount) = mounted(&block) {
                 return Err(CliError::usage(format!(
@@ -974,10 +980,15 @@ impl CellPlan {
 
 /// The fill job: the whole target once, sequentially, in the largest power-of-two request
 /// (at most 1 MiB) that divides its size.
-fn fill_job(path: &Path, device_bytes: u64) -> String {
+fn fill_job(
+    path: &Path,
+    device_bytes: u64,
+    engine: FioEngine,
+    max_command_bytes: Option<u64>,
+) -> String {
     let bytes = device_bytes / PAGE_BYTES as u64 * PAGE_BYTES as u64;
     let mut bs = (1u64 << bytes.trailing_zeros().min(63)).min(FILL_BS_MAX);
-    if let Some(max) = max_command_bytes(path) {
+    if let Some(max) = max_command_bytes {
         // Powers of two both: the fill's request stays a divisor of the size.
         bs = bs.min(1 << max.ilog2());
     }
@@ -986,7 +997,7 @@ fn fill_job(path: &Path, device_bytes: u64) -> String {
         ("SIZE", bytes.to_string()),
         ("BS", bs.to_string()),
     ];
-    let vars: Vec<(&str, String)> = vars.into_iter().chain(FioEngine::of(path).vars()).collect();
+    let vars: Vec<(&str, String)> = vars.into_iter().chain(engine.vars()).collect();
     strip_comments(
         &fill_template(FILL_JOB, &vars)
             .expect("fill.fio uses only FILENAME, SIZE, BS, IOENGINE and DIRECT"),
@@ -1813,7 +1824,12 @@ mod tests {
                 assert!(lines.contains(&want), "{want} missing from\n{job}");
             }
         }
-        let fill = fill_job(Path::new("/dev/x"), (1 << 30) + 8192);
+        let fill = fill_job(
+            Path::new("/dev/x"),
+            (1 << 30) + 8192,
+            FioEngine::Uring,
+            None,
+        );
         assert!(fill.contains("bs=8192\n"), "{fill}");
         assert!(
             fill.contains(&format!("size={}\n", (1u64 << 30) + 8192)),

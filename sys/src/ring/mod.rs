@@ -931,12 +931,6 @@ impl Ring {
         self.uring.is_big()
     }
 
-    /// Whether the kernel knows `IORING_OP_URING_CMD` (5.19+).
-    pub fn supports_uring_cmd(&self) -> bool {
-        self.probe_opcodes()
-            .is_ok_and(|probe| probe.is_supported(opcode::UringCmd80::CODE))
-    }
-
     /// Address and kernel buffer index of `buf`, after the bounds checks that keep the kernel
     /// inside the registered memory.
     fn fixed_buf(&self, buf: BufRef) -> (*mut u8, u16) {
