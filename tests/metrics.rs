@@ -66,6 +66,23 @@ fn scrape(addr: SocketAddr) -> HashMap<String, f64> {
     samples(&body)
 }
 
+/// A scrape once no worker has blocks queued and no job is in flight (or after 5 s). The
+/// queue gauges are published at the end of each worker turn, and a job leaves the in-flight
+/// count just after its result is sent (so that `drain` never returns before the result is
+/// there): both may trail the result the caller already holds.
+fn scrape_settled(addr: SocketAddr) -> HashMap<String, f64> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let s = scrape(addr);
+        let settled = sum(&s, "kvtier_worker_queued_blocks", &[]) == 0.0
+            && value(&s, "kvtier_jobs_in_flight") == 0.0;
+        if settled || std::time::Instant::now() > deadline {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 fn value(s: &HashMap<String, f64>, series: &str) -> f64 {
     *s.get(series)
         .unwrap_or_else(|| panic!("no series {series} in the scrape"))
@@ -123,7 +140,7 @@ fn scrape_counts_exactly_the_work_done_on_two_real_devices() {
         .all(|l| *l == kvtier::Lookup::Hit(kvtier::Tier::Nvme)));
     engine.lookup(&(500..503).map(key).collect::<Vec<_>>());
 
-    let s = scrape(addr);
+    let s = scrape_settled(addr);
     let v = |series: &str| value(&s, series);
     assert_eq!(v(r#"kvtier_jobs_total{op="store",result="ok"}"#), 10.0);
     assert_eq!(v(r#"kvtier_jobs_total{op="store",result="failed"}"#), 0.0);
