@@ -154,6 +154,8 @@ pub(crate) struct Shared {
     pub metrics: EngineMetrics,
     /// Store jobs admitted and not yet finished (for the load latency under stores).
     pub store_jobs_in_flight: AtomicUsize,
+    /// Which devices are failing their I/O now, for one log line per episode.
+    pub device_health: crate::logs::DeviceHealth,
 }
 
 impl Shared {
@@ -169,6 +171,7 @@ impl Shared {
             miss_fallback: std::sync::OnceLock::new(),
             metrics: EngineMetrics::default(),
             store_jobs_in_flight: AtomicUsize::new(0),
+            device_health: crate::logs::DeviceHealth::default(),
         });
         (shared, results)
     }

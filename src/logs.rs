@@ -2,7 +2,7 @@
 //! every request), which says how many lines it suppressed, and a health line that is logged
 //! once when something stops answering and once when it answers again.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -85,6 +85,50 @@ impl Health {
     pub fn success(&self) -> bool {
         self.failures.store(0, Ordering::Relaxed);
         self.down.load(Ordering::Relaxed) && self.down.swap(false, Ordering::Relaxed)
+    }
+}
+
+/// Devices with a health state (device indexes at or above it are not tracked).
+pub(crate) const TRACKED_DEVICES: usize = 64;
+
+/// Per device, engine-wide (workers share it): whether its last I/O failed. The first error
+/// after a success is logged, one line naming the device and the operation; later ones are
+/// only counted (`kvtier_device_errors_total`) until an I/O on the device succeeds again, which
+/// is logged once too. A device that fails every request logs two lines, not one per request or
+/// per worker; one that fails now and then logs a line per episode, within the worker's rate
+/// limit.
+pub(crate) struct DeviceHealth {
+    failing: [AtomicBool; TRACKED_DEVICES],
+    errors: [AtomicU64; TRACKED_DEVICES],
+}
+
+impl Default for DeviceHealth {
+    fn default() -> DeviceHealth {
+        DeviceHealth {
+            failing: std::array::from_fn(|_| AtomicBool::new(false)),
+            errors: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl DeviceHealth {
+    /// An I/O error on device `d`; true if it starts an episode (log it now).
+    pub fn error(&self, d: usize) -> bool {
+        let (Some(f), Some(n)) = (self.failing.get(d), self.errors.get(d)) else {
+            return false;
+        };
+        n.fetch_add(1, Ordering::Relaxed);
+        !f.swap(true, Ordering::Relaxed)
+    }
+
+    /// A successful I/O on device `d`: `Some(errors in the episode)` if one just ended (log
+    /// the recovery now). One relaxed load when the device is healthy.
+    pub fn ok(&self, d: usize) -> Option<u64> {
+        let f = self.failing.get(d)?;
+        if !f.load(Ordering::Relaxed) || !f.swap(false, Ordering::Relaxed) {
+            return None;
+        }
+        Some(self.errors[d].swap(0, Ordering::Relaxed))
     }
 }
 

@@ -523,6 +523,8 @@ impl FilesLayout {
             } else {
                 let d = core.ops[idx as usize].dev as usize;
                 core.me.metrics.dev(d).io_error(ErrClass::of(e));
+                let what = self.describe_op(core, idx);
+                core.device_error(d, &format!("{what}: open: {}", e.desc()));
                 Self::finish_load(
                     core,
                     idx,
@@ -616,15 +618,21 @@ impl FilesLayout {
         let wanted = core.block_bytes as u32;
         let op = &core.ops[idx as usize];
         let (block, crc, key) = (op.block, op.crc, op.key.expect("load has a key"));
+        let d = op.dev as usize;
         let outcome = if let Err(reason) = io_outcome(result, u64::from(wanted)) {
             m.count_result(result, u64::from(wanted));
             Err(match reason {
-                KeyFailure::Io(e) => (reason, format!("read: {}", e.desc())),
+                KeyFailure::Io(e) => {
+                    let what = self.describe_op(core, idx);
+                    core.device_error(d, &format!("{what}: read: {}", e.desc()));
+                    (reason, format!("read: {}", e.desc()))
+                }
                 // Stores are atomic (temp file + rename), so a short file is corrupt: drop it.
                 _ => (reason, "short file removed".into()),
             })
         } else {
             m.bytes_read.fetch_add(u64::from(wanted), Ordering::Relaxed);
+            core.device_ok(d, || self.device_name(d));
             match crc {
                 Some(want) => {
                     let job = op.job.as_ref().expect("load has a job");
@@ -866,6 +874,10 @@ impl Layout for FilesLayout {
             op.dest.display(),
             op.step
         )
+    }
+
+    fn device_name(&self, d: usize) -> String {
+        format!("devices[{d}] {}", self.devs[d].data_dir.display())
     }
 
     #[cfg(any(test, feature = "sim"))]

@@ -414,8 +414,24 @@ impl FilesLayout {
 
     /// Fails a store: releases its reservation and index entry, reports the key, then closes
     /// and removes the temp file as trailing steps. ENOSPC gets one retry after evicting.
-    fn fail_store(&mut self, core: &mut Core<Op>, idx: u32, reason: KeyFailure, detail: String) {
+    fn fail_store(
+        &mut self,
+        core: &mut Core<Op>,
+        idx: u32,
+        reason: KeyFailure,
+        mut detail: String,
+    ) {
         let op = &mut core.ops[idx as usize];
+        // Every store failure names the device and the block it was writing.
+        detail.insert_str(
+            0,
+            &format!(
+                "devices[{}] {}: store of {}: ",
+                op.dev,
+                self.devs[op.dev as usize].data_dir.display(),
+                op.dest.display()
+            ),
+        );
         let (key, d, reserved, retried) = (
             op.key.expect("store has a key"),
             op.dev as usize,
@@ -427,6 +443,10 @@ impl FilesLayout {
         let item = op.item as usize;
         let had_fd = op.fd >= 0;
         let had_tmp = op.tmp_exists;
+        // A data write's I/O error was logged with the device's health when its chunk
+        // completed; a full file system and every other step's failure are logged here.
+        let logged = op.step == Step::Write
+            && matches!(reason, KeyFailure::Io(e) if !matches!(e, Errno::ENOSPC | Errno::EDQUOT | Errno::EFBIG));
         op.resolved = true;
         if let KeyFailure::Io(e) = reason {
             // A data write's error was counted when its chunk completed, a symlink in the way
@@ -451,10 +471,9 @@ impl FilesLayout {
             // Room may come from evicting: queue the block once more, ahead of new stores.
             core.retry.push_back((job, item));
         } else {
-            core.log_error(&format!(
-                "store to {} failed: {detail}",
-                self.devs[d].data_dir.display()
-            ));
+            if !logged {
+                core.log_error(&detail);
+            }
             core.store_failed(&job, item, reason, detail);
         }
         let op = &mut core.ops[idx as usize];

@@ -263,9 +263,19 @@ impl SlabLayout {
         let slot = self.devs[d].slots[local];
         let outcome = if let Err(reason) = io_outcome(result, wanted) {
             m.count_result(result, wanted);
-            Err((reason, String::new()))
+            let detail = format!(
+                "{}: load (read of slot {local}): {}",
+                self.devs[d].name,
+                match reason {
+                    KeyFailure::Io(e) => e.desc().to_owned(),
+                    _ => format!("short read ({result} of {wanted} bytes)"),
+                }
+            );
+            core.device_error(d, &detail);
+            Err((reason, detail))
         } else {
             m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
+            core.device_ok(d, || self.devs[d].name.clone());
             let crc = (!slot.verified).then(|| {
                 block_crc(
                     &job,
@@ -558,9 +568,7 @@ impl Layout for SlabLayout {
                     .expect("writing slot has a key");
                 self.index.remove(&key);
                 self.free_slot(d, local);
-                if let KeyFailure::Io(e) = reason {
-                    core.log_error(&format!("store to device {d} failed: {}", e.desc()));
-                }
+                // The write's error was logged (once per episode) when its chunk completed.
                 core.store_failed(&job, item, reason, detail);
             }
         }
@@ -646,6 +654,10 @@ impl Layout for SlabLayout {
             OpKind::Demote { .. } => format!("demotion read of slot {}", op.slot),
         };
         format!("{}: {what}", dev.name)
+    }
+
+    fn device_name(&self, d: usize) -> String {
+        self.devs[d].name.clone()
     }
 
     #[cfg(any(test, feature = "sim"))]

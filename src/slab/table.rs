@@ -176,7 +176,7 @@ impl SlabLayout {
             };
             let name = &self.devs[d as usize].name;
             let detail = format!("{name}: slot table write (page {page}) failed: {why}");
-            core.log_error(&detail);
+            core.device_error(d as usize, &detail);
             for a in &acks {
                 core.store_failed(&a.job, a.item, reason, detail.clone());
             }

@@ -141,6 +141,9 @@ pub(crate) trait Layout {
     /// Names op `idx` for an error message: the device (path) and the operation.
     fn describe_op(&self, core: &Core<Self::Op>, idx: u32) -> String;
 
+    /// Names device `d` for a log line (`devices[d]` and its path).
+    fn device_name(&self, d: usize) -> String;
+
     /// The callers' keys that op `idx`, past its deadline, keeps waiting: each with whether the
     /// op may still move bytes of its region block (then the job's lease is held until the op
     /// completes). Empty for the layout's own I/O that no key waits on.
@@ -322,6 +325,37 @@ impl<O: LayoutOp> Core<O> {
         self.failed |= 1 << d;
         self.me.metrics.dev(d).failed.store(true, Ordering::Relaxed);
         true
+    }
+
+    /// An I/O error on device `d` (counted by the caller): logged if it is the first since an
+    /// I/O on the device last succeeded (one line per episode, engine-wide), else only counted.
+    pub fn device_error(&self, d: usize, what: &str) {
+        if self.shared.device_health.error(d) {
+            if let Some(suppressed) = self.error_log.admit() {
+                tracing::error!(
+                    worker = self.id,
+                    device = d,
+                    suppressed,
+                    "{what}. Further I/O errors on this device are counted \
+                     (kvtier_device_errors_total) and fail their keys, but are not logged until \
+                     an I/O on it succeeds again; its other keys and the other devices keep serving"
+                );
+            }
+        }
+    }
+
+    /// A successful I/O on device `d`: logs the end of an error episode (`name` is asked only
+    /// then).
+    pub fn device_ok(&self, d: usize, name: impl FnOnce() -> String) {
+        if let Some(errors) = self.shared.device_health.ok(d) {
+            tracing::info!(
+                worker = self.id,
+                device = d,
+                "{}: I/O succeeds again after {errors} error{}",
+                name(),
+                if errors == 1 { "" } else { "s" }
+            );
+        }
     }
 
     /// Logs an I/O error, at most 10 per 10 s per worker, so a dead device cannot flood the
@@ -768,6 +802,14 @@ impl<L: Layout> Worker<L> {
     }
 
     fn on_chunk_done(&mut self, idx: u32, chunk: u16, result: i32) {
+        // A device error names the op (a full file system is not one: the store evicts or
+        // says so).
+        let failing = (result < 0
+            && !matches!(
+                Errno::from_raw(-result),
+                Errno::ENOSPC | Errno::EDQUOT | Errno::EFBIG
+            ))
+        .then(|| self.layout.describe_op(&self.core, idx));
         let core = &mut self.core;
         let block_bytes = core.block_bytes;
         let d = core.ops[idx as usize].device();
@@ -779,6 +821,7 @@ impl<L: Layout> Worker<L> {
         match io_outcome(result, len) {
             Ok(()) => {
                 m.bytes_written.fetch_add(len, Ordering::Relaxed);
+                core.device_ok(d, || self.layout.device_name(d));
             }
             Err(reason) => {
                 m.count_result(result, len);
@@ -786,10 +829,14 @@ impl<L: Layout> Worker<L> {
                     KeyFailure::Io(e) => format!("write: {}", e.desc()),
                     _ => "short write".to_owned(),
                 };
+                let logged = failing.map(|what| format!("{what}: {detail}"));
                 chunks.fail(reason, detail);
                 // Stop issuing the rest of a failed block.
                 if chunks.cut() {
                     core.store_issuing.retain(|&i| i != idx);
+                }
+                if let Some(line) = logged {
+                    core.device_error(d, &line);
                 }
             }
         }

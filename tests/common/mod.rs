@@ -2,6 +2,8 @@
 //! deterministic block contents, and waiting for job results with a bound.
 #![allow(dead_code, clippy::field_reassign_with_default)]
 
+pub mod logs;
+pub mod proxy;
 pub mod s3;
 
 use std::path::Path;

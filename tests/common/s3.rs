@@ -67,19 +67,29 @@ impl S3Server {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
     /// Starts (again) on the same port and directory.
     pub fn restart(&mut self) {
+        self.restart_with_keys(ACCESS_KEY, SECRET_KEY);
+    }
+
+    /// Starts (again) on the same port and directory, accepting only these credentials (a
+    /// rotated secret: clients holding the old one get 403).
+    pub fn restart_with_keys(&mut self, access_key: &str, secret_key: &str) {
         assert!(self.child.is_none(), "already running");
         let child = Command::new(s3s_fs_binary())
             .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
-            .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+            .args(["--access-key", access_key, "--secret-key", secret_key])
             .arg(self.root.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("s3s-fs starts");
         self.child = Some(child);
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let addr = self.addr();
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
             assert!(Instant::now() < deadline, "s3s-fs did not listen on {addr}");
@@ -111,10 +121,22 @@ impl Drop for S3Server {
 pub struct Sdk {
     rt: tokio::runtime::Runtime,
     client: aws_sdk_s3::Client,
+    bucket: String,
 }
 
 impl Sdk {
     pub fn new(endpoint: &str) -> Sdk {
+        Sdk::connect(endpoint, "us-east-1", ACCESS_KEY, SECRET_KEY, BUCKET)
+    }
+
+    /// A client of any S3 endpoint (a Garage cluster, say) and bucket.
+    pub fn connect(
+        endpoint: &str,
+        region: &str,
+        access_key: &str,
+        secret_key: &str,
+        bucket: &str,
+    ) -> Sdk {
         use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -122,7 +144,7 @@ impl Sdk {
             .expect("runtime");
         let conf = aws_sdk_s3::config::Builder::new()
             .behavior_version(BehaviorVersion::latest())
-            .region(Region::new("us-east-1"))
+            .region(Region::new(region.to_owned()))
             .endpoint_url(endpoint)
             .force_path_style(true)
             .http_client(
@@ -132,11 +154,18 @@ impl Sdk {
                     ))
                     .build_https(),
             )
-            .credentials_provider(Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"))
+            .credentials_provider(Credentials::new(
+                access_key.to_owned(),
+                secret_key.to_owned(),
+                None,
+                None,
+                "test",
+            ))
             .build();
         Sdk {
             rt,
             client: aws_sdk_s3::Client::from_conf(conf),
+            bucket: bucket.to_owned(),
         }
     }
 
@@ -145,7 +174,7 @@ impl Sdk {
             .block_on(
                 self.client
                     .put_object()
-                    .bucket(BUCKET)
+                    .bucket(&self.bucket)
                     .key(name)
                     .body(bytes.into())
                     .send(),
@@ -159,7 +188,7 @@ impl Sdk {
             match self
                 .client
                 .get_object()
-                .bucket(BUCKET)
+                .bucket(&self.bucket)
                 .key(name)
                 .send()
                 .await
@@ -187,7 +216,7 @@ impl Sdk {
             let out = self
                 .client
                 .list_objects_v2()
-                .bucket(BUCKET)
+                .bucket(&self.bucket)
                 .send()
                 .await
                 .expect("LIST");
