@@ -117,3 +117,39 @@ fn foreign_data_on_a_device_is_not_overwritten_without_consent() {
     assert_eq!(&sim.read_raw(0, 0, 8), b"precious");
     let _ = Faults::default();
 }
+
+/// `verify_loads = "always"`: a slot whose bytes change on the device while the engine runs,
+/// after the block was stored and after it was loaded once, fails its next load with a checksum
+/// error and is dropped; the default trusts a block this process stored or verified, and serves
+/// what the device returns.
+#[test]
+fn verify_loads_always_catches_a_flip_after_the_first_load() {
+    for always in [false, true] {
+        let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[FOUR_SLOTS]);
+        let mut cfg = sim_config(1, 1);
+        if always {
+            cfg.verify_loads = kvtier::config::VerifyLoads::Always;
+        }
+        let region = region(4);
+        let engine = open_sim(&cfg, &region, &sim);
+        let geometry = engine.info().devices[0].geometry;
+        assert!(store(&engine, &region, 1, &[1]).success);
+        assert!(load(&engine, &region, 2, &[1]).success);
+        assert!(holds(&region, 0, 1));
+        sim.corrupt(0, geometry.slot_offset(0) + 4096, 8);
+        let r = load(&engine, &region, 3, &[1]);
+        if always {
+            assert_eq!(
+                r.failure().map(|f| f.reason),
+                Some(KeyFailure::Checksum),
+                "{r:?}"
+            );
+            assert_eq!(engine.lookup(&[key(1)]), vec![Lookup::Miss], "dropped");
+            assert_eq!(engine.stats().checksum_failures, 1);
+        } else {
+            assert!(r.success, "the default does not re-check: {r:?}");
+            assert!(!holds(&region, 0, 1), "and the flipped bytes arrive");
+            assert_eq!(engine.stats().checksum_failures, 0);
+        }
+    }
+}

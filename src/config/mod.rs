@@ -85,6 +85,20 @@ pub enum DirectIo {
     Off,
 }
 
+/// `verify_loads`: which slab loads check the block's crc32c against its slot-table entry
+/// (the files layout checks every load that has a checksum xattr, per `[files] checksums`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VerifyLoads {
+    /// A block recovered at open, on its first load; blocks this process stored (their crc32c
+    /// computed from the bytes it wrote) and blocks already verified are trusted.
+    #[default]
+    Recovered,
+    /// Every load: a bit that flips at rest or in transit after the block was written or first
+    /// verified is caught too, for one crc32c pass over each loaded block on the worker's core.
+    Always,
+}
+
 /// How blocks are laid out on a device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -144,6 +158,16 @@ impl Named for DirectIo {
             Self::Required => "required",
             Self::Auto => "auto",
             Self::Off => "off",
+        }
+    }
+}
+
+impl Named for VerifyLoads {
+    const ALL: &'static [Self] = &[Self::Recovered, Self::Always];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Recovered => "recovered",
+            Self::Always => "always",
         }
     }
 }
@@ -219,7 +243,15 @@ macro_rules! display_by_name {
         }
     )*};
 }
-display_by_name!(SyncMode, HugePages, DirectIo, Layout, DeviceKind, Locality);
+display_by_name!(
+    SyncMode,
+    HugePages,
+    DirectIo,
+    VerifyLoads,
+    Layout,
+    DeviceKind,
+    Locality
+);
 
 /// The CPUs worker threads are pinned to: one worker per listed CPU.
 ///
@@ -272,6 +304,8 @@ pub struct Config {
     /// block's whole chain of file operations), in milliseconds: past it the key fails with
     /// `KeyFailure::Timeout`, and shutdown gives up waiting for the device.
     pub io_timeout_ms: u32,
+    /// Which slab loads check the block's crc32c.
+    pub verify_loads: VerifyLoads,
     /// Per worker bound on queued blocks (loads and stores).
     pub queue_blocks_max: usize,
     pub jobs_in_flight_max: usize,
@@ -584,6 +618,7 @@ impl Default for Config {
             sqpoll: false,
             sqpoll_idle_ms: 1000,
             io_timeout_ms: 10_000,
+            verify_loads: VerifyLoads::Recovered,
             iopoll: false,
             queue_blocks_max: 65536,
             jobs_in_flight_max: 8192,

@@ -28,6 +28,7 @@ pub(super) struct RawConfig {
     sqpoll: Option<Value>,
     sqpoll_idle_ms: Option<Value>,
     io_timeout_ms: Option<Value>,
+    verify_loads: Option<Value>,
     iopoll: Option<Value>,
     queue_blocks_max: Option<Value>,
     jobs_in_flight_max: Option<Value>,
@@ -340,6 +341,7 @@ impl TryFrom<RawConfig> for Config {
                 AT_LEAST_ONE,
             )?,
             direct_io: choice_or("direct_io", raw.direct_io, d.direct_io)?,
+            verify_loads: choice_or("verify_loads", raw.verify_loads, d.verify_loads)?,
             ring_entries: int_or(
                 "ring_entries",
                 raw.ring_entries,

@@ -460,6 +460,7 @@ fn enum_names_match_serde() {
     }
     check::<HugePages>();
     check::<DirectIo>();
+    check::<VerifyLoads>();
     check::<Layout>();
     check::<DeviceKind>();
     check::<Locality>();
@@ -636,4 +637,19 @@ fn io_timeout_is_checked() {
             &["io_timeout_ms", shown, "10 to 3600000"],
         );
     }
+}
+
+#[test]
+fn verify_loads_is_recovered_or_always() {
+    let c =
+        Config::from_toml_str(&format!("verify_loads = \"always\"\n{ONE_DEVICE}")).expect("valid");
+    assert_eq!(c.verify_loads, VerifyLoads::Always);
+    assert_eq!(Config::default().verify_loads, VerifyLoads::Recovered);
+    let message = Config::from_toml_str(&format!("verify_loads = \"sometimes\"\n{ONE_DEVICE}"))
+        .expect_err("not a choice")
+        .to_string();
+    assert_mentions(
+        &message,
+        &["`verify_loads`", "sometimes", "\"recovered\"", "\"always\""],
+    );
 }

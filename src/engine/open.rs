@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
-use crate::config::{Config, Cores, Derived, Layout};
+use crate::config::{Config, Cores, Derived, Layout, VerifyLoads};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
@@ -299,6 +299,7 @@ fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Re
             geometry,
             fresh: formatted,
             name: format!("devices[{i}] {}", info.path.display()),
+            verify_always: config.verify_loads == VerifyLoads::Always,
         });
     }
     Ok(out)

@@ -60,6 +60,7 @@ impl Cluster {
                 geometry,
                 fresh,
                 name: format!("devices[{i}] {}", info.path.display()),
+                verify_always: config.verify_loads == crate::config::VerifyLoads::Always,
             });
         }
         let (shared, results) = Shared::new(EventSink::new(false, 1, None));

@@ -155,6 +155,9 @@ pub(crate) struct DeviceSpec {
     pub fresh: bool,
     /// How errors name it: `devices[i] <path>`.
     pub name: String,
+    /// `verify_loads = "always"`: every load checks the block's crc32c, not only a recovered
+    /// block's first.
+    pub verify_always: bool,
 }
 
 pub(crate) struct SlabLayout {
@@ -170,6 +173,8 @@ pub(crate) struct SlabLayout {
     pub(super) finalize: Vec<Finished>,
     pub(super) seq: u64,
     pub(super) scratch_entry: [u8; ENTRY_BYTES],
+    /// Per device: every load checks the crc32c (`verify_loads = "always"`).
+    verify_always: Vec<bool>,
 }
 
 impl SlabLayout {
@@ -208,6 +213,7 @@ impl SlabLayout {
         let mut index = KeyMap::default();
         index.reserve(capacity);
         SlabLayout {
+            verify_always: devices.iter().map(|d| d.verify_always).collect(),
             id,
             workers,
             meta,
@@ -276,7 +282,7 @@ impl SlabLayout {
         } else {
             m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
             core.device_ok(d, || self.devs[d].name.clone());
-            let crc = (!slot.verified).then(|| {
+            let crc = (!slot.verified || self.verify_always[d]).then(|| {
                 block_crc(
                     &job,
                     &core.region,
