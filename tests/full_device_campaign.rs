@@ -181,12 +181,13 @@ impl Run {
                 .expect("submit the load");
         }
         let results = wait_results(&self.engine, 1 + usize::from(!want.is_empty()));
-        for r in &results {
-            if r.id == js {
-                self.stored(r, &ids, device);
-            } else {
-                self.loaded(r, &want);
-            }
+        // The store first: a key it stored may be evicted by its own later keys (a removal
+        // event already waiting), which the load's check must see.
+        for r in results.iter().filter(|r| r.id == js) {
+            self.stored(r, &ids, device);
+        }
+        for r in results.iter().filter(|r| r.id != js) {
+            self.loaded(r, &want);
         }
         self.take_removals();
     }
