@@ -54,6 +54,16 @@ pub trait IoBackend {
         let _ = (user_data, op, class);
         unreachable!("this backend has no file operations; the engine checks supports_files")
     }
+    /// Whether [`FileOp::SetXattr`] and [`FileOp::GetXattr`] run on this backend (else the
+    /// files layout makes those two calls itself).
+    fn xattr_ops(&self) -> bool {
+        false
+    }
+    /// The value buffer of a completed [`FileOp::GetXattr`] pushed with `user_data`.
+    fn take_file_value(&mut self, user_data: u64) -> Option<Box<[u8]>> {
+        let _ = user_data;
+        None
+    }
     /// Hands queued requests to the device. With `wait`, blocks until at least one completion
     /// is available or the worker's wake-up event fires.
     fn submit(&mut self, wait: bool) -> std::io::Result<()>;

@@ -100,6 +100,15 @@ impl FilesLayout {
             return;
         }
         let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
+        if dev.checksums && core.backend.xattr_ops() {
+            // The crc32c on the ring, then the read (`on_get_xattr`).
+            let op = &mut core.ops[idx as usize];
+            op.fd = result;
+            op.crc = None;
+            op.step = Step::GetXattr;
+            self.push_step(core, idx);
+            return;
+        }
         let crc = if dev.checksums {
             read_crc(result, &dev)
         } else {

@@ -5,7 +5,7 @@
 //! demotion in [`super::evict`].
 //!
 //! ```text
-//! load:  openat2 ─► read ─► (verify crc from xattr) ─► close       short or corrupt ─► unlink
+//! load:  openat2 ─► fgetxattr crc ─► read ─► (verify crc) ─► close   short or corrupt ─► unlink
 //! store: reserve bytes ─► openat2 tmp (O_EXCL)
 //!          [ENOENT: openat2 <hhh> O_PATH (ENOENT: mkdirat <hhh>) ─► mkdirat <hh>_g<g> at it]
 //!        ─► fsetxattr crc ─► write (one write; chunks while loads wait)
@@ -23,8 +23,9 @@
 //!
 //! A load result is published when its read completes; the close follows as a trailing op. Keys
 //! this worker has not indexed are still tried on load (another process may have published
-//! them), and indexed when found. xattr get/set are synchronous inode-metadata calls on an fd
-//! the ring opened. Invariants: a file a load is reading is never evicted by this worker; a
+//! them), and indexed when found. The crc32c xattr is read and set on the ring too
+//! (`FGETXATTR`/`FSETXATTR`, Linux 5.19+; on older kernels they are synchronous calls on an fd
+//! the ring opened, inode metadata without data I/O). Invariants: a file a load is reading is never evicted by this worker; a
 //! store's bytes are reserved in the shared usage counter before its temp file exists and
 //! released if it fails; every temp file is closed and removed on every failure path.
 
@@ -71,6 +72,8 @@ pub(crate) struct Entry {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Step {
     Open,
+    /// `fgetxattr` of the block's crc32c on the ring (5.19+; else a call after the open).
+    GetXattr,
     Read,
     Close,
     OpenTmp,
@@ -82,6 +85,8 @@ pub(crate) enum Step {
     MkdirLeaf,
     /// `mkdirat` of `<hhh>` below the data directory, when it is missing too.
     MkdirParent,
+    /// `fsetxattr` of the block's crc32c on the ring (5.19+; else a call after the open).
+    SetXattr,
     Write,
     Sync,
     CloseTmp,
@@ -321,7 +326,18 @@ impl FilesLayout {
                 len: core.block_bytes as u32,
             },
         };
+        let crc_bytes = op.crc.unwrap_or(0).to_le_bytes();
         let file_op = match op.step {
+            Step::GetXattr => FileOp::GetXattr {
+                fd: op.fd,
+                name: &dev.xattr_name,
+                len: 4,
+            },
+            Step::SetXattr => FileOp::SetXattr {
+                fd: op.fd,
+                name: &dev.xattr_name,
+                value: &crc_bytes,
+            },
             // O_NONBLOCK: a FIFO planted at the path must not block the ring (it is refused
             // once open); no effect on a regular file.
             Step::Open => FileOp::OpenAt {
@@ -536,6 +552,14 @@ impl FilesLayout {
         }
         let fd = result;
         let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
+        if dev.checksums && core.backend.xattr_ops() {
+            let op = &mut core.ops[idx as usize];
+            op.fd = fd;
+            op.crc = None;
+            op.step = Step::GetXattr;
+            self.push_step(core, idx);
+            return;
+        }
         let crc = if dev.checksums {
             read_crc(fd, &dev)
         } else {
@@ -543,6 +567,20 @@ impl FilesLayout {
         };
         let op = &mut core.ops[idx as usize];
         op.fd = fd;
+        op.crc = crc;
+        op.step = Step::Read;
+        self.push_step(core, idx);
+    }
+
+    /// The block's crc32c xattr was read on the ring (4 bytes), or it has none: read the data.
+    pub(super) fn on_get_xattr(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        // Always taken, so the buffer does not stay behind in the ring.
+        let value = core.backend.take_file_value(core.ops.user_data(idx, 0));
+        let crc = match (result, value) {
+            (4, Some(v)) if v.len() >= 4 => Some(u32::from_le_bytes([v[0], v[1], v[2], v[3]])),
+            _ => None,
+        };
+        let op = &mut core.ops[idx as usize];
         op.crc = crc;
         op.step = Step::Read;
         self.push_step(core, idx);
@@ -802,6 +840,8 @@ impl Layout for FilesLayout {
     fn on_complete(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         match core.ops[idx as usize].step {
             Step::Open => self.on_open(core, idx, result),
+            Step::GetXattr => self.on_get_xattr(core, idx, result),
+            Step::SetXattr => self.on_set_xattr(core, idx, result),
             Step::Read => self.on_read(core, idx, result),
             Step::Close => self.on_close(core, idx),
             Step::OpenTmp => self.on_open_tmp(core, idx, result),

@@ -3,7 +3,7 @@
 //! ```text
 //! reserve bytes ─► openat2 tmp (O_EXCL, confined, file_mode) [ENOENT: openat2 <hhh> O_PATH
 //!   (ENOENT: mkdirat <hhh>, again) ─► mkdirat <hh>_g<g> at it ─► close, again]
-//!   ─► [fchmod if the umask took bits of file_mode] ─► fsetxattr crc ─► write (the worker's chunks) ─► [fdatasync] ─► close
+//!   ─► [fchmod if the umask took bits of file_mode] ─► fsetxattr crc (on the ring, 5.19+) ─► write (the worker's chunks) ─► [fdatasync] ─► close
 //!   ─► renameat NOREPLACE (EEXIST = another writer won: success)
 //!   ─► [sync = "data": openat dir ─► fsync ─► (report) ─► close]
 //! ```
@@ -169,7 +169,13 @@ impl FilesLayout {
                 return;
             }
         }
+        let on_ring = core.backend.xattr_ops();
         let op = &mut core.ops[idx as usize];
+        if op.crc.is_some() && on_ring {
+            op.step = Step::SetXattr;
+            self.push_step(core, idx);
+            return;
+        }
         if let Some(crc) = op.crc {
             if let Err(e) = kvtier_sys::file::fsetxattr(op.fd, &dev.xattr_name, &crc.to_le_bytes())
             {
@@ -182,6 +188,23 @@ impl FilesLayout {
                     e.desc()
                 ));
             }
+        }
+        core.ops[idx as usize].step = Step::Write;
+        core.begin_writing(idx);
+    }
+
+    /// The crc32c xattr was set on the ring, or could not be (the block is still stored,
+    /// without a checksum): write the data.
+    pub(super) fn on_set_xattr(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+        if result < 0 {
+            let dev = &self.devs[core.ops[idx as usize].dev as usize];
+            core.ops[idx as usize].crc = None;
+            core.log_error(&format!(
+                "{}: cannot set {}: {}",
+                dev.data_dir.display(),
+                crate::files::device::CHECKSUM_XATTR,
+                Errno::from_raw(-result).desc()
+            ));
         }
         core.ops[idx as usize].step = Step::Write;
         core.begin_writing(idx);

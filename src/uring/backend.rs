@@ -98,6 +98,8 @@ pub(super) struct UringBackend {
     passthrough: nvme::Passthrough,
     /// Completions straight off the ring, before passthrough parts are folded into requests.
     raw: Vec<Completion>,
+    /// The kernel runs FSETXATTR/FGETXATTR (5.19+).
+    xattr_ops: bool,
 }
 
 impl UringBackend {
@@ -109,6 +111,7 @@ impl UringBackend {
         passthrough: nvme::Passthrough,
     ) -> UringBackend {
         UringBackend {
+            xattr_ops: ring.supports_xattr_ops(),
             ring,
             wake,
             armed: false,
@@ -151,6 +154,14 @@ impl IoBackend for UringBackend {
             IoClass::Store | IoClass::Meta => self.store_prio,
         };
         self.ring.push_file_op(user_data, op, prio).is_ok()
+    }
+
+    fn xattr_ops(&self) -> bool {
+        self.xattr_ops
+    }
+
+    fn take_file_value(&mut self, user_data: u64) -> Option<Box<[u8]>> {
+        self.ring.take_value(user_data)
     }
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {

@@ -177,6 +177,18 @@ pub enum FileOp<'a> {
         path: &'a CStr,
         mode: u32,
     },
+    /// `fsetxattr(fd, name, value, 0)` (create or replace); `name` and `value` are copied.
+    /// Linux 5.19: check [`Ring::supports_xattr_ops`].
+    SetXattr {
+        fd: RawFd,
+        name: &'a CStr,
+        value: &'a [u8],
+    },
+    /// `fgetxattr(fd, name, buf, len)` into a buffer of `len` bytes the ring owns: the result
+    /// is the value's length, or -errno (`ENODATA`: no such attribute, `ERANGE`: longer than
+    /// `len`). Once the completion is popped, [`Ring::take_value`] hands the buffer over.
+    /// Linux 5.19: check [`Ring::supports_xattr_ops`].
+    GetXattr { fd: RawFd, name: &'a CStr, len: u32 },
 }
 
 /// The current directory as the `dir` of a [`FileOp`].
@@ -213,6 +225,19 @@ struct OwnedPaths {
     /// The `open_how` of an `OpenAt`, read by the kernel at the same time as its path.
     #[allow(dead_code)]
     how: Option<Box<types::OpenHow>>,
+    /// A `SetXattr`'s value (read by the kernel) or a `GetXattr`'s buffer (written by the
+    /// kernel before it posts the completion; handed to the caller then, see `values`).
+    value: Option<Value>,
+}
+
+/// The bytes an xattr op's SQE points at.
+#[derive(Debug)]
+struct Value {
+    // Read by Rust only when `out` (after the completion).
+    #[allow(dead_code)]
+    bytes: Box<[u8]>,
+    /// A `GetXattr` buffer: moved to `PathStore::values` when its completion is popped.
+    out: bool,
 }
 
 /// Copies of the paths of queued [`FileOp`]s.
@@ -232,6 +257,9 @@ struct PathStore {
     live: HashMap<u64, Vec<OwnedPaths>>,
     /// Copies whose completion was popped but whose SQE the kernel had not consumed yet.
     retired: Vec<OwnedPaths>,
+    /// `GetXattr` buffers whose completion was popped (the kernel is done with them), by
+    /// `user_data`, until [`Ring::take_value`].
+    values: HashMap<u64, Box<[u8]>>,
 }
 
 impl PathStore {
@@ -253,9 +281,14 @@ impl PathStore {
         let Some(queued) = self.live.get_mut(&user_data) else {
             return;
         };
-        let oldest = queued.remove(0);
+        let mut oldest = queued.remove(0);
         if queued.is_empty() {
             self.live.remove(&user_data);
+        }
+        // The completion is posted after the kernel wrote a GetXattr's value: the buffer is
+        // the caller's from now on.
+        if let Some(Value { bytes, out: true }) = oldest.value.take() {
+            self.values.insert(user_data, bytes);
         }
         self.retired.push(oldest);
     }
@@ -692,27 +725,56 @@ impl Ring {
         );
         let mut paths = Vec::new();
         let mut how = None;
+        let mut value = None;
         let entry = self
-            .file_op_entry(op, ioprio, &mut paths, &mut how)
+            .file_op_entry(op, ioprio, &mut paths, &mut how, &mut value)
             .user_data(user_data);
         let seq = self.pushed;
-        // SAFETY: each path pointer in `entry` points into a CString of `paths`, which is moved
-        // (heap bytes unmoved) into `self.paths` right after a successful push and freed only
-        // once the completion is popped and the SQE consumed, or after Drop has drained; a fixed
-        // buffer lies inside one registered piece of a region this ring keeps alive until Drop
-        // has drained (checked by fixed_buf); a plain fd closed early is EBADF, not memory.
+        // SAFETY: each path pointer in `entry` points into a CString of `paths`, and an xattr
+        // value pointer into the boxed bytes of `value`; both are moved (heap bytes unmoved)
+        // into `self.paths` right after a successful push and freed only once the completion
+        // is popped and the SQE consumed, or after Drop has drained (a GetXattr buffer, which
+        // the kernel writes before posting the completion, is handed to the caller only once
+        // that completion is popped); a fixed buffer lies inside one registered piece of a
+        // region this ring keeps alive until Drop has drained (checked by fixed_buf); a plain
+        // fd closed early is EBADF, not memory.
         unsafe { self.push_entry(&entry) }?;
-        if !paths.is_empty() {
-            self.paths.insert(user_data, OwnedPaths { seq, paths, how });
+        if !paths.is_empty() || value.is_some() {
+            self.paths.insert(
+                user_data,
+                OwnedPaths {
+                    seq,
+                    paths,
+                    how,
+                    value,
+                },
+            );
         }
         Ok(())
     }
 
     /// Whether the running kernel supports every opcode [`FileOp`] needs (`IORING_REGISTER_PROBE`:
-    /// OpenAt2, Close, RenameAt, UnlinkAt, MkDirAt, Fsync, ReadFixed, WriteFixed; Linux 5.15+).
+    /// OpenAt2, Close, RenameAt, UnlinkAt, MkDirAt, Fsync, ReadFixed, WriteFixed; Linux 5.15+),
+    /// except the xattr ops (see [`Ring::supports_xattr_ops`]).
     pub fn supports_file_ops(&self) -> bool {
         self.probe_opcodes()
             .is_ok_and(|probe| FILE_OPCODES.iter().all(|&code| probe.is_supported(code)))
+    }
+
+    /// Whether [`FileOp::SetXattr`] and [`FileOp::GetXattr`] run here (`FSETXATTR`,
+    /// `FGETXATTR`: Linux 5.19+).
+    pub fn supports_xattr_ops(&self) -> bool {
+        self.probe_opcodes().is_ok_and(|probe| {
+            probe.is_supported(opcode::FSetXattr::CODE)
+                && probe.is_supported(opcode::FGetXattr::CODE)
+        })
+    }
+
+    /// The buffer of a completed [`FileOp::GetXattr`] pushed with `user_data` (its first
+    /// `result` bytes are the value), once its completion has been popped; `None` before, or
+    /// for another op.
+    pub fn take_value(&mut self, user_data: u64) -> Option<Box<[u8]>> {
+        self.paths.values.remove(&user_data)
     }
 
     /// Builds the SQE of `op` (without user_data), copying its paths into `paths` and an open's
@@ -723,6 +785,7 @@ impl Ring {
         ioprio: u16,
         paths: &mut Vec<CString>,
         how: &mut Option<Box<types::OpenHow>>,
+        value: &mut Option<Value>,
     ) -> squeue::Entry {
         let mut keep = |path: &CStr| {
             let owned = path.to_owned();
@@ -789,6 +852,28 @@ impl Ring {
             FileOp::MkdirAt { dir, path, mode } => opcode::MkDirAt::new(types::Fd(dir), keep(path))
                 .mode(mode)
                 .build(),
+            FileOp::SetXattr {
+                fd,
+                name,
+                value: bytes,
+            } => {
+                let name = keep(name);
+                let v = value.insert(Value {
+                    bytes: bytes.into(),
+                    out: false,
+                });
+                let len = u32::try_from(v.bytes.len()).expect("an xattr value fits u32");
+                opcode::FSetXattr::new(types::Fd(fd), name, v.bytes.as_ptr().cast(), len).build()
+            }
+            FileOp::GetXattr { fd, name, len } => {
+                let name = keep(name);
+                let v = value.insert(Value {
+                    bytes: vec![0u8; len as usize].into_boxed_slice(),
+                    out: true,
+                });
+                opcode::FGetXattr::new(types::Fd(fd), name, v.bytes.as_mut_ptr().cast(), len)
+                    .build()
+            }
         }
     }
 
@@ -1208,6 +1293,70 @@ mod tests {
         assert_eq!(ring.in_flight(), 0);
     }
 
+    /// FSETXATTR copies name and value; FGETXATTR writes into a ring-owned buffer handed over
+    /// once its completion is popped; an absent attribute is ENODATA, a short buffer ERANGE.
+    #[test]
+    fn xattrs_are_set_and_read_on_the_ring() {
+        let Some(mut ring) = ring_with_file_ops(8) else {
+            return;
+        };
+        if !ring.supports_xattr_ops() {
+            return println!("SKIP: no FSETXATTR/FGETXATTR (Linux 5.19+)");
+        }
+        let dir = tempfile::tempdir_in("/var/tmp").expect("dir");
+        let file = std::fs::File::create(dir.path().join("f")).expect("file");
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        let run = |ring: &mut Ring, ud: u64, op: &FileOp<'_>| -> i32 {
+            ring.push_file_op(ud, op, 0).expect("push");
+            let mut out = Vec::new();
+            while out.is_empty() {
+                ring.submit(1).expect("submit");
+                ring.complete(&mut out);
+            }
+            assert_eq!(out[0].user_data, ud);
+            out[0].result
+        };
+        {
+            let value = 0xdead_beef_u32.to_le_bytes();
+            let name = c"user.kvtier.test".to_owned();
+            let r = run(
+                &mut ring,
+                1,
+                &FileOp::SetXattr {
+                    fd,
+                    name: &name,
+                    value: &value,
+                },
+            );
+            if r == -libc::EOPNOTSUPP {
+                return println!("SKIP: no user xattrs on /var/tmp");
+            }
+            assert_eq!(r, 0);
+        }
+        assert!(ring.take_value(1).is_none(), "a set hands nothing back");
+        let get = |len| FileOp::GetXattr {
+            fd,
+            name: c"user.kvtier.test",
+            len,
+        };
+        assert!(ring.take_value(2).is_none(), "nothing before the op");
+        assert_eq!(run(&mut ring, 2, &get(8)), 4);
+        let v = ring.take_value(2).expect("the buffer");
+        assert_eq!(v.len(), 8);
+        assert_eq!(v[..4], 0xdead_beef_u32.to_le_bytes());
+        assert!(ring.take_value(2).is_none(), "handed over once");
+        assert_eq!(run(&mut ring, 3, &get(2)), -libc::ERANGE);
+        let absent = FileOp::GetXattr {
+            fd,
+            name: c"user.kvtier.absent",
+            len: 4,
+        };
+        assert_eq!(run(&mut ring, 4, &absent), -libc::ENODATA);
+        let _ = (ring.take_value(3), ring.take_value(4));
+        assert_eq!(ring.paths.len(), 0, "{:?}", ring.paths);
+        assert!(ring.paths.values.is_empty());
+    }
+
     #[test]
     fn refused_push_keeps_nothing() {
         let Some(mut ring) = ring_with_file_ops(2) else {
@@ -1260,6 +1409,7 @@ mod tests {
             seq,
             paths: vec![c"x".to_owned()],
             how: None,
+            value: None,
         };
         let mut store = PathStore::default();
         store.insert(7, owned(3));
