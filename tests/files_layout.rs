@@ -59,23 +59,9 @@ fn open(cfg: &Config, region: &std::sync::Arc<kvtier::Region>) -> Option<Engine>
     open_real(cfg, region)
 }
 
-/// Bytes of `.bin` and `.tmp` files under the data directory.
+/// Bytes of `.bin` and `.tmp` files under the data directory of `root`, and the temp files.
 fn disk_bytes(root: &Path) -> (u64, usize) {
-    let mut bytes = 0;
-    let mut temps = 0;
-    let mut stack = vec![mapper(root).data_dir()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "bin" || x == "tmp") {
-                bytes += e.metadata().map_or(0, |m| m.len());
-                temps += usize::from(p.extension().is_some_and(|x| x == "tmp"));
-            }
-        }
-    }
-    (bytes, temps)
+    common::disk_bytes(&mapper(root).data_dir())
 }
 
 #[test]

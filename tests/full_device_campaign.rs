@@ -20,7 +20,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{env_u64, holds, key, put, region, scratch_dir, wait_results, BLOCK};
+use common::{disk_bytes, env_u64, holds, key, put, region, scratch_dir, wait_results, BLOCK};
 use kvtier::config::{Cores, DeviceConfig, FilesConfig, Layout, SyncMode};
 use kvtier::files::mapper::{FileMapper, KvCacheGroup, Namespace};
 use kvtier::sim::Rng;
@@ -80,24 +80,6 @@ impl Drop for SmallFs {
     }
 }
 
-/// Bytes of block and temp files under the data directory, and the number of temp files.
-fn disk_bytes(data_dir: &Path) -> (u64, usize) {
-    let (mut bytes, mut temps) = (0, 0);
-    let mut stack = vec![data_dir.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "bin" || x == "tmp") {
-                bytes += e.metadata().map_or(0, |m| m.len());
-                temps += usize::from(p.extension().is_some_and(|x| x == "tmp"));
-            }
-        }
-    }
-    (bytes, temps)
-}
-
 #[derive(Default)]
 struct Tally {
     rounds: u64,
@@ -124,6 +106,19 @@ struct Run {
 
 /// Region blocks: 0-3 the store, 8-11 the load.
 impl Run {
+    fn new(engine: Engine, region: Arc<Region>) -> Run {
+        Run {
+            engine,
+            region,
+            rng: Rng::new(env_u64("KVTIER_FULL_SEED", 7)),
+            next_id: 1,
+            next_job: 0,
+            live: BTreeSet::new(),
+            tally: Tally::default(),
+            seen: Vec::new(),
+        }
+    }
+
     fn job(&mut self) -> u64 {
         self.next_job += 1;
         self.next_job
@@ -326,16 +321,7 @@ fn files_layout_on_a_full_file_system_loses_nothing_acknowledged() {
         return;
     };
     let rounds = env_u64("KVTIER_FULL_ROUNDS", 200);
-    let mut run = Run {
-        engine,
-        region,
-        rng: Rng::new(env_u64("KVTIER_FULL_SEED", 7)),
-        next_id: 1,
-        next_job: 0,
-        live: BTreeSet::new(),
-        tally: Tally::default(),
-        seen: Vec::new(),
-    };
+    let mut run = Run::new(engine, region);
     // Another tenant. In cycles of 40 rounds: for 25 it grows a file by a MiB now and then
     // (stores then evict to make room); for 15 it takes every byte left (in 64 KiB writes,
     // until ENOSPC), so once evicting has given all of kvtier's room away, stores fail; then it
@@ -395,16 +381,7 @@ fn slab_stores_evict_on_a_small_slab_and_lose_nothing_acknowledged() {
     let Some(engine) = open(&cfg, &region) else {
         return;
     };
-    let mut run = Run {
-        engine,
-        region,
-        rng: Rng::new(env_u64("KVTIER_FULL_SEED", 7)),
-        next_id: 1,
-        next_job: 0,
-        live: BTreeSet::new(),
-        tally: Tally::default(),
-        seen: Vec::new(),
-    };
+    let mut run = Run::new(engine, region);
     for _ in 0..env_u64("KVTIER_FULL_ROUNDS", 200) {
         run.round(&path.display().to_string());
     }

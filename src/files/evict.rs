@@ -9,7 +9,7 @@ use crate::key::Key;
 use crate::worker::{Core, Demote};
 use crate::Errno;
 
-use super::layout::{read_crc, FilesLayout, Kind, Op, State, Step};
+use super::layout::{FilesLayout, Kind, Op, State, Step};
 
 impl FilesLayout {
     pub(super) fn evict(&mut self, core: &mut Core<Op>, d: usize, n: usize) -> usize {
@@ -99,26 +99,7 @@ impl FilesLayout {
             self.push_step(core, idx);
             return;
         }
-        let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
-        if dev.checksums && core.backend.xattr_ops() {
-            // The crc32c on the ring, then the read (`on_get_xattr`).
-            let op = &mut core.ops[idx as usize];
-            op.fd = result;
-            op.crc = None;
-            op.step = Step::GetXattr;
-            self.push_step(core, idx);
-            return;
-        }
-        let crc = if dev.checksums {
-            read_crc(result, &dev)
-        } else {
-            None
-        };
-        let op = &mut core.ops[idx as usize];
-        op.fd = result;
-        op.crc = crc;
-        op.step = Step::Read;
-        self.push_step(core, idx);
+        self.start_read(core, idx, result);
     }
 
     /// The evicted file is in its staging slot: hand it to the S3 tier, close, remove.

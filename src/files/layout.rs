@@ -550,17 +550,16 @@ impl FilesLayout {
             self.end_load(core, idx);
             return;
         }
-        let fd = result;
+        self.start_read(core, idx, result);
+    }
+
+    /// Op `idx` opened its block file as `fd` (a load, or a demotion's read): the crc32c
+    /// xattr on the ring when the kernel can (then the read, in `on_get_xattr`), else by a
+    /// call here; then the read.
+    pub(super) fn start_read(&mut self, core: &mut Core<Op>, idx: u32, fd: i32) {
         let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
-        if dev.checksums && core.backend.xattr_ops() {
-            let op = &mut core.ops[idx as usize];
-            op.fd = fd;
-            op.crc = None;
-            op.step = Step::GetXattr;
-            self.push_step(core, idx);
-            return;
-        }
-        let crc = if dev.checksums {
+        let on_ring = dev.checksums && core.backend.xattr_ops();
+        let crc = if dev.checksums && !on_ring {
             read_crc(fd, &dev)
         } else {
             None
@@ -568,7 +567,7 @@ impl FilesLayout {
         let op = &mut core.ops[idx as usize];
         op.fd = fd;
         op.crc = crc;
-        op.step = Step::Read;
+        op.step = if on_ring { Step::GetXattr } else { Step::Read };
         self.push_step(core, idx);
     }
 
@@ -933,7 +932,7 @@ impl Layout for FilesLayout {
 }
 
 /// The block's crc32c from its xattr, if it has one.
-pub(super) fn read_crc(fd: i32, dev: &FilesDevice) -> Option<u32> {
+fn read_crc(fd: i32, dev: &FilesDevice) -> Option<u32> {
     let mut buf = [0u8; 4];
     match kvtier_sys::file::fgetxattr(fd, &dev.xattr_name, &mut buf) {
         Ok(Some(4)) => Some(u32::from_le_bytes(buf)),

@@ -129,6 +129,25 @@ pub fn load_into(engine: &Engine, job: u64, ids: &[u64], blocks: Vec<u32>) -> Jo
     r.pop().expect("one result")
 }
 
+/// Bytes of the block (`.bin`) and temp (`.tmp`) files under a files-layout data directory,
+/// and the number of temp files.
+pub fn disk_bytes(data_dir: &Path) -> (u64, usize) {
+    let (mut bytes, mut temps) = (0, 0);
+    let mut stack = vec![data_dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "bin" || x == "tmp") {
+                bytes += e.metadata().map_or(0, |m| m.len());
+                temps += usize::from(p.extension().is_some_and(|x| x == "tmp"));
+            }
+        }
+    }
+    (bytes, temps)
+}
+
 /// A scratch directory on a disk filesystem (not tmpfs), for real-kernel tests.
 pub fn scratch_dir() -> tempfile::TempDir {
     let base = std::env::var("KVTIER_TEST_DIR").unwrap_or_else(|_| "/var/tmp".into());
