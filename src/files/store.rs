@@ -24,7 +24,7 @@ use crate::files::mapper::FileMapper;
 use crate::job::{JobState, KeyFailure};
 use crate::metrics::ErrClass;
 use crate::worker::shared::block_crc;
-use crate::worker::{Core, Start};
+use crate::worker::{Core, Layout, Start};
 use crate::Errno;
 
 use super::layout::{Entry, FilesLayout, Kind, Op, State, Step, EVICT_BATCH};
@@ -176,35 +176,34 @@ impl FilesLayout {
             self.push_step(core, idx);
             return;
         }
-        if let Some(crc) = op.crc {
-            if let Err(e) = kvtier_sys::file::fsetxattr(op.fd, &dev.xattr_name, &crc.to_le_bytes())
-            {
-                // No xattrs here: the block is still stored, without a checksum.
-                op.crc = None;
-                core.log_error(&format!(
-                    "{}: cannot set {}: {}",
-                    dev.data_dir.display(),
-                    crate::files::device::CHECKSUM_XATTR,
-                    e.desc()
-                ));
-            }
+        let set = op
+            .crc
+            .map(|crc| kvtier_sys::file::fsetxattr(op.fd, &dev.xattr_name, &crc.to_le_bytes()));
+        if let Some(Err(e)) = set {
+            self.crc_not_set(core, idx, e);
         }
         core.ops[idx as usize].step = Step::Write;
         core.begin_writing(idx);
+    }
+
+    /// No xattrs here: the block is still stored, without a checksum (said once per store).
+    fn crc_not_set(&self, core: &mut Core<Op>, idx: u32, e: Errno) {
+        core.ops[idx as usize].crc = None;
+        core.log_error(&format!(
+            "{}: cannot set {}: {}",
+            self.devs[core.ops[idx as usize].dev as usize]
+                .data_dir
+                .display(),
+            crate::files::device::CHECKSUM_XATTR,
+            e.desc()
+        ));
     }
 
     /// The crc32c xattr was set on the ring, or could not be (the block is still stored,
     /// without a checksum): write the data.
     pub(super) fn on_set_xattr(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         if result < 0 {
-            let dev = &self.devs[core.ops[idx as usize].dev as usize];
-            core.ops[idx as usize].crc = None;
-            core.log_error(&format!(
-                "{}: cannot set {}: {}",
-                dev.data_dir.display(),
-                crate::files::device::CHECKSUM_XATTR,
-                Errno::from_raw(-result).desc()
-            ));
+            self.crc_not_set(core, idx, Errno::from_raw(-result));
         }
         core.ops[idx as usize].step = Step::Write;
         core.begin_writing(idx);
@@ -444,17 +443,9 @@ impl FilesLayout {
         reason: KeyFailure,
         mut detail: String,
     ) {
+        // Every store failure names the device, the block and the step.
+        detail.insert_str(0, &format!("{}: ", self.describe_op(core, idx)));
         let op = &mut core.ops[idx as usize];
-        // Every store failure names the device and the block it was writing.
-        detail.insert_str(
-            0,
-            &format!(
-                "devices[{}] {}: store of {}: ",
-                op.dev,
-                self.devs[op.dev as usize].data_dir.display(),
-                op.dest.display()
-            ),
-        );
         let (key, d, reserved, retried) = (
             op.key.expect("store has a key"),
             op.dev as usize,
@@ -468,8 +459,8 @@ impl FilesLayout {
         let had_tmp = op.tmp_exists;
         // A data write's I/O error was logged with the device's health when its chunk
         // completed; a full file system and every other step's failure are logged here.
-        let logged = op.step == Step::Write
-            && matches!(reason, KeyFailure::Io(e) if !matches!(e, Errno::ENOSPC | Errno::EDQUOT | Errno::EFBIG));
+        let no_space = matches!(reason, KeyFailure::Io(e) if ErrClass::of(e) == ErrClass::NoSpace);
+        let logged = op.step == Step::Write && matches!(reason, KeyFailure::Io(_)) && !no_space;
         op.resolved = true;
         if let KeyFailure::Io(e) = reason {
             // A data write's error was counted when its chunk completed, a symlink in the way
@@ -486,11 +477,7 @@ impl FilesLayout {
         {
             self.index.remove(&key);
         }
-        let enospc = matches!(
-            reason,
-            KeyFailure::Io(Errno::ENOSPC | Errno::EDQUOT | Errno::EFBIG)
-        );
-        if enospc && !retried && self.evict(core, d, EVICT_BATCH) > 0 {
+        if no_space && !retried && self.evict(core, d, EVICT_BATCH) > 0 {
             // Room may come from evicting: queue the block once more, ahead of new stores.
             core.retry.push_back((job, item));
         } else {

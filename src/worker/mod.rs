@@ -805,11 +805,9 @@ impl<L: Layout> Worker<L> {
         // A device error names the op (a full file system is not one: the store evicts or
         // says so).
         let failing = (result < 0
-            && !matches!(
-                Errno::from_raw(-result),
-                Errno::ENOSPC | Errno::EDQUOT | Errno::EFBIG
-            ))
-        .then(|| self.layout.describe_op(&self.core, idx));
+            && crate::metrics::ErrClass::of(Errno::from_raw(-result))
+                != crate::metrics::ErrClass::NoSpace)
+            .then(|| self.layout.describe_op(&self.core, idx));
         let core = &mut self.core;
         let block_bytes = core.block_bytes;
         let d = core.ops[idx as usize].device();

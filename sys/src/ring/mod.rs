@@ -723,6 +723,14 @@ impl Ring {
             !self.live_user_data.contains_key(&user_data),
             "push_file_op: user_data {user_data:#x} is already in flight on this ring"
         );
+        // A GetXattr's buffer is handed over when a completion with its user_data is popped:
+        // with a second op of the same user_data in flight, that completion could be the other
+        // op's while the kernel still writes the buffer. So an op that keeps memory (paths,
+        // values) never shares its user_data with another such op, in release builds too.
+        assert!(
+            !self.paths.live.contains_key(&user_data),
+            "push_file_op: user_data {user_data:#x} already has a file op in flight on this ring"
+        );
         let mut paths = Vec::new();
         let mut how = None;
         let mut value = None;
