@@ -40,6 +40,7 @@ pub mod sim;
 pub mod slab;
 mod tier;
 pub mod uring;
+mod verdicts;
 mod worker;
 
 pub use config::{Config, ConfigError};

@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use common::*;
-use kvtier::config::{Cores, DeviceConfig, FilesConfig, Layout, SyncMode};
+use kvtier::config::{Cores, DeviceConfig, FilesConfig, FirstLookup, Layout, SyncMode};
 use kvtier::files::mapper::{FileMapper, KvCacheGroup, Namespace};
-use kvtier::{Config, Engine, KeyFailure, Lookup, Tier};
+use kvtier::{Config, Engine, Key, KeyFailure, Lookup, Tier};
 
 fn namespace() -> Namespace {
     let mut ns = Namespace::new("test/model", "float16", 16, 1);
@@ -40,6 +40,9 @@ fn files_config(root: &Path, capacity: Option<u64>) -> Config {
         checksums: true,
         file_mode: FilesConfig::DEFAULT_FILE_MODE,
         dir_mode: FilesConfig::DEFAULT_DIR_MODE,
+        first_lookup: FirstLookup::Miss,
+        lookup_cache_max: FilesConfig::DEFAULT_LOOKUP_CACHE_MAX,
+        lookup_ttl_ms: FilesConfig::DEFAULT_LOOKUP_TTL_MS,
     });
     c.events.enabled = true;
     c
@@ -172,18 +175,62 @@ fn a_block_published_by_another_writer_after_open_is_found() {
     let Some(engine) = open(&cfg, &region) else {
         return;
     };
+    // Not indexed: a miss at once (files.first_lookup = "miss"), and the worker is asked (a
+    // statx on its ring), never a syscall on this thread.
     assert_eq!(engine.lookup(&[key(7)]), vec![Lookup::Miss]);
     let p = path_of(dir.path(), 7);
     std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
     std::fs::write(&p, content(7, BLOCK as usize)).expect("write");
-    assert_eq!(
-        engine.lookup(&[key(7)]),
-        vec![Lookup::Hit(Tier::Nvme)],
-        "batched existence check"
-    );
+    // The "absent" answer is served for files.lookup_ttl_ms while the worker asks again.
+    wait_until(|| engine.lookup(&[key(7)]) == vec![Lookup::Hit(Tier::Nvme)]);
     let r = load(&engine, &region, 1, &[7]);
     assert!(r.success, "{r:?}");
     assert!(holds(&region, 0, 7));
+}
+
+// With first_lookup = "pending", keys not indexed are Pending while their worker is asked (a
+// statx on its ring), a bounded number at a time: past the bound they are misses without
+// asking; every question is answered; a file of another size is not a block; an absent answer
+// is asked again after lookup_ttl_ms, and a block published in between is then found.
+#[test]
+fn lookups_of_keys_not_indexed_are_bounded_and_settle() {
+    let dir = scratch_dir();
+    let mut cfg = files_config(dir.path(), None);
+    let files = cfg.files.as_mut().expect("files");
+    files.lookup_ttl_ms = 50;
+    files.first_lookup = FirstLookup::Pending;
+    let region = region(4);
+    let Some(engine) = open(&cfg, &region) else {
+        return;
+    };
+    let keys: Vec<Key> = (0..20_000u64).map(|i| key(0x4000 + i)).collect();
+    let first = engine.lookup(&keys);
+    let pending = first.iter().filter(|l| **l == Lookup::Pending).count();
+    let missed = first.iter().filter(|l| **l == Lookup::Miss).count();
+    assert_eq!(pending + missed, keys.len(), "only Pending or Miss");
+    assert!(
+        (1..=2 * 4096).contains(&pending),
+        "{pending} asked: at most 4096 per worker"
+    );
+    assert!(settled(&engine, &keys).iter().all(|l| *l == Lookup::Miss));
+    // A file one byte short of a block, and a block, published by someone else.
+    let short = path_of(dir.path(), 0x4000);
+    let good = path_of(dir.path(), 0x4001);
+    for (p, len) in [(&short, BLOCK as usize - 1), (&good, BLOCK as usize)] {
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        std::fs::write(p, content(0x4000, len)).expect("write");
+    }
+    wait_until(|| engine.lookup(&[keys[1]]) == vec![Lookup::Hit(Tier::Nvme)]);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        settled(&engine, &[keys[0]]),
+        vec![Lookup::Miss],
+        "not a block"
+    );
+    // Every question was answered: new keys are asked again.
+    let again: Vec<Key> = (0..100u64).map(|i| key(0x9000_0000 + i)).collect();
+    assert!(engine.lookup(&again).iter().all(|l| *l == Lookup::Pending));
+    assert!(settled(&engine, &again).iter().all(|l| *l == Lookup::Miss));
 }
 
 #[test]

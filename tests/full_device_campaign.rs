@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{disk_bytes, env_u64, holds, key, put, region, scratch_dir, wait_results, BLOCK};
-use kvtier::config::{Cores, DeviceConfig, FilesConfig, Layout, SyncMode};
+use kvtier::config::{Cores, DeviceConfig, FilesConfig, FirstLookup, Layout, SyncMode};
 use kvtier::files::mapper::{FileMapper, KvCacheGroup, Namespace};
 use kvtier::sim::Rng;
 use kvtier::{Config, Engine, Errno, Job, JobResult, KeyFailure, Region};
@@ -301,6 +301,9 @@ fn files_config(root: &Path) -> Config {
         checksums: true,
         file_mode: FilesConfig::DEFAULT_FILE_MODE,
         dir_mode: FilesConfig::DEFAULT_DIR_MODE,
+        first_lookup: FirstLookup::Miss,
+        lookup_cache_max: FilesConfig::DEFAULT_LOOKUP_CACHE_MAX,
+        lookup_ttl_ms: FilesConfig::DEFAULT_LOOKUP_TTL_MS,
     });
     c.events.enabled = true;
     c.events.max = 1 << 16;

@@ -184,7 +184,8 @@ class Engine:
         return self._native.wait_finished(float(timeout))
 
     def lookup(self, keys: Sequence[bytes]) -> list[LookupAnswer]:
-        """Per key: "nvme" / "s3" (held there), "miss", or "pending" (an S3 HEAD is running)."""
+        """Per key: "nvme" / "s3" (held there), "miss", or "pending" (an S3 HEAD, or a files
+        worker's statx with files.first_lookup = "pending", is running)."""
         return self._native.lookup(keys)
 
     def touch(self, keys: Sequence[bytes]) -> None:

@@ -535,8 +535,8 @@ impl PyEngine {
     /// Per key: "nvme" or "s3" (a hit in that tier), "miss", or "pending" (ask again).
     fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
         let keys = extract_keys(keys)?;
-        // Without the GIL: a files-layout key missing from the index costs a `stat` (another
-        // process may have published it), which a network file system can make slow.
+        // Without the GIL: the answers take short locks (the S3 and files-layout lookup
+        // caches), never a system call.
         let answers = py.detach(|| self.engine.lookup(&keys));
         Ok(answers
             .into_iter()

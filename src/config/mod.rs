@@ -224,6 +224,16 @@ impl Named for SyncMode {
     }
 }
 
+impl Named for FirstLookup {
+    const ALL: &'static [Self] = &[Self::Miss, Self::Pending];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Miss => "miss",
+            Self::Pending => "pending",
+        }
+    }
+}
+
 impl Named for Locality {
     const ALL: &'static [Self] = &[Self::Local, Self::Remote];
     fn name(self) -> &'static str {
@@ -245,6 +255,7 @@ macro_rules! display_by_name {
 }
 display_by_name!(
     SyncMode,
+    FirstLookup,
     HugePages,
     DirectIo,
     VerifyLoads,
@@ -433,6 +444,19 @@ pub enum SyncMode {
     Data,
 }
 
+/// The files layout's answer to the first lookup of a key it has not indexed (its worker then
+/// `statx`es the block path on its ring, and indexes a block another process published).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FirstLookup {
+    /// Miss at once, as if the probe had found nothing; a block published elsewhere is a hit
+    /// from the lookup after the probe's answer on.
+    #[default]
+    Miss,
+    /// Pending until the probe answers (vLLM's own tier answers RETRY first likewise).
+    Pending,
+}
+
 /// `[files]`: the vLLM-compatible files layout.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(try_from = "RawFiles")]
@@ -452,6 +476,14 @@ pub struct FilesConfig {
     /// Permission bits of every directory kvtier creates there. Default 0700.
     #[serde(serialize_with = "serialize_mode")]
     pub dir_mode: u32,
+    /// The answer to the first lookup of a key not indexed (see [`FirstLookup`]).
+    pub first_lookup: FirstLookup,
+    /// Bound of the answers kept for keys this engine has not indexed (a `statx` on the
+    /// worker's ring says whether another process published the block).
+    pub lookup_cache_max: usize,
+    /// How long such an answer is served before it is asked again; an older "absent" is still
+    /// answered while the new `statx` runs.
+    pub lookup_ttl_ms: u64,
 }
 
 impl FilesConfig {
@@ -459,6 +491,10 @@ impl FilesConfig {
     pub const DEFAULT_FILE_MODE: u32 = 0o600;
     /// Default directory mode: owner only.
     pub const DEFAULT_DIR_MODE: u32 = 0o700;
+    /// Default bound of the lookup answers for blocks not indexed.
+    pub const DEFAULT_LOOKUP_CACHE_MAX: usize = 65536;
+    /// Default age at which such an answer is asked again.
+    pub const DEFAULT_LOOKUP_TTL_MS: u64 = 1000;
 
     /// The `[files]` section for `namespace` with every other field at its default.
     pub fn new(namespace: crate::files::mapper::Namespace) -> FilesConfig {
@@ -469,6 +505,9 @@ impl FilesConfig {
             checksums: true,
             file_mode: Self::DEFAULT_FILE_MODE,
             dir_mode: Self::DEFAULT_DIR_MODE,
+            first_lookup: FirstLookup::Miss,
+            lookup_cache_max: Self::DEFAULT_LOOKUP_CACHE_MAX,
+            lookup_ttl_ms: Self::DEFAULT_LOOKUP_TTL_MS,
         }
     }
 }

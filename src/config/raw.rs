@@ -8,8 +8,8 @@ use toml::Value;
 
 use super::{
     invalid, parse_size, Config, ConfigError, Cores, DeviceConfig, DeviceKind, EventsConfig,
-    FilesConfig, Layout, MetricsConfig, Named, S3Config, S3Write, SchedulerConfig, Secret,
-    SyncMode, WriteAck, AT_LEAST_ONE, BOOL_FORMS, CORES_FORMS, CPU_FORMS, PATH_FORMS,
+    FilesConfig, FirstLookup, Layout, MetricsConfig, Named, S3Config, S3Write, SchedulerConfig,
+    Secret, SyncMode, WriteAck, AT_LEAST_ONE, BOOL_FORMS, CORES_FORMS, CPU_FORMS, PATH_FORMS,
     RING_ENTRIES_FORMS, SIZE_FORMS,
 };
 
@@ -210,6 +210,9 @@ pub(super) struct RawFiles {
     checksums: Option<Value>,
     file_mode: Option<Value>,
     dir_mode: Option<Value>,
+    first_lookup: Option<Value>,
+    lookup_cache_max: Option<Value>,
+    lookup_ttl_ms: Option<Value>,
 }
 
 impl TryFrom<RawFiles> for FilesConfig {
@@ -252,6 +255,19 @@ impl TryFrom<RawFiles> for FilesConfig {
                 FilesConfig::DEFAULT_DIR_MODE,
                 0o700,
                 "owner read, write and search (0700)",
+            )?,
+            first_lookup: choice_or("files.first_lookup", raw.first_lookup, FirstLookup::Miss)?,
+            lookup_cache_max: int_or(
+                "files.lookup_cache_max",
+                raw.lookup_cache_max,
+                FilesConfig::DEFAULT_LOOKUP_CACHE_MAX,
+                AT_LEAST_ONE,
+            )?,
+            lookup_ttl_ms: int_or(
+                "files.lookup_ttl_ms",
+                raw.lookup_ttl_ms,
+                FilesConfig::DEFAULT_LOOKUP_TTL_MS,
+                "an integer number of milliseconds",
             )?,
         })
     }

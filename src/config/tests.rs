@@ -408,6 +408,9 @@ fn toml_round_trip() {
         checksums: false,
         file_mode: 0o640,
         dir_mode: 0o750,
+        first_lookup: FirstLookup::Pending,
+        lookup_cache_max: 100,
+        lookup_ttl_ms: 250,
     });
     config.validate().expect("valid");
     let text = config.to_toml_string();
@@ -619,6 +622,47 @@ fn files_modes_parse_and_errors_name_field_value_and_accepted() {
             &error_of(&files(line)),
             &[field, value, "octal", "at most 0777"],
         );
+    }
+}
+
+// The answers for blocks another process may have published: bounded and aged, defaults
+// 65536 and 1000 ms; nonsense names the field.
+#[test]
+fn files_lookup_cache_parses_and_errors_name_field() {
+    let files = |lines: &str| {
+        format!(
+            "{ONE_DEVICE}[files]\n{lines}\n[files.namespace]\nmodel_name = \"f\"\n\
+             dtype = \"x\"\ntokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n"
+        )
+    };
+    let cache = |lines: &str| {
+        let f = Config::from_toml_str(&files(lines))
+            .expect("valid [files]")
+            .files
+            .expect("files");
+        (f.lookup_cache_max, f.lookup_ttl_ms)
+    };
+    assert_eq!(cache(""), (65536, 1000));
+    let first = |lines: &str| {
+        Config::from_toml_str(&files(lines))
+            .expect("valid [files]")
+            .files
+            .expect("files")
+            .first_lookup
+    };
+    assert_eq!(first(""), FirstLookup::Miss);
+    assert_eq!(first("first_lookup = \"pending\""), FirstLookup::Pending);
+    assert_mentions(
+        &error_of(&files("first_lookup = \"retry\"")),
+        &["files.first_lookup", "retry", "\"miss\"", "\"pending\""],
+    );
+    assert_eq!(cache("lookup_cache_max = 8\nlookup_ttl_ms = 0"), (8, 0));
+    for (line, field, value) in [
+        ("lookup_cache_max = 0", "files.lookup_cache_max", "0"),
+        ("lookup_cache_max = -1", "files.lookup_cache_max", "-1"),
+        ("lookup_ttl_ms = \"1s\"", "files.lookup_ttl_ms", "1s"),
+    ] {
+        assert_mentions(&error_of(&files(line)), &[field, value]);
     }
 }
 

@@ -101,6 +101,7 @@ impl Config {
             AT_LEAST_ONE,
         )?;
         self.validate_devices()?;
+        self.validate_files()?;
         self.validate_s3()?;
         Ok(self.derive())
     }
@@ -119,6 +120,18 @@ impl Config {
                 .is_some_and(|s3| s3.write == S3Write::OnEvict),
             staging_blocks: DEMOTION_STAGING_BLOCKS,
         }
+    }
+
+    fn validate_files(&self) -> Result<(), ConfigError> {
+        let Some(files) = &self.files else {
+            return Ok(());
+        };
+        ensure(
+            files.lookup_cache_max >= 1,
+            "files.lookup_cache_max",
+            files.lookup_cache_max,
+            AT_LEAST_ONE,
+        )
     }
 
     fn validate_s3(&self) -> Result<(), ConfigError> {

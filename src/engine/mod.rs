@@ -16,16 +16,18 @@ use crossbeam_channel::{Receiver, Sender};
 use kvtier_sys::blocks::Lease;
 
 use crate::cold::ColdTier;
-use crate::config::Config;
+use crate::config::{Config, FirstLookup};
 use crate::error::{Error, Result};
 use crate::events::Event;
-use crate::files::device::{FilesDevice, ScanReport};
+use crate::files::device::ScanReport;
 use crate::io::Region;
 use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::metrics::Stats;
 use crate::route::{items_by_worker, Router};
 use crate::slab::Geometry;
+use crate::verdicts::Verdict;
+use crate::worker::shared::PROBES_OUTSTANDING_MAX;
 use crate::worker::{self, Msg, WorkerShared};
 
 mod open;
@@ -83,7 +85,8 @@ pub struct Engine {
     region: Arc<Region>,
     region_blocks: u64,
     block_bytes: u64,
-    files_devices: Arc<Vec<Arc<FilesDevice>>>,
+    /// The files layout: what the first lookup of a key not indexed answers (`None`: slab).
+    first_lookup: Option<FirstLookup>,
     queue_blocks_max: usize,
     jobs_in_flight_max: usize,
     shared: Arc<Shared>,
@@ -290,14 +293,14 @@ impl Engine {
         JobState::new(kind, job).with_lease(lease)
     }
 
-    /// Whether the NVMe tier holds `key` (stored here, or published by another process into a
-    /// shared files directory).
+    /// Whether a load of `key` goes to its NVMe worker (else to the cold tier): stored here, or,
+    /// with the files layout, not known to be absent (another process may have published it;
+    /// the worker's open finds out, and a miss there still falls back to the cold tier).
     fn is_local(&self, key: &Key) -> bool {
-        self.shards[key.shard(self.shards.len())]
-            .shared
-            .published
-            .contains(key)
-            || self.published_elsewhere(key)
+        let me = &self.shards[key.shard(self.shards.len())].shared;
+        me.published.contains(key)
+            || (self.first_lookup.is_some()
+                && !matches!(me.unindexed().peek(key), Some((Verdict::Absent, _))))
     }
 
     fn invalid(&self, job: &Job) -> Option<(usize, String)> {
@@ -365,31 +368,92 @@ impl Engine {
         let mut out: Vec<Lookup> = keys
             .iter()
             .map(|k| {
-                if held[k.shard(workers)].contains(k) || self.published_elsewhere(k) {
+                if held[k.shard(workers)].contains(k) {
                     Lookup::Hit(Tier::Nvme)
                 } else {
                     Lookup::Miss
                 }
             })
             .collect();
+        drop(held);
+        if let Some(first) = self.first_lookup {
+            self.ask_unindexed(keys, &mut out, first);
+        }
         if let Some(cold) = &self.cold {
-            let missing: Vec<Key> = keys
+            // Keys a probe is still asking about are asked of the cold tier at the same time
+            // (their answer stays Pending), so the next lookup has both answers.
+            let (missing, ask): (Vec<usize>, Vec<Key>) = keys
                 .iter()
                 .zip(&out)
-                .filter(|(_, l)| **l == Lookup::Miss)
-                .map(|(k, _)| *k)
-                .collect();
-            if !missing.is_empty() {
-                let mut remote = cold.lookup(&missing).into_iter();
-                for l in &mut out {
-                    if *l == Lookup::Miss {
-                        *l = remote.next().unwrap_or(Lookup::Miss);
+                .enumerate()
+                .filter(|(_, (_, l))| matches!(l, Lookup::Miss | Lookup::Pending))
+                .map(|(i, (k, _))| (i, *k))
+                .unzip();
+            if !ask.is_empty() {
+                for (i, remote) in missing.into_iter().zip(cold.lookup(&ask)) {
+                    if out[i] == Lookup::Miss {
+                        out[i] = remote;
                     }
                 }
             }
         }
         self.count_lookups(&out);
         out
+    }
+
+    /// The files layout: answers for keys its workers have not indexed (`out` is `Miss` for
+    /// them), which another process sharing the directory may have published. Known answers
+    /// come from each worker's `unindexed` cache; a key asked for the first time is `first`
+    /// (a miss, or Pending) while its worker `statx`es the block path on its ring; an answer
+    /// older than `files.lookup_ttl_ms` is still served while the worker asks again. No system
+    /// call here.
+    fn ask_unindexed(&self, keys: &[Key], out: &mut [Lookup], first: FirstLookup) {
+        let workers = self.shards.len();
+        // After shutdown no worker answers.
+        let open = !self.shut.load(Ordering::Acquire);
+        let mut asks: Vec<Vec<(Key, u64)>> = vec![Vec::new(); workers];
+        for (k, l) in keys.iter().zip(out.iter_mut()) {
+            if *l != Lookup::Miss {
+                continue;
+            }
+            let s = k.shard(workers);
+            let me = &self.shards[s].shared;
+            // Past the bound of outstanding questions a key is answered from what is known,
+            // or as a miss, without asking (the worker's queue stays bounded).
+            let may_ask = open
+                && me.probes_outstanding.load(Ordering::Acquire) + asks[s].len()
+                    < PROBES_OUTSTANDING_MAX;
+            let mut answers = me.unindexed();
+            let (answer, ask) = match answers.peek(k) {
+                Some((Verdict::Pending, _)) => (Lookup::Pending, false),
+                Some((Verdict::Present, fresh)) => (Lookup::Hit(Tier::Nvme), !fresh),
+                Some((Verdict::Absent, fresh)) => (Lookup::Miss, !fresh),
+                None if may_ask && first == FirstLookup::Pending => (Lookup::Pending, true),
+                None => (Lookup::Miss, true),
+            };
+            *l = answer;
+            if ask && may_ask {
+                // Pending, or an absent answer served until the probe's (a first miss is
+                // recorded absent, so it is asked once per TTL too).
+                let generation = if answer == Lookup::Pending {
+                    answers.begin(*k)
+                } else {
+                    answers.renew(*k)
+                };
+                asks[s].push((*k, generation));
+            }
+        }
+        for (s, ask) in asks.into_iter().enumerate() {
+            if !ask.is_empty() {
+                let h = &self.shards[s];
+                h.shared
+                    .probes_outstanding
+                    .fetch_add(ask.len(), Ordering::AcqRel);
+                if h.tx.send(Msg::Probe(ask)).is_ok() {
+                    h.shared.nudge();
+                }
+            }
+        }
     }
 
     fn count_lookups(&self, answers: &[Lookup]) {
@@ -416,19 +480,6 @@ impl Engine {
                 count.fetch_add(c, Ordering::Relaxed);
             }
         }
-    }
-
-    /// For the files layout: whether another process (kvtier or vLLM) published `key` since
-    /// this engine scanned the directory. One `fstatat` per missing key; a symlink or any
-    /// non-regular file there is not a block.
-    fn published_elsewhere(&self, key: &Key) -> bool {
-        let Some(dev) = self
-            .files_devices
-            .get(key.device(self.files_devices.len().max(1)))
-        else {
-            return false;
-        };
-        dev.has_block_file(key, self.block_bytes)
     }
 
     /// The object name `key` has in the S3 tier (`None` without one, or for a key too short to

@@ -86,7 +86,11 @@ impl Engine {
             region: Arc::clone(&region),
             region_blocks,
             block_bytes: derived.block_bytes,
-            files_devices,
+            first_lookup: config
+                .files
+                .as_ref()
+                .filter(|_| derived.layout == crate::config::Layout::Files)
+                .map(|f| f.first_lookup),
             queue_blocks_max: config.queue_blocks_max,
             jobs_in_flight_max: config.jobs_in_flight_max,
             shared: Arc::clone(&shared),
@@ -356,10 +360,14 @@ fn start_workers(
     for (id, core) in cores.iter().copied().enumerate() {
         let wake =
             Arc::new(EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?);
-        let me = Arc::new(WorkerShared::new(
-            Arc::clone(&wake),
-            devices.len().max(files_devices.len()),
-        ));
+        let mut me = WorkerShared::new(Arc::clone(&wake), devices.len().max(files_devices.len()));
+        if let Some(files) = &config.files {
+            me = me.with_lookup_cache(
+                files.lookup_cache_max,
+                std::time::Duration::from_millis(files.lookup_ttl_ms),
+            );
+        }
+        let me = Arc::new(me);
         let (tx, rx) = crossbeam_channel::unbounded();
         shards.push(ShardHandle {
             tx,

@@ -196,15 +196,6 @@ impl FilesDevice {
     pub fn dir_fd(&self) -> RawFd {
         self.dir.as_raw_fd()
     }
-
-    /// Whether `key`'s block file exists below the data directory as a regular file of
-    /// `block_bytes` (never following a symlink at the file itself).
-    pub fn has_block_file(&self, key: &Key, block_bytes: u64) -> bool {
-        self.path_of(key).is_some_and(|p| {
-            confined::kind_at(self.dir_fd(), &self.rel(&p))
-                .is_ok_and(|(kind, len)| kind == NodeKind::Regular && len == block_bytes)
-        })
-    }
 }
 
 /// An errno from a confined open or mkdir, said in words (ELOOP and EXDEV are kvtier's refusal

@@ -98,6 +98,8 @@ pub(crate) enum Step {
     OpenDir,
     SyncDir,
     CloseDir,
+    /// A probe's `statx` of the block path (see [`super::probe`]).
+    Stat,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +108,8 @@ pub(crate) enum Kind {
     Store,
     /// Removing a block: an eviction, or a short/corrupt file found by a load.
     Remove,
+    /// Finding out whether a block not indexed here exists (a lookup's question).
+    Probe,
 }
 
 pub(crate) struct Op {
@@ -141,6 +145,8 @@ pub(crate) struct Op {
     /// A removal that first reads the file into this staging slot (demotion to S3).
     pub staging: Option<u32>,
     pub started: Instant,
+    /// A probe: the generation of its question in `WorkerShared::unindexed`.
+    pub generation: u64,
 }
 
 impl Op {
@@ -200,6 +206,7 @@ impl Op {
             tmp_exists: false,
             staging: None,
             started: Instant::now(),
+            generation: 0,
         }
     }
 }
@@ -215,6 +222,9 @@ pub(crate) struct FilesLayout {
     pub(super) stalled: VecDeque<u32>,
     pub(super) removals_in_flight: usize,
     pub(super) rng: u64,
+    /// Lookups' questions not started yet (key, generation), and probe ops in flight.
+    pub(super) probes: VecDeque<(Key, u64)>,
+    pub(super) probes_in_flight: usize,
 }
 
 impl FilesLayout {
@@ -233,6 +243,8 @@ impl FilesLayout {
             tick: 0,
             stalled: VecDeque::new(),
             removals_in_flight: 0,
+            probes: VecDeque::new(),
+            probes_in_flight: 0,
             rng: (u64::from(std::process::id()) << 32)
                 ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
                 ^ std::time::SystemTime::now()
@@ -302,13 +314,14 @@ impl FilesLayout {
         }
     }
 
-    fn try_push_step(&mut self, core: &mut Core<Op>, idx: u32) -> bool {
+    pub(super) fn try_push_step(&mut self, core: &mut Core<Op>, idx: u32) -> bool {
         let op = &core.ops[idx as usize];
         let dev = &self.devs[op.dev as usize];
         let direct = if dev.direct { O_DIRECT } else { 0 };
         let class = match op.kind {
             Kind::Load => IoClass::Load,
             Kind::Store | Kind::Remove => IoClass::Store,
+            Kind::Probe => IoClass::Meta,
         };
         let user_data = core.ops.user_data(idx, 0);
         let at = dev.dir_fd();
@@ -380,6 +393,10 @@ impl FilesLayout {
                 path: &tmp,
             },
             Step::Unlink => FileOp::UnlinkAt {
+                dir: at,
+                path: &dest,
+            },
+            Step::Stat => FileOp::Statx {
                 dir: at,
                 path: &dest,
             },
@@ -852,6 +869,7 @@ impl Layout for FilesLayout {
             Step::UnlinkTmp => Self::release(core, idx),
             Step::Unlink => self.on_unlink(core, idx, result),
             Step::OpenDir | Step::SyncDir | Step::CloseDir => self.on_dir_step(core, idx, result),
+            Step::Stat => self.on_stat(core, idx, result),
             Step::Write => unreachable!("store writes are the worker's (LayoutOp::writing)"),
         }
     }
@@ -868,19 +886,27 @@ impl Layout for FilesLayout {
             .collect()
     }
 
+    fn probe(&mut self, core: &mut Core<Op>, keys: Vec<(Key, u64)>) {
+        self.queue_probes(core, keys);
+    }
+
     fn unstall(&mut self, core: &mut Core<Op>) -> bool {
         self.push_stalled(core)
     }
 
+    fn background(&mut self, core: &mut Core<Op>) -> bool {
+        self.start_probes(core)
+    }
+
     fn idle(&self) -> bool {
-        self.stalled.is_empty()
+        self.stalled.is_empty() && self.probes_idle()
     }
 
     fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
         let op = &core.ops[idx as usize];
         match op.kind {
             Kind::Load | Kind::Store => own_key(op.job.as_ref(), op.item),
-            Kind::Remove => Vec::new(),
+            Kind::Remove | Kind::Probe => Vec::new(),
         }
     }
 
@@ -905,6 +931,7 @@ impl Layout for FilesLayout {
             Kind::Load => "load",
             Kind::Store => "store",
             Kind::Remove => "removal",
+            Kind::Probe => "lookup",
         };
         format!(
             "devices[{}] {}: {what} of {} (at step {:?})",
@@ -921,10 +948,15 @@ impl Layout for FilesLayout {
 
     #[cfg(any(test, feature = "sim"))]
     fn check_quiet(&self, _core: &Core<Op>) -> Result<(), String> {
-        if self.removals_in_flight != 0 || self.index.values().any(|e| e.pins != 0) {
+        if self.removals_in_flight != 0
+            || self.index.values().any(|e| e.pins != 0)
+            || !self.probes_idle()
+        {
             return Err(format!(
-                "{} removals in flight, or pins left",
-                self.removals_in_flight
+                "{} removals in flight, pins left, or {} probes queued and {} in flight",
+                self.removals_in_flight,
+                self.probes.len(),
+                self.probes_in_flight
             ));
         }
         Ok(())

@@ -6,4 +6,5 @@ pub mod device;
 mod evict;
 pub(crate) mod layout;
 pub mod mapper;
+mod probe;
 mod store;

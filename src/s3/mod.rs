@@ -20,7 +20,6 @@
 mod client;
 mod permits;
 
-use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -41,6 +40,7 @@ use crate::metrics::S3Metrics;
 use crate::metrics::S3Stats;
 use crate::route::Router;
 use crate::tier::{Lookup, Tier};
+use crate::verdicts::{Verdict, Verdicts};
 use crate::Region;
 
 use client::{Failure, ObjectClient};
@@ -68,91 +68,6 @@ pub struct S3Summary {
     pub reactor_cores: Vec<usize>,
     /// How long the connectivity probe took.
     pub probe_seconds: f64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Verdict {
-    Pending,
-    Present,
-    Absent,
-}
-
-struct CacheEntry {
-    generation: u64,
-    verdict: Verdict,
-    at: Instant,
-}
-
-/// What the tier knows of keys' presence in the bucket: bounded, oldest first out, answers older
-/// than the TTL asked again (other nodes upload and lifecycle rules delete).
-struct LookupCache {
-    map: HashMap<Key, CacheEntry>,
-    order: VecDeque<(Key, u64)>,
-    next_generation: u64,
-    max: usize,
-    ttl: Duration,
-}
-
-impl LookupCache {
-    fn new(max: usize, ttl: Duration) -> LookupCache {
-        LookupCache {
-            map: HashMap::new(),
-            order: VecDeque::new(),
-            next_generation: 1,
-            max,
-            ttl,
-        }
-    }
-
-    /// Starts a HEAD for `key`: records it pending and returns its generation.
-    fn begin(&mut self, key: Key) -> u64 {
-        self.set(key, Verdict::Pending)
-    }
-
-    fn set(&mut self, key: Key, verdict: Verdict) -> u64 {
-        let generation = self.next_generation;
-        self.next_generation += 1;
-        while self.map.len() >= self.max && !self.map.contains_key(&key) {
-            let Some((old, g)) = self.order.pop_front() else {
-                break;
-            };
-            if self.map.get(&old).is_some_and(|e| e.generation == g) {
-                self.map.remove(&old);
-            }
-        }
-        self.map.insert(
-            key,
-            CacheEntry {
-                generation,
-                verdict,
-                at: Instant::now(),
-            },
-        );
-        self.order.push_back((key, generation));
-        if self.order.len() > 2 * self.max + 16 {
-            let map = &self.map;
-            self.order
-                .retain(|(k, g)| map.get(k).is_some_and(|e| e.generation == *g));
-        }
-        generation
-    }
-
-    /// Records a HEAD's answer if no newer state replaced the pending one.
-    fn resolve(&mut self, key: Key, generation: u64, verdict: Verdict) {
-        if let Some(e) = self.map.get_mut(&key) {
-            if e.generation == generation {
-                e.verdict = verdict;
-                e.at = Instant::now();
-            }
-        }
-    }
-
-    /// The fresh verdict for `key`, if any.
-    fn get(&self, key: &Key) -> Option<Verdict> {
-        self.map.get(key).and_then(|e| {
-            (e.verdict == Verdict::Pending || e.at.elapsed() < self.ttl).then_some(e.verdict)
-        })
-    }
 }
 
 /// Counts spawned tasks so shutdown can wait for them.
@@ -186,7 +101,7 @@ struct Inner {
     shared: Arc<Shared>,
     router: Arc<Router>,
     metrics: Arc<S3Metrics>,
-    cache: Mutex<LookupCache>,
+    cache: Mutex<Verdicts>,
     /// Every request holds one of these while it runs; reads (GET, HEAD) get freed ones first.
     permits: Arc<Permits>,
     /// Block copies waiting for (or in) a background upload.
@@ -278,7 +193,7 @@ impl S3Tier {
             shared,
             router,
             metrics,
-            cache: Mutex::new(LookupCache::new(
+            cache: Mutex::new(Verdicts::new(
                 cfg.lookup_cache_max,
                 Duration::from_millis(cfg.lookup_ttl_ms),
             )),
@@ -575,7 +490,7 @@ async fn build_client(cfg: &S3Config) -> aws_sdk_s3::Client {
 }
 
 impl Inner {
-    fn lock_cache(&self) -> std::sync::MutexGuard<'_, LookupCache> {
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, Verdicts> {
         self.cache
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

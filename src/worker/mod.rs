@@ -117,6 +117,17 @@ pub(crate) trait Layout {
     /// Every key stored (published) now.
     fn keys(&self) -> Vec<Key>;
 
+    /// Finds out whether `keys` (not indexed here) are on the devices, and answers in
+    /// `core.me.unindexed` (each with its question's generation); a key found is indexed and
+    /// published. Only the files layout is asked; by default every key is absent.
+    fn probe(&mut self, core: &mut Core<Self::Op>, keys: Vec<(Key, u64)>) {
+        let mut answers = core.me.unindexed();
+        for (key, generation) in keys {
+            answers.resolve(key, generation, crate::verdicts::Verdict::Absent);
+            core.me.probes_outstanding.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
     /// Pushes what earlier found the submission queue full; true if anything moved.
     fn unstall(&mut self, core: &mut Core<Self::Op>) -> bool {
         let _ = core;
@@ -671,6 +682,7 @@ impl<L: Layout> Worker<L> {
                 Msg::Keys(reply) => {
                     let _ = reply.send(self.layout.keys());
                 }
+                Msg::Probe(keys) => self.layout.probe(&mut self.core, keys),
                 Msg::Stop => self.stop(),
             }
         }

@@ -32,6 +32,10 @@ pub(crate) enum Msg {
     Touch(Vec<Key>),
     /// Send back every key stored (`Engine::keys`).
     Keys(crossbeam_channel::Sender<Vec<Key>>),
+    /// The files layout: find out whether these keys' block files exist (another process may
+    /// have published them), each with the generation of its question in
+    /// [`WorkerShared::unindexed`].
+    Probe(Vec<(Key, u64)>),
     Stop,
 }
 

@@ -1,7 +1,8 @@
 //! The parts of a worker that the engine handle and other threads see, and the worker's sleep.
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 use crossbeam_utils::CachePadded;
@@ -9,6 +10,7 @@ use crossbeam_utils::CachePadded;
 use crate::io::{EventFd, IoBackend, Region};
 use crate::job::JobState;
 use crate::metrics::ShardMetrics;
+use crate::verdicts::Verdicts;
 use crate::worker::published::PublishedKeys;
 use crate::worker::queue::Msg;
 
@@ -22,7 +24,17 @@ pub(crate) struct WorkerShared {
     pub wake: Arc<EventFd>,
     pub queued_blocks: CachePadded<AtomicUsize>,
     pub tid: AtomicI32,
+    /// The files layout: what lookups learnt of keys this worker has not indexed, which
+    /// another process may have published (`Msg::Probe` asks the worker; a `statx` on its
+    /// ring answers). Callers lock it per lookup of such a key; the worker only to answer.
+    pub unindexed: Mutex<Verdicts>,
+    /// Questions sent to the worker (`Msg::Probe`) and not answered yet: callers ask no more
+    /// past [`PROBES_OUTSTANDING_MAX`] (they answer Miss), so the worker's queue is bounded.
+    pub probes_outstanding: AtomicUsize,
 }
+
+/// Lookups' questions a worker may have outstanding.
+pub(crate) const PROBES_OUTSTANDING_MAX: usize = 4096;
 
 impl WorkerShared {
     /// A worker's shared parts; its metrics count `devices` devices.
@@ -34,7 +46,26 @@ impl WorkerShared {
             wake,
             queued_blocks: CachePadded::new(AtomicUsize::new(0)),
             tid: AtomicI32::new(0),
+            probes_outstanding: AtomicUsize::new(0),
+            unindexed: Mutex::new(Verdicts::new(
+                crate::config::FilesConfig::DEFAULT_LOOKUP_CACHE_MAX,
+                Duration::from_millis(crate::config::FilesConfig::DEFAULT_LOOKUP_TTL_MS),
+            )),
         }
+    }
+
+    /// Bounds the answers kept for keys not indexed: at most `max`, asked again after `ttl`.
+    #[must_use]
+    pub fn with_lookup_cache(mut self, max: usize, ttl: Duration) -> WorkerShared {
+        self.unindexed = Mutex::new(Verdicts::new(max, ttl));
+        self
+    }
+
+    /// The answers for keys not indexed (see `unindexed`).
+    pub fn unindexed(&self) -> MutexGuard<'_, Verdicts> {
+        self.unindexed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Wakes the worker if it is (about to be) asleep. Pairs with the fence in `Worker::run`.

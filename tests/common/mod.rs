@@ -131,6 +131,23 @@ pub fn load_into(engine: &Engine, job: u64, ids: &[u64], blocks: Vec<u32>) -> Jo
 
 /// Bytes of the block (`.bin`) and temp (`.tmp`) files under a files-layout data directory,
 /// and the number of temp files.
+/// `engine.lookup(keys)` once no answer is `Pending` any more (the files layout asks its
+/// worker about keys it has not indexed; the S3 tier sends HEADs); panics after 10 s.
+pub fn settled(engine: &Engine, keys: &[Key]) -> Vec<kvtier::Lookup> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let answers = engine.lookup(keys);
+        if !answers.contains(&kvtier::Lookup::Pending) {
+            return answers;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "lookups still pending after 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 pub fn disk_bytes(data_dir: &Path) -> (u64, usize) {
     let (mut bytes, mut temps) = (0, 0);
     let mut stack = vec![data_dir.to_path_buf()];

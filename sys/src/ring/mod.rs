@@ -189,6 +189,43 @@ pub enum FileOp<'a> {
     /// `len`). Once the completion is popped, [`Ring::take_value`] hands the buffer over.
     /// Linux 5.19: check [`Ring::supports_xattr_ops`].
     GetXattr { fd: RawFd, name: &'a CStr, len: u32 },
+    /// `statx(dir, path, AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_SIZE)` into a buffer the ring
+    /// owns: once the completion (0 or -errno) is popped, [`Ring::take_value`] hands it over
+    /// and [`StatxInfo::parse`] reads it. A symlink at `path` itself is reported as one, never
+    /// followed.
+    Statx { dir: RawFd, path: &'a CStr },
+}
+
+/// What a [`FileOp::Statx`] learnt: the file's type bits (`S_IFMT` of `st_mode`) and size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatxInfo {
+    pub mode: u32,
+    pub size: u64,
+}
+
+impl StatxInfo {
+    /// Bytes the kernel writes for a [`FileOp::Statx`].
+    pub const BYTES: usize = std::mem::size_of::<libc::statx>();
+
+    /// Reads the mode and size out of a [`FileOp::Statx`] buffer; `None` if it is too short.
+    pub fn parse(buf: &[u8]) -> Option<StatxInfo> {
+        if buf.len() < Self::BYTES {
+            return None;
+        }
+        // SAFETY: `buf` holds at least size_of::<statx>() initialised bytes, `read_unaligned`
+        // copies them whatever their alignment, and every bit pattern is a valid `statx`
+        // (integers only).
+        let st: libc::statx = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
+        Some(StatxInfo {
+            mode: u32::from(st.stx_mode) & libc::S_IFMT,
+            size: st.stx_size,
+        })
+    }
+
+    /// Whether it is a regular file.
+    pub fn is_regular(&self) -> bool {
+        self.mode == libc::S_IFREG
+    }
 }
 
 /// The current directory as the `dir` of a [`FileOp`].
@@ -200,9 +237,10 @@ pub const RESOLVE_CONFINED: u64 =
     libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
 
 /// Opcodes [`FileOp`] needs (`OpenAt2` arrived in 5.6, `UnlinkAt`/`RenameAt` in 5.11,
-/// `MkDirAt` in 5.15).
-const FILE_OPCODES: [u8; 8] = [
+/// `MkDirAt` in 5.15, `Statx` in 5.6).
+const FILE_OPCODES: [u8; 9] = [
     opcode::OpenAt2::CODE,
+    opcode::Statx::CODE,
     opcode::Close::CODE,
     opcode::RenameAt::CODE,
     opcode::UnlinkAt::CODE,
@@ -225,18 +263,20 @@ struct OwnedPaths {
     /// The `open_how` of an `OpenAt`, read by the kernel at the same time as its path.
     #[allow(dead_code)]
     how: Option<Box<types::OpenHow>>,
-    /// A `SetXattr`'s value (read by the kernel) or a `GetXattr`'s buffer (written by the
-    /// kernel before it posts the completion; handed to the caller then, see `values`).
+    /// A `SetXattr`'s value (read by the kernel) or a `GetXattr`'s or `Statx`'s buffer
+    /// (written by the kernel before it posts the completion; handed to the caller then, see
+    /// `values`).
     value: Option<Value>,
 }
 
-/// The bytes an xattr op's SQE points at.
+/// The bytes an xattr or statx op's SQE points at.
 #[derive(Debug)]
 struct Value {
     // Read by Rust only when `out` (after the completion).
     #[allow(dead_code)]
     bytes: Box<[u8]>,
-    /// A `GetXattr` buffer: moved to `PathStore::values` when its completion is popped.
+    /// A `GetXattr` or `Statx` buffer: moved to `PathStore::values` when its completion is
+    /// popped.
     out: bool,
 }
 
@@ -762,7 +802,8 @@ impl Ring {
     }
 
     /// Whether the running kernel supports every opcode [`FileOp`] needs (`IORING_REGISTER_PROBE`:
-    /// OpenAt2, Close, RenameAt, UnlinkAt, MkDirAt, Fsync, ReadFixed, WriteFixed; Linux 5.15+),
+    /// OpenAt2, Statx, Close, RenameAt, UnlinkAt, MkDirAt, Fsync, ReadFixed, WriteFixed; Linux
+    /// 5.15+),
     /// except the xattr ops (see [`Ring::supports_xattr_ops`]).
     pub fn supports_file_ops(&self) -> bool {
         self.probe_opcodes()
@@ -778,9 +819,10 @@ impl Ring {
         })
     }
 
-    /// The buffer of a completed [`FileOp::GetXattr`] pushed with `user_data` (its first
-    /// `result` bytes are the value), once its completion has been popped; `None` before, or
-    /// for another op.
+    /// The buffer of a completed [`FileOp::GetXattr`] (its first `result` bytes are the value)
+    /// or [`FileOp::Statx`] pushed with `user_data`, once its completion has been popped,
+    /// whatever its result (take it, or it is kept until the ring is dropped); `None` before,
+    /// or for another op.
     pub fn take_value(&mut self, user_data: u64) -> Option<Box<[u8]>> {
         self.paths.values.remove(&user_data)
     }
@@ -880,6 +922,17 @@ impl Ring {
                     out: true,
                 });
                 opcode::FGetXattr::new(types::Fd(fd), name, v.bytes.as_mut_ptr().cast(), len)
+                    .build()
+            }
+            FileOp::Statx { dir, path } => {
+                let path = keep(path);
+                let v = value.insert(Value {
+                    bytes: vec![0u8; StatxInfo::BYTES].into_boxed_slice(),
+                    out: true,
+                });
+                opcode::Statx::new(types::Fd(dir), path, v.bytes.as_mut_ptr().cast())
+                    .flags(libc::AT_SYMLINK_NOFOLLOW)
+                    .mask(libc::STATX_TYPE | libc::STATX_SIZE)
                     .build()
             }
         }
@@ -1361,6 +1414,53 @@ mod tests {
         };
         assert_eq!(run(&mut ring, 4, &absent), -libc::ENODATA);
         let _ = (ring.take_value(3), ring.take_value(4));
+        assert_eq!(ring.paths.len(), 0, "{:?}", ring.paths);
+        assert!(ring.paths.values.is_empty());
+    }
+
+    /// STATX reports type and size without following a final symlink; a missing path is
+    /// ENOENT and its buffer is handed over too.
+    #[test]
+    fn statx_reports_type_and_size_on_the_ring() {
+        let Some(mut ring) = ring_with_file_ops(8) else {
+            return;
+        };
+        let dir = tempfile::tempdir_in("/var/tmp").expect("dir");
+        std::fs::write(dir.path().join("f"), vec![7u8; 12_345]).expect("file");
+        std::os::unix::fs::symlink("f", dir.path().join("l")).expect("symlink");
+        std::fs::create_dir(dir.path().join("d")).expect("dir");
+        let dfd = std::fs::File::open(dir.path()).expect("open dir");
+        let at = std::os::fd::AsRawFd::as_raw_fd(&dfd);
+        let mut run = |ud: u64, path: &CStr| -> (i32, Option<StatxInfo>) {
+            ring.push_file_op(ud, &FileOp::Statx { dir: at, path }, 0)
+                .expect("push");
+            let mut out = Vec::new();
+            while out.is_empty() {
+                ring.submit(1).expect("submit");
+                ring.complete(&mut out);
+            }
+            assert_eq!(out[0].user_data, ud);
+            let buf = ring
+                .take_value(ud)
+                .expect("the buffer, whatever the result");
+            assert_eq!(buf.len(), StatxInfo::BYTES);
+            assert!(ring.take_value(ud).is_none(), "handed over once");
+            (out[0].result, StatxInfo::parse(&buf))
+        };
+        let (r, f) = run(1, c"f");
+        assert_eq!(r, 0);
+        let f = f.expect("parsed");
+        assert!(f.is_regular());
+        assert_eq!(f.size, 12_345);
+        let (r, l) = run(2, c"l");
+        assert_eq!(r, 0);
+        assert_eq!(l.expect("parsed").mode, libc::S_IFLNK, "not followed");
+        let (r, d) = run(3, c"d");
+        assert_eq!(r, 0);
+        assert_eq!(d.expect("parsed").mode, libc::S_IFDIR);
+        assert_eq!(run(4, c"absent").0, -libc::ENOENT);
+        assert_eq!(run(5, c"f/below").0, -libc::ENOTDIR);
+        assert!(StatxInfo::parse(&[0u8; 8]).is_none(), "short buffer");
         assert_eq!(ring.paths.len(), 0, "{:?}", ring.paths);
         assert!(ring.paths.values.is_empty());
     }
