@@ -33,6 +33,7 @@ fn soak_with_faults_never_serves_wrong_bytes() {
         enospc_ppm: 10_000,
         short_ppm: 20_000,
         torn_write_ppm: 10_000,
+        read_flip_ppm: 0,
         max_delay_rounds: 4,
         reorder: true,
         data_only: false,

@@ -2,7 +2,8 @@
 //! ring, with faults drawn from a seed.
 //!
 //! Faults: EIO, ENOSPC, short reads and writes, torn writes (part of the data lands, the write
-//! fails), completion delays measured in submit rounds, and reordering of completions. A crash
+//! fails), reads that deliver a flipped bit, completion delays measured in submit rounds, and
+//! reordering of completions. A crash
 //! is modelled by [`SimStorage::crash_after_writes`]: after N more writes, every write tears and
 //! fails, as if power went out with them in flight; reopening a new engine on the same storage
 //! (after [`SimStorage::restart`]) then sees exactly what had landed. Data moves at completion
@@ -38,6 +39,9 @@ pub struct Faults {
     pub enospc_ppm: u32,
     pub short_ppm: u32,
     pub torn_write_ppm: u32,
+    /// A read that succeeds delivers one bit flipped (the device's copy is intact: a
+    /// transient error on the way, which only a checksum on every load catches).
+    pub read_flip_ppm: u32,
     /// Completions are delayed by up to this many submit rounds.
     pub max_delay_rounds: u32,
     /// Completions available together are returned in random order.
@@ -125,6 +129,8 @@ struct State {
     log_enabled: AtomicBool,
     /// Completed writes not yet durable, oldest first (`None`: not tracking).
     journal: Mutex<Option<Vec<Undo>>>,
+    /// Reads delivered with a flipped bit (`Faults::read_flip_ppm`).
+    read_flips: AtomicU64,
 }
 
 /// A completed write not yet durable: where it went and the bytes it replaced.
@@ -165,6 +171,7 @@ impl SimStorage {
                 log: Mutex::new(Vec::new()),
                 log_enabled: AtomicBool::new(false),
                 journal: Mutex::new(None),
+                read_flips: AtomicU64::new(0),
             }),
         })
     }
@@ -175,6 +182,11 @@ impl SimStorage {
             .faults
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = faults;
+    }
+
+    /// Reads delivered with a flipped bit so far.
+    pub fn read_flips(&self) -> u64 {
+        self.state.read_flips.load(Ordering::SeqCst)
     }
 
     /// Makes `device` stop answering (`true`: requests are accepted and never complete) or
@@ -541,6 +553,14 @@ impl SimBackend {
         }
         self.state
             .copy(dev, req.kind, req.offset, &region, req.buf, len);
+        if faulty && req.kind == IoKind::Read && len > 0 && self.rng.hit(f.read_flip_ppm) {
+            let at = req.buf.offset + self.rng.below(len as u64) as usize;
+            let mut byte = [0u8];
+            region.read(at, &mut byte);
+            byte[0] ^= 1 << self.rng.below(8);
+            region.write(at, &byte);
+            self.state.read_flips.fetch_add(1, Ordering::SeqCst);
+        }
         i32::try_from(len).expect("I/O sizes fit i32")
     }
 

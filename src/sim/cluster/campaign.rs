@@ -2,7 +2,8 @@
 //! a power loss and a restart, on a [`Cluster`]. After every step it checks what a cache must
 //! never do:
 //! * report wrong bytes as a successful load (a successful key's block holds exactly the bytes
-//!   stored under that key), before or after a power loss;
+//!   stored under that key), before or after a power loss, and when reads flip bits on the way
+//!   (those runs set `verify_loads = "always"`: the default checks a block's first load only);
 //! * report a job twice, or never (every job is reported once the cluster settles);
 //! * leak: once settled, no op, pin, queue room, in-flight count or half-written slot is left,
 //!   and the published keys are exactly the indexed ones;
@@ -40,6 +41,9 @@ pub struct Report {
     pub after_loss_served: u64,
     /// Reopens refused because a power loss destroyed a header (then reformatted).
     pub reformatted: u64,
+    /// Reads the device delivered with a flipped bit, and loads failed by their checksum.
+    pub read_flips: u64,
+    pub checksum_failures: u64,
 }
 
 struct Pending {
@@ -91,13 +95,14 @@ fn config(rng: &mut Rng, workers: usize, devices: usize) -> Config {
     c
 }
 
-fn faults(rng: &mut Rng) -> Faults {
+fn faults(rng: &mut Rng, read_flip_ppm: u32) -> Faults {
     let ppm = |rng: &mut Rng, max: u64| [0, rng.below(max)][rng.below(2) as usize] as u32;
     Faults {
         eio_ppm: ppm(rng, 30_000),
         enospc_ppm: ppm(rng, 10_000),
         short_ppm: ppm(rng, 30_000),
         torn_write_ppm: ppm(rng, 30_000),
+        read_flip_ppm,
         max_delay_rounds: rng.below(5) as u32,
         reorder: rng.below(2) == 1,
         data_only: rng.below(2) == 1,
@@ -167,6 +172,11 @@ impl Run {
                     r.id, r.success
                 ));
             }
+            self.report.checksum_failures += r
+                .failures
+                .iter()
+                .filter(|f| f.reason == crate::job::KeyFailure::Checksum)
+                .count() as u64;
             for (i, (&k, &b)) in p.keys.iter().zip(&p.blocks).enumerate() {
                 let ok = !failed.contains(&i);
                 match (p.kind, ok) {
@@ -214,7 +224,12 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
     let mut rng = Rng::new(seed);
     let workers = 1 + rng.below(3) as usize;
     let devices = 1 + rng.below(2) as usize;
-    let config = config(&mut rng, workers, devices);
+    let mut config = config(&mut rng, workers, devices);
+    // A third of the runs deliver flipped bits on reads; they check every load's checksum.
+    let read_flip_ppm = [0, 0, 1 + rng.below(20_000) as u32][rng.below(3) as usize];
+    if read_flip_ppm > 0 {
+        config.verify_loads = crate::config::VerifyLoads::Always;
+    }
     // 1 MiB of header and slot table, then 24..88 slots per device: eviction is frequent.
     let sizes: Vec<u64> = (0..devices)
         .map(|_| (1 << 20) + (24 + rng.below(64)) * BLOCK)
@@ -238,7 +253,7 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         report: Report::default(),
     };
     let mut cluster = Cluster::open(&config, &region, &storage, seed).map_err(|e| e.to_string())?;
-    storage.set_faults(faults(&mut rng));
+    storage.set_faults(faults(&mut rng, read_flip_ppm));
     storage.track_durability(true);
     let loss_at = (rng.below(2) == 1).then(|| rng.below(steps));
     for step in 0..steps {
@@ -302,13 +317,14 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
                 run.settle(&mut cluster)?;
             }
             run.report.after_loss_served += run.report.keys_loaded - before;
-            storage.set_faults(faults(&mut rng));
+            storage.set_faults(faults(&mut rng, read_flip_ppm));
             storage.track_durability(true);
         }
     }
     storage.set_faults(Faults::default());
     run.settle(&mut cluster)?;
     let _ = run.seed;
+    run.report.read_flips = storage.read_flips();
     Ok(run.report)
 }
 
@@ -331,6 +347,8 @@ pub fn seeds(first: u64, count: u64, steps: u64) -> Result<Report, String> {
         total.power_losses += r.power_losses;
         total.after_loss_served += r.after_loss_served;
         total.reformatted += r.reformatted;
+        total.read_flips += r.read_flips;
+        total.checksum_failures += r.checksum_failures;
     }
     Ok(total)
 }
@@ -364,6 +382,10 @@ mod tests {
             "the campaign moved data: {r:?}"
         );
         assert!(r.power_losses > 0, "some runs lost power: {r:?}");
+        assert!(
+            r.read_flips > 0 && r.checksum_failures > 0,
+            "reads flipped bits and loads caught them: {r:?}"
+        );
     }
 
     /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib sim::cluster::campaign::tests::
