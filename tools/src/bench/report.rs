@@ -1,0 +1,82 @@
+//! The bench's report: one row per phase, as a table and as JSON.
+
+use super::*;
+/// One row of the report and of the JSON `results` array.
+#[derive(Serialize)]
+pub(crate) struct WorkloadRow {
+    pub(crate) workload: &'static str,
+    pub(crate) bytes: u64,
+    pub(crate) seconds: f64,
+    pub(crate) gib_per_s: f64,
+    pub(crate) ops_per_s: f64,
+    pub(crate) p50_us: u64,
+    pub(crate) p99_us: u64,
+    pub(crate) p999_us: u64,
+    /// Engine worker CPU over the phase (for mixed rows: the whole mixed phase).
+    pub(crate) cpu_seconds: f64,
+    /// `null` when nothing was moved.
+    pub(crate) cpu_s_per_gib: Option<f64>,
+    pub(crate) verified_blocks: u64,
+    pub(crate) corrupt_blocks: u64,
+    pub(crate) missed_blocks: u64,
+    pub(crate) failed_blocks: u64,
+    pub(crate) block_size: u64,
+    pub(crate) queue_depth: u32,
+    /// The bench thread's own CPU (data generation, verification) over the phase.
+    pub(crate) bench_cpu_seconds: f64,
+    /// Load candidates skipped because the index no longer held them (evicted).
+    pub(crate) lookup_skips: u64,
+    /// "workload", or "phase" when cpu figures cover both streams of the mixed phase.
+    pub(crate) cpu_scope: &'static str,
+}
+
+pub(super) fn render(rows: &[WorkloadRow]) -> String {
+    let mut table = Table::new(&[
+        "workload",
+        "GiB/s",
+        "blocks/s",
+        "p50 µs",
+        "p99 µs",
+        "p99.9 µs",
+        "cpu s",
+        "cpu s/GiB",
+        "bench cpu s",
+        "verified",
+        "corrupt",
+        "missed",
+        "failed",
+        "seconds",
+    ]);
+    for r in rows {
+        table.row(vec![
+            r.workload.to_owned(),
+            format!("{:.3}", r.gib_per_s),
+            format!("{:.1}", r.ops_per_s),
+            r.p50_us.to_string(),
+            r.p99_us.to_string(),
+            r.p999_us.to_string(),
+            format!("{:.2}", r.cpu_seconds),
+            r.cpu_s_per_gib
+                .map_or_else(|| "-".into(), |v| format!("{v:.3}")),
+            format!("{:.2}", r.bench_cpu_seconds),
+            r.verified_blocks.to_string(),
+            r.corrupt_blocks.to_string(),
+            r.missed_blocks.to_string(),
+            r.failed_blocks.to_string(),
+            format!("{:.2}", r.seconds),
+        ]);
+    }
+    let mut text = table.to_string();
+    text.push_str(
+        "cpu s: engine worker threads over the phase (mixed rows: the whole mixed phase, loads \
+         and stores together); bench cpu s: the bench thread (copying and verifying data)\n",
+    );
+    for r in rows.iter().filter(|r| r.lookup_skips > 0) {
+        let _ = writeln!(
+            text,
+            "{}: {} load candidates skipped because the index no longer held them (evicted)",
+            r.workload, r.lookup_skips
+        );
+    }
+    text
+}
