@@ -5,6 +5,7 @@
 pub mod device;
 mod evict;
 pub(crate) mod layout;
+mod load;
 pub mod mapper;
 mod probe;
 mod store;
