@@ -18,6 +18,7 @@
 //! before its completion is reaped; the worker exits only when no op is in flight; every key of
 //! every part it took is reported exactly once.
 
+mod core;
 pub(crate) mod demote;
 pub(crate) mod ops;
 pub(crate) mod published;
@@ -36,6 +37,8 @@ use crate::job::{JobKind, JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::Errno;
 
+pub(crate) use self::core::{io_outcome, Core};
+use self::core::{FAILURE_WINDOW_DEADLINES, FAIL_AFTER_TIMEOUTS};
 pub(crate) use demote::{Demote, DemoteSink, Demotion};
 pub(crate) use ops::{OpTable, TableOp};
 pub(crate) use published::Publisher;
@@ -169,40 +172,6 @@ pub(crate) trait Layout {
     fn check_quiet(&self, core: &Core<Self::Op>) -> Result<(), String>;
 }
 
-/// The parts of a worker a layout acts through.
-pub(crate) struct Core<O> {
-    pub id: usize,
-    pub backend: Box<dyn IoBackend>,
-    pub region: Arc<Region>,
-    pub shared: Arc<Shared>,
-    pub me: Arc<WorkerShared>,
-    pub ops: OpTable<O>,
-    pub sched: Scheduler,
-    pub block_bytes: u64,
-    pub loads: WorkQueue,
-    pub stores: WorkQueue,
-    /// Stores to try once more after evicting (ENOSPC), ahead of new ones.
-    pub retry: VecDeque<(Arc<JobState>, usize)>,
-    /// Store ops with chunks still to issue, oldest first.
-    pub store_issuing: VecDeque<u32>,
-    pub stopping: bool,
-    pub demote: Option<Demote>,
-    /// Publishes the keys this worker holds to callers (`Engine::lookup`).
-    pub publisher: Publisher,
-    /// `io_timeout_ms`: the deadline of every op, from its start.
-    pub io_timeout: Duration,
-    /// Devices marked failed (bit d), after repeated timeouts.
-    failed: u64,
-    /// Recent timeouts per device, oldest first (for marking a device failed).
-    timeouts: Vec<VecDeque<Instant>>,
-    error_log: crate::logs::RateLimit,
-}
-
-/// A device with this many timeouts within [`FAILURE_WINDOW_DEADLINES`] deadlines is marked
-/// failed.
-const FAIL_AFTER_TIMEOUTS: usize = 3;
-const FAILURE_WINDOW_DEADLINES: u32 = 10;
-
 /// Everything a worker is built from.
 pub(crate) struct WorkerParams {
     pub id: usize,
@@ -215,220 +184,6 @@ pub(crate) struct WorkerParams {
     pub ring_entries: usize,
     pub demote: Option<Demote>,
     pub io_timeout: Duration,
-}
-
-impl<O: LayoutOp> Core<O> {
-    /// Store `idx` is ready to write its data: plans its chunks and queues it for issue.
-    pub fn begin_writing(&mut self, idx: u32) {
-        let plan = self.sched.plan_store(!self.loads.is_empty());
-        let chunks = self.ops[idx as usize]
-            .writing()
-            .expect("a store that begins writing is in its write step");
-        *chunks = plan;
-        self.store_issuing.push_back(idx);
-    }
-
-    /// Reports a load's outcome and records its latency on device `device`.
-    pub fn report_load(
-        &self,
-        job: &Arc<JobState>,
-        item: usize,
-        device: usize,
-        started: Instant,
-        outcome: Result<(), (KeyFailure, String)>,
-    ) {
-        if job.is_resolved(item) {
-            // Completed after its deadline failed it: already reported.
-            return;
-        }
-        let m = &self.me.metrics;
-        m.dev(device)
-            .load_latency
-            .record(started.elapsed().as_micros() as u64);
-        match outcome {
-            Ok(()) => {
-                m.loads_ok.fetch_add(1, Ordering::Relaxed);
-                job.succeed(&self.shared, item, self.block_bytes);
-            }
-            Err((KeyFailure::Miss, detail)) => {
-                m.loads_failed.fetch_add(1, Ordering::Relaxed);
-                self.shared.load_missed(job, item, detail);
-            }
-            Err((reason, detail)) => {
-                m.loads_failed.fetch_add(1, Ordering::Relaxed);
-                job.fail(&self.shared, item, reason, detail);
-            }
-        }
-    }
-
-    /// A load answered without I/O: a miss (falls back to the cold tier) or a failure.
-    pub fn resolve_load(&self, job: &Arc<JobState>, item: usize, reason: KeyFailure) {
-        let m = &self.me.metrics;
-        m.loads_failed.fetch_add(1, Ordering::Relaxed);
-        if reason == KeyFailure::Miss {
-            m.load_misses.fetch_add(1, Ordering::Relaxed);
-            self.shared.load_missed(job, item, String::new());
-        } else {
-            job.fail(&self.shared, item, reason, String::new());
-        }
-    }
-
-    pub fn store_succeeded(&self, job: &Arc<JobState>, item: usize, bytes: u64) {
-        if job.is_resolved(item) {
-            return;
-        }
-        self.me.metrics.stores_ok.fetch_add(1, Ordering::Relaxed);
-        job.succeed(&self.shared, item, bytes);
-    }
-
-    pub fn store_failed(
-        &self,
-        job: &Arc<JobState>,
-        item: usize,
-        reason: KeyFailure,
-        detail: String,
-    ) {
-        if job.is_resolved(item) {
-            return;
-        }
-        self.me
-            .metrics
-            .stores_failed
-            .fetch_add(1, Ordering::Relaxed);
-        job.fail(&self.shared, item, reason, detail);
-    }
-
-    /// A stored key already present: a cheap no-op success.
-    pub fn store_present(&self, job: &Arc<JobState>, item: usize) {
-        self.me
-            .metrics
-            .stores_skipped_present
-            .fetch_add(1, Ordering::Relaxed);
-        job.succeed(&self.shared, item, 0);
-    }
-
-    /// Whether device `d` was marked failed (it kept timing out).
-    pub fn device_failed(&self, d: usize) -> bool {
-        d < 64 && self.failed & (1 << d) != 0
-    }
-
-    /// Counts a timeout on device `d`; true if that marks it failed now.
-    fn count_timeout(&mut self, d: usize) -> bool {
-        if self.device_failed(d) || d >= 64 {
-            return false;
-        }
-        if self.timeouts.len() <= d {
-            self.timeouts.resize_with(d + 1, VecDeque::new);
-        }
-        let now = Instant::now();
-        let window = self.io_timeout * FAILURE_WINDOW_DEADLINES;
-        let recent = &mut self.timeouts[d];
-        recent.push_back(now);
-        while recent
-            .front()
-            .is_some_and(|&t| now.duration_since(t) > window)
-        {
-            recent.pop_front();
-        }
-        if recent.len() < FAIL_AFTER_TIMEOUTS {
-            return false;
-        }
-        self.failed |= 1 << d;
-        self.me.metrics.dev(d).failed.store(true, Ordering::Relaxed);
-        true
-    }
-
-    /// An I/O error on device `d` (counted by the caller): logged if it is the first since an
-    /// I/O on the device last succeeded (one line per episode, engine-wide), else only counted.
-    pub fn device_error(&self, d: usize, what: &str) {
-        if self.shared.device_health.error(d) {
-            if let Some(suppressed) = self.error_log.admit() {
-                tracing::error!(
-                    worker = self.id,
-                    device = d,
-                    suppressed,
-                    "{what}. Further I/O errors on this device are counted \
-                     (kvtier_device_errors_total) and fail their keys, but are not logged until \
-                     an I/O on it succeeds again; its other keys and the other devices keep serving"
-                );
-            }
-        }
-    }
-
-    /// A successful I/O on device `d`: logs the end of an error episode (`name` is asked only
-    /// then).
-    pub fn device_ok(&self, d: usize, name: impl FnOnce() -> String) {
-        if let Some(errors) = self.shared.device_health.ok(d) {
-            tracing::info!(
-                worker = self.id,
-                device = d,
-                "{}: I/O succeeds again after {errors} error{}",
-                name(),
-                if errors == 1 { "" } else { "s" }
-            );
-        }
-    }
-
-    /// Logs an I/O error, at most 10 per 10 s per worker, so a dead device cannot flood the
-    /// log; a line after some were held back says how many (`suppressed`).
-    pub fn log_error(&mut self, msg: &str) {
-        if let Some(suppressed) = self.error_log.admit() {
-            tracing::error!(worker = self.id, suppressed, "{msg}");
-        }
-    }
-
-    fn idle(&self) -> bool {
-        self.loads.is_empty()
-            && self.stores.is_empty()
-            && self.retry.is_empty()
-            && self.store_issuing.is_empty()
-            && self.backend.in_flight() == 0
-    }
-
-    fn publish_gauges(&self) {
-        let m = &self.me.metrics;
-        m.queued_loads
-            .store(self.loads.blocks as u64, Ordering::Relaxed);
-        m.queued_stores
-            .store(self.stores.blocks as u64, Ordering::Relaxed);
-        m.inflight_ops
-            .store(self.backend.in_flight() as u64, Ordering::Relaxed);
-    }
-
-    /// Stops: fails every queued block and retry; returns the stores that were still issuing
-    /// chunks (the caller cuts them).
-    fn cancel_queued(&mut self) -> Vec<u32> {
-        self.stopping = true;
-        let cancelled = self.loads.cancel(&self.shared) + self.stores.cancel(&self.shared);
-        self.me.queued_blocks.fetch_sub(cancelled, Ordering::AcqRel);
-        for (job, item) in self.retry.drain(..) {
-            job.fail(&self.shared, item, KeyFailure::Shutdown, String::new());
-        }
-        self.store_issuing.drain(..).collect()
-    }
-
-    fn cancel_part(&self, part: &Part) {
-        // Queue room first, so a caller that sees the failure can submit again at once.
-        self.me
-            .queued_blocks
-            .fetch_sub(part.items.len(), Ordering::AcqRel);
-        part.fail_from(0, &self.shared);
-    }
-}
-
-/// The outcome of an I/O that should have moved `wanted` bytes: a negative result is an errno,
-/// a shorter one a short transfer.
-pub(crate) fn io_outcome(result: i32, wanted: u64) -> Result<(), KeyFailure> {
-    if result < 0 {
-        Err(KeyFailure::Io(Errno::from_raw(-result)))
-    } else if (result as u64) < wanted {
-        Err(KeyFailure::ShortIo {
-            done: result as u32,
-            wanted: wanted as u32,
-        })
-    } else {
-        Ok(())
-    }
 }
 
 pub(crate) struct Worker<L: Layout> {
