@@ -12,6 +12,7 @@ use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::Client;
 use bytes::Bytes;
 
+use crate::config::S3Config;
 use crate::metrics::{S3Metrics, S3OpMetrics};
 use crate::Region;
 
@@ -459,4 +460,45 @@ where
         // Timeouts, connection errors, malformed or cut-off responses.
         _ => Attempt::Retry(transport_cause(e)),
     }
+}
+
+pub(super) async fn build_client(cfg: &S3Config) -> aws_sdk_s3::Client {
+    use aws_sdk_s3::config::{
+        retry::RetryConfig, timeout::TimeoutConfig, BehaviorVersion, Credentials,
+        Region as AwsRegion, RequestChecksumCalculation, ResponseChecksumValidation,
+    };
+    let http = aws_smithy_http_client::Builder::new()
+        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
+            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
+        ))
+        .build_https();
+    let timeout = Duration::from_millis(cfg.timeout_ms);
+    let mut loader = aws_config::defaults(BehaviorVersion::latest())
+        .region(AwsRegion::new(cfg.region.clone()))
+        .http_client(http)
+        // kvtier retries itself (and counts the retries); one attempt per SDK call.
+        .retry_config(RetryConfig::disabled())
+        // The whole attempt (body included) is bounded by kvtier's own timeout around it, so
+        // the error names `timeout_ms`; the SDK only bounds the connect.
+        .timeout_config(TimeoutConfig::builder().connect_timeout(timeout).build());
+    if let (Some(id), Some(secret)) = (&cfg.access_key_id, &cfg.secret_access_key) {
+        loader = loader.credentials_provider(Credentials::new(
+            id.expose(),
+            secret.expose(),
+            cfg.session_token.as_ref().map(|t| t.expose().to_owned()),
+            None,
+            "kvtier-config",
+        ));
+    }
+    let sdk = loader.load().await;
+    let mut b = aws_sdk_s3::config::Builder::from(&sdk)
+        .force_path_style(cfg.force_path_style)
+        // kvtier keeps its own crc32c in the object's metadata; the SDK's default trailing
+        // checksums would need aws-chunked uploads that not every S3-compatible server takes.
+        .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
+        .response_checksum_validation(ResponseChecksumValidation::WhenRequired);
+    if let Some(endpoint) = &cfg.endpoint {
+        b = b.endpoint_url(endpoint);
+    }
+    aws_sdk_s3::Client::from_conf(b.build())
 }

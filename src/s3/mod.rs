@@ -18,7 +18,9 @@
 //! GET when present.
 
 mod client;
+mod fetch;
 mod permits;
+mod upload;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -31,10 +33,10 @@ use tokio::sync::Semaphore;
 use kvtier_sys::blocks::Lease;
 
 use crate::cold::{ColdTier, DemoteFn};
-use crate::config::{S3Config, S3Write, WriteAck};
+use crate::config::{S3Config, S3Write};
 use crate::error::{Error, Result};
 use crate::files::mapper::{split_key, AgnosticOptIn, FileMapper};
-use crate::job::{Job, JobFailure, JobKind, JobResult, JobState, KeyFailure, Shared};
+use crate::job::{JobResult, JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::metrics::S3Metrics;
 use crate::metrics::S3Stats;
@@ -43,8 +45,9 @@ use crate::tier::{Lookup, Tier};
 use crate::verdicts::{Verdict, Verdicts};
 use crate::Region;
 
-use client::{Failure, ObjectClient};
+use client::{build_client, Failure, ObjectClient};
 use permits::{Class, Permits};
+use upload::failure_of;
 
 /// Warnings that repeat for every request while the object store fails: at most 5 per 10 s
 /// each (the metrics count every one).
@@ -448,47 +451,6 @@ fn join_prefix(prefix: &str, rest: &str) -> String {
     }
 }
 
-async fn build_client(cfg: &S3Config) -> aws_sdk_s3::Client {
-    use aws_sdk_s3::config::{
-        retry::RetryConfig, timeout::TimeoutConfig, BehaviorVersion, Credentials,
-        Region as AwsRegion, RequestChecksumCalculation, ResponseChecksumValidation,
-    };
-    let http = aws_smithy_http_client::Builder::new()
-        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
-            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
-        ))
-        .build_https();
-    let timeout = Duration::from_millis(cfg.timeout_ms);
-    let mut loader = aws_config::defaults(BehaviorVersion::latest())
-        .region(AwsRegion::new(cfg.region.clone()))
-        .http_client(http)
-        // kvtier retries itself (and counts the retries); one attempt per SDK call.
-        .retry_config(RetryConfig::disabled())
-        // The whole attempt (body included) is bounded by kvtier's own timeout around it, so
-        // the error names `timeout_ms`; the SDK only bounds the connect.
-        .timeout_config(TimeoutConfig::builder().connect_timeout(timeout).build());
-    if let (Some(id), Some(secret)) = (&cfg.access_key_id, &cfg.secret_access_key) {
-        loader = loader.credentials_provider(Credentials::new(
-            id.expose(),
-            secret.expose(),
-            cfg.session_token.as_ref().map(|t| t.expose().to_owned()),
-            None,
-            "kvtier-config",
-        ));
-    }
-    let sdk = loader.load().await;
-    let mut b = aws_sdk_s3::config::Builder::from(&sdk)
-        .force_path_style(cfg.force_path_style)
-        // kvtier keeps its own crc32c in the object's metadata; the SDK's default trailing
-        // checksums would need aws-chunked uploads that not every S3-compatible server takes.
-        .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
-        .response_checksum_validation(ResponseChecksumValidation::WhenRequired);
-    if let Some(endpoint) = &cfg.endpoint {
-        b = b.endpoint_url(endpoint);
-    }
-    aws_sdk_s3::Client::from_conf(b.build())
-}
-
 impl Inner {
     fn lock_cache(&self) -> std::sync::MutexGuard<'_, Verdicts> {
         self.cache
@@ -520,278 +482,5 @@ impl Inner {
 
     fn mark(&self, key: Key, verdict: Verdict) {
         self.lock_cache().set(key, verdict);
-    }
-
-    async fn head_batch(self: Arc<Self>, batch: Vec<(Key, u64)>) {
-        let mut set = tokio::task::JoinSet::new();
-        for (key, generation) in batch {
-            let me = Arc::clone(&self);
-            set.spawn(async move {
-                let verdict = match me.permits.acquire(Class::Read).await {
-                    None => None,
-                    Some(_permit) => match me.object_name(&key) {
-                        None => Some(Verdict::Absent),
-                        // vLLM: a failed lookup is a miss.
-                        Some(name) => Some(match me.client.head(&name).await {
-                            Ok(true) => Verdict::Present,
-                            Ok(false) => Verdict::Absent,
-                            Err(f) => {
-                                if !matches!(f, Failure::Closed) {
-                                    if let Some(suppressed) = LOOKUP_WARNINGS.admit() {
-                                        tracing::warn!(
-                                            suppressed,
-                                            "S3 lookup failed, answering miss: {f:?}"
-                                        );
-                                    }
-                                }
-                                Verdict::Absent
-                            }
-                        }),
-                    },
-                };
-                if let Some(v) = verdict {
-                    me.lock_cache().resolve(key, generation, v);
-                }
-            });
-        }
-        while set.join_next().await.is_some() {}
-    }
-
-    async fn load_one(self: Arc<Self>, job: Arc<JobState>, index: usize) {
-        let key = job.job.keys[index];
-        let block = job.job.blocks[index] as usize;
-        let shared = &self.shared;
-        let Some(name) = self.object_name(&key) else {
-            job.fail(
-                shared,
-                index,
-                KeyFailure::Miss,
-                "not stored locally, and the key holds no block hash for an object name".into(),
-            );
-            return;
-        };
-        let outcome = match self.permits.acquire(Class::Read).await {
-            None => Err(Failure::Closed),
-            Some(_permit) => {
-                let into = match job.lease() {
-                    Some(lease) => client::Landing::Lease(lease),
-                    None => client::Landing::Region(&self.region),
-                };
-                self.client
-                    .get_into(&name, into, block * self.block_bytes, self.block_bytes)
-                    .await
-            }
-        };
-        match outcome {
-            Ok(bytes) => {
-                self.mark(key, Verdict::Present);
-                if self.cfg.promote_on_load && !self.closing.load(Ordering::Acquire) {
-                    self.promote(&job, index, key, block as u32, bytes);
-                } else {
-                    job.succeed(shared, index, bytes);
-                }
-            }
-            Err(f) => {
-                // vLLM's livelock fix: a failed load makes the key a miss until asked again.
-                self.mark(key, Verdict::Absent);
-                let (reason, detail) = failure_of(f, &self.client.bucket, &name);
-                job.fail(shared, index, reason, detail);
-            }
-        }
-    }
-
-    /// Stores a block just loaded from S3 into NVMe; the load reports when that store is done
-    /// (it reads the caller's block, which is the caller's again once the load reports).
-    fn promote(
-        self: Arc<Self>,
-        parent: &Arc<JobState>,
-        index: usize,
-        key: Key,
-        block: u32,
-        bytes: u64,
-    ) {
-        let me = Arc::clone(&self);
-        let waiting = Arc::clone(parent);
-        let then: crate::job::Then = Box::new(move |r: JobResult| {
-            let counter = if r.success {
-                &me.metrics.promotions
-            } else {
-                &me.metrics.promotions_failed
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-            waiting.succeed(&me.shared, index, bytes);
-        });
-        // The promotion reads the block under the load's lease (released when the load
-        // reports, after the promotion).
-        let state = Arc::new(
-            JobState::internal(JobKind::Store, Job::new(0, vec![key], vec![block]), then)
-                .borrowing_lease(parent.lease().cloned()),
-        );
-        if !self.router.try_dispatch(&state) {
-            // The workers' queues are full: serve the load from the object store alone rather
-            // than queue past `queue_blocks_max`.
-            // The internal job was never sent, so its `then` never runs.
-            self.metrics
-                .promotions_skipped
-                .fetch_add(1, Ordering::Relaxed);
-            parent.succeed(&self.shared, index, bytes);
-        }
-    }
-
-    fn copy_block(&self, block: u32) -> Bytes {
-        let mut buf = vec![0u8; self.block_bytes];
-        self.region
-            .read(block as usize * self.block_bytes, &mut buf);
-        Bytes::from(buf)
-    }
-
-    /// Uploads one block copy (a background upload: takes its own upload slot).
-    async fn upload(
-        self: &Arc<Self>,
-        key: Key,
-        body: Bytes,
-    ) -> std::result::Result<u64, (KeyFailure, String)> {
-        let Some(permit) = self.permits.acquire(Class::Write).await else {
-            return Err((KeyFailure::Shutdown, "the engine shut down".into()));
-        };
-        self.upload_with(permit, key, body).await
-    }
-
-    /// The write-through half of a store job, after its NVMe half reported `nvme`.
-    async fn upload_job(
-        self: Arc<Self>,
-        nvme: JobResult,
-        keys: Vec<Key>,
-        blocks: Vec<u32>,
-        submitted: Instant,
-        lease: Arc<Lease>,
-    ) {
-        if self.cfg.write_ack == WriteAck::Nvme {
-            // Copy first, report, then upload in the background. The copies are bounded by
-            // upload_queue_blocks; a block that finds the queue full is not uploaded (counted),
-            // so a slow or dead endpoint never holds up NVMe store jobs.
-            let mut copies = Vec::with_capacity(keys.len());
-            for (key, block) in keys.iter().zip(&blocks) {
-                let Ok(permit) = self.upload_queue.try_acquire() else {
-                    continue;
-                };
-                permit.forget();
-                copies.push((*key, self.copy_block(*block)));
-            }
-            let n_copied = copies.len();
-            lease.release();
-            self.shared.finish(nvme);
-            for (key, body) in copies {
-                let me = Arc::clone(&self);
-                self.spawn(async move {
-                    if let Err((_, detail)) = me.upload(key, body).await {
-                        me.metrics
-                            .background_upload_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        if let Some(suppressed) = UPLOAD_WARNINGS.admit() {
-                            tracing::warn!(suppressed, "background upload failed: {detail}");
-                        }
-                    }
-                    me.upload_queue.add_permits(1);
-                });
-            }
-            if n_copied < keys.len() {
-                self.metrics
-                    .uploads_dropped
-                    .fetch_add((keys.len() - n_copied) as u64, Ordering::Relaxed);
-            }
-            return;
-        }
-        let mut set = tokio::task::JoinSet::new();
-        for (i, (key, block)) in keys.iter().copied().zip(blocks.iter().copied()).enumerate() {
-            let me = Arc::clone(&self);
-            set.spawn(async move {
-                if me.lock_cache().get(&key) == Some(Verdict::Present) {
-                    return (i, Ok(0));
-                }
-                // Copy only once a request slot is free, so copies in memory stay bounded.
-                let Some(permit) = me.permits.acquire(Class::Write).await else {
-                    return (i, Err((KeyFailure::Shutdown, String::new())));
-                };
-                let body = me.copy_block(block);
-                (i, me.upload_with(permit, key, body).await)
-            });
-        }
-        let mut failures: Vec<JobFailure> = nvme.failures.clone();
-        let mut bytes = nvme.bytes;
-        while let Some(joined) = set.join_next().await {
-            let Ok((i, r)) = joined else { continue };
-            match r {
-                Ok(n) => bytes += n,
-                // One failure per key: the NVMe half's, if it failed too, comes first.
-                Err((reason, detail)) if !failures.iter().any(|f| f.key_index == i) => {
-                    failures.push(JobFailure {
-                        key_index: i,
-                        reason,
-                        detail,
-                    });
-                }
-                Err(_) => {}
-            }
-        }
-        failures.sort_by_key(|f| f.key_index);
-        let total = keys.len();
-        lease.release();
-        self.shared.finish(JobResult {
-            success: failures.is_empty(),
-            succeeded_prefix: failures.first().map_or(total, |f| f.key_index),
-            failures,
-            bytes,
-            elapsed: submitted.elapsed(),
-            ..nvme
-        });
-    }
-
-    /// Uploads one block copy while holding a request slot; records the verdict and the event.
-    async fn upload_with(
-        self: &Arc<Self>,
-        permit: permits::Permit,
-        key: Key,
-        body: Bytes,
-    ) -> std::result::Result<u64, (KeyFailure, String)> {
-        let Some(name) = self.object_name(&key) else {
-            return Err((
-                KeyFailure::InvalidJob,
-                "the key holds no block hash, so it has no object name".into(),
-            ));
-        };
-        let len = body.len() as u64;
-        let r = self.client.put(&name, body).await;
-        drop(permit);
-        match r {
-            Ok(()) => {
-                self.mark(key, Verdict::Present);
-                self.shared.events.push_tier(vec![key], false, Tier::S3);
-                Ok(len)
-            }
-            Err(f) => Err(failure_of(f, &self.client.bucket, &name)),
-        }
-    }
-}
-
-fn failure_of(f: Failure, bucket: &str, name: &str) -> (KeyFailure, String) {
-    match f {
-        Failure::NotFound => (
-            KeyFailure::Miss,
-            format!("not stored locally, and s3://{bucket}/{name} does not exist"),
-        ),
-        Failure::Closed => (KeyFailure::Shutdown, String::new()),
-        Failure::Size { got, want } => (
-            KeyFailure::ShortIo {
-                done: got.min(u64::from(u32::MAX)) as u32,
-                wanted: want as u32,
-            },
-            format!("s3://{bucket}/{name} is {got} bytes, a block is {want}"),
-        ),
-        Failure::Checksum { object } => (
-            KeyFailure::Checksum,
-            format!("s3://{bucket}/{object}: bytes do not match the crc32c stored with them"),
-        ),
-        Failure::Failed(text) => (KeyFailure::Remote, text),
     }
 }
