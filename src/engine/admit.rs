@@ -1,0 +1,205 @@
+//! Admission: a job is checked, leased, counted against `jobs_in_flight_max`, and queued on
+//! its workers all or nothing within `queue_blocks_max` (keys no worker holds go to the cold
+//! tier), without blocking.
+
+use super::Engine;
+use crate::error::{Error, Result};
+use crate::job::{Job, JobKind, JobState, KeyFailure};
+use crate::key::Key;
+use crate::route::items_by_worker;
+use crate::verdicts::Verdict;
+use kvtier_sys::blocks::Lease;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+impl Engine {
+    pub(super) fn submit(&self, kind: JobKind, job: Job) -> Result<()> {
+        let _gate = self
+            .gate
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.shut.load(Ordering::Acquire) {
+            return Err(Error::Shutdown);
+        }
+        let prev = self.shared.jobs_in_flight.fetch_add(1, Ordering::AcqRel);
+        if prev >= self.jobs_in_flight_max {
+            self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.shared
+                .metrics
+                .refused_jobs_in_flight
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(Error::Backpressure(format!(
+                "{prev} jobs in flight (jobs_in_flight_max = {})",
+                self.jobs_in_flight_max
+            )));
+        }
+        if kind == JobKind::Store {
+            // Until it finishes (Shared::finish), or is refused below.
+            self.shared
+                .store_jobs_in_flight
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some((index, detail)) = self.invalid(&job) {
+            let state = JobState::new(kind, job);
+            state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
+            return Ok(());
+        }
+        let Some((lease, job)) = self.lease(kind, job) else {
+            return Ok(());
+        };
+        let workers = self.shards.len();
+        let mut parts = items_by_worker(&job.keys, workers);
+        // Reserve queue room on every worker first, so a job is queued whole or not at all.
+        if let Err((s, before, n)) = self.router.reserve_or(&parts) {
+            self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
+            if kind == JobKind::Store {
+                self.shared
+                    .store_jobs_in_flight
+                    .fetch_sub(1, Ordering::Relaxed);
+            }
+            self.shared
+                .metrics
+                .refused_queue_blocks
+                .fetch_add(1, Ordering::Relaxed);
+            self.notify_if_idle();
+            return Err(Error::Backpressure(format!(
+                "worker {s} has {before} blocks queued, this job adds {n} (queue_blocks_max = {})",
+                self.queue_blocks_max
+            )));
+        }
+        let state = Arc::new(self.job_state(kind, job, lease));
+        if state.job.keys.is_empty() {
+            state.publish(&self.shared);
+            return Ok(());
+        }
+        if let (JobKind::Load, Some(cold)) = (kind, &self.cold) {
+            // Keys not held locally are loaded from the bucket; their queue room is returned.
+            let mut remote = Vec::new();
+            for (s, items) in parts.iter_mut().enumerate() {
+                let before = items.len();
+                items.retain(|&i| {
+                    let local = self.is_local(&state.job.keys[i as usize]);
+                    if !local {
+                        remote.push(i);
+                    }
+                    local
+                });
+                let moved = before - items.len();
+                if moved > 0 {
+                    self.shards[s]
+                        .shared
+                        .queued_blocks
+                        .fetch_sub(moved, Ordering::AcqRel);
+                }
+            }
+            if !remote.is_empty() {
+                cold.load(&state, remote);
+            }
+        }
+        for (s, items) in parts.into_iter().enumerate() {
+            if !items.is_empty() {
+                self.router.send(s, &state, items);
+            }
+        }
+        Ok(())
+    }
+
+    /// Leases the job's blocks: shared for a store (the device reads them), exclusive for a
+    /// load. `None` when the job was refused and reported failed instead.
+    pub(super) fn lease(&self, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
+        match self.region.lease(&job.blocks, kind == JobKind::Load) {
+            // The lease holds each block once: fewer than the job names means a repeat, which
+            // a load cannot have (two keys would land in one block).
+            Ok(lease) if kind == JobKind::Load && lease.len() < job.blocks.len() => {
+                drop(lease);
+                let mut seen = std::collections::HashSet::new();
+                let i = job
+                    .blocks
+                    .iter()
+                    .position(|b| !seen.insert(*b))
+                    .unwrap_or(0);
+                let detail = format!(
+                    "block id {} appears twice (again at position {i}): a load writes each \
+                     block once",
+                    job.blocks[i]
+                );
+                JobState::new(kind, job).fail_whole(
+                    &self.shared,
+                    i,
+                    KeyFailure::InvalidJob,
+                    detail,
+                );
+                None
+            }
+            Ok(lease) => Some((Arc::new(lease), job)),
+            Err(busy) => {
+                let index = job
+                    .blocks
+                    .iter()
+                    .position(|&b| b == busy.block)
+                    .unwrap_or(0);
+                let state = JobState::new(kind, job);
+                state.fail_whole(
+                    &self.shared,
+                    index,
+                    KeyFailure::InvalidJob,
+                    busy.to_string(),
+                );
+                None
+            }
+        }
+    }
+
+    /// The state of an admitted job: write-through stores report after their upload.
+    pub(super) fn job_state(&self, kind: JobKind, job: Job, lease: Arc<Lease>) -> JobState {
+        if let (JobKind::Store, Some(cold)) = (kind, &self.cold) {
+            if let Some(then) = cold.write_through(&job.keys, &job.blocks, &lease) {
+                // The upload releases the lease once it has read the blocks.
+                return JobState::internal(kind, job, then).borrowing_lease(Some(lease));
+            }
+        }
+        JobState::new(kind, job).with_lease(lease)
+    }
+
+    /// Whether a load of `key` goes to its NVMe worker (else to the cold tier): stored here, or,
+    /// with the files layout, not known to be absent (another process may have published it;
+    /// the worker's open finds out, and a miss there still falls back to the cold tier).
+    pub(super) fn is_local(&self, key: &Key) -> bool {
+        let me = &self.shards[key.shard(self.shards.len())].shared;
+        me.published.contains(key)
+            || (self.first_lookup.is_some()
+                && !matches!(me.unindexed().peek(key), Some((Verdict::Absent, _))))
+    }
+
+    pub(super) fn invalid(&self, job: &Job) -> Option<(usize, String)> {
+        if job.keys.len() != job.blocks.len() {
+            return Some((
+                0,
+                format!("{} keys but {} blocks", job.keys.len(), job.blocks.len()),
+            ));
+        }
+        job.blocks
+            .iter()
+            .position(|&b| u64::from(b) >= self.region_blocks)
+            .map(|i| {
+                (
+                    0,
+                    format!(
+                        "block id {} at position {i} is out of range: the region has {} blocks",
+                        job.blocks[i], self.region_blocks
+                    ),
+                )
+            })
+    }
+
+    pub(super) fn notify_if_idle(&self) {
+        if self.shared.jobs_in_flight.load(Ordering::Acquire) == 0 {
+            let _g = self
+                .shared
+                .idle_lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.shared.idle.notify_all();
+        }
+    }
+}
