@@ -21,14 +21,12 @@ use crate::io::{BufRef, IoClass, IoKind, IoRequest};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
-use crate::worker::shared::block_crc;
 use crate::worker::{
-    io_outcome, own_key, Chunks, Core, Layout, LayoutOp, Start, TableOp, Worker, WorkerParams,
-    BUF_REGION,
+    own_key, Chunks, Core, Layout, LayoutOp, Start, TableOp, Worker, WorkerParams, BUF_REGION,
 };
 use crate::Errno;
 
-use super::table::{Ack, PageState};
+use super::table::PageState;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SlotState {
@@ -174,7 +172,7 @@ pub(crate) struct SlabLayout {
     pub(super) seq: u64,
     pub(super) scratch_entry: [u8; ENTRY_BYTES],
     /// Per device: every load checks the crc32c (`verify_loads = "always"`).
-    verify_always: Vec<bool>,
+    pub(super) verify_always: Vec<bool>,
 }
 
 impl SlabLayout {
@@ -241,165 +239,6 @@ impl SlabLayout {
         let (layout, core) = worker.parts();
         let recovered = layout.recover(core, devices)?;
         Ok((worker, recovered))
-    }
-
-    fn block_buf(core: &Core<Op>, block: u32) -> BufRef {
-        BufRef {
-            region: BUF_REGION,
-            offset: block as usize * core.block_bytes as usize,
-            len: core.block_bytes as u32,
-        }
-    }
-
-    fn on_load_done(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        core.sched.load_ended();
-        let op = &core.ops[idx as usize];
-        let (d, local, block, item, started) = (
-            op.dev as usize,
-            op.slot as usize,
-            op.block,
-            op.item as usize,
-            op.started,
-        );
-        let job = op.job.clone().expect("load op has a job");
-        let me = Arc::clone(&core.me);
-        let m = me.metrics.dev(d);
-        m.read_ops.fetch_add(1, Ordering::Relaxed);
-        let wanted = core.block_bytes;
-        let slot = self.devs[d].slots[local];
-        let outcome = if let Err(reason) = io_outcome(result, wanted) {
-            m.count_result(result, wanted);
-            let detail = format!(
-                "{}: load (read of slot {local}): {}",
-                self.devs[d].name,
-                match reason {
-                    KeyFailure::Io(e) => e.desc().to_owned(),
-                    _ => format!("short read ({result} of {wanted} bytes)"),
-                }
-            );
-            core.device_error(d, &detail);
-            Err((reason, detail))
-        } else {
-            m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
-            core.device_ok(d, || self.devs[d].name.clone());
-            let crc = (!slot.verified || self.verify_always[d]).then(|| {
-                block_crc(
-                    &job,
-                    &core.region,
-                    block as usize * wanted as usize,
-                    wanted as usize,
-                )
-            });
-            match crc {
-                Some(crc) if crc != slot.crc => {
-                    m.checksum_failures.fetch_add(1, Ordering::Relaxed);
-                    self.doom_slot(core, d, local as u32);
-                    Err((
-                        KeyFailure::Checksum,
-                        format!("stored crc {:08x}, read {crc:08x}", slot.crc),
-                    ))
-                }
-                Some(_) => {
-                    self.devs[d].slots[local].verified = true;
-                    Ok(())
-                }
-                None => Ok(()),
-            }
-        };
-        let s = &mut self.devs[d].slots[local];
-        s.pins -= 1;
-        if s.pins == 0 && s.state == SlotState::Doomed {
-            self.free_slot(d, local as u32);
-        }
-        core.ops.release(idx);
-        core.report_load(&job, item, d, started, outcome);
-    }
-
-    /// Removes a bad block from the index now; its slot is freed when the last load unpins it.
-    fn doom_slot(&mut self, core: &mut Core<Op>, d: usize, local: u32) {
-        let s = &mut self.devs[d].slots[local as usize];
-        if s.state != SlotState::Valid {
-            return;
-        }
-        s.state = SlotState::Doomed;
-        if let Some(key) = s.key {
-            self.unindex(core, key);
-            core.shared.events.push(vec![key], true);
-        }
-        core.me
-            .metrics
-            .dev(d)
-            .blocks_stored
-            .fetch_sub(1, Ordering::Relaxed);
-        self.clear_entry(d, local);
-    }
-
-    /// Why a store found no slot on device `d`.
-    fn no_space_detail(&self, d: usize) -> String {
-        if self.devs[d].slots.is_empty() {
-            // Slot-table pages (32 slots each) are split between workers: a small device
-            // with many workers leaves some of them nothing.
-            format!(
-                "device {d}: worker {} has no slots (a device's slots are shared out \
-                 between workers in table pages of {} slots); raise the device's \
-                 capacity_bytes or use fewer cores",
-                self.id, ENTRIES_PER_PAGE
-            )
-        } else {
-            format!(
-                "device {d}: all {} slots of worker {} are busy",
-                self.devs[d].slots.len(),
-                self.id
-            )
-        }
-    }
-
-    /// Publishes the stores whose data writes completed: checksum, slot table entry, index; the
-    /// result follows when the entry's table page is written (`on_table_done`). Runs after the
-    /// ring has been refilled and submitted, so the checksum work never delays the next I/O.
-    fn finalize_stores(&mut self, core: &mut Core<Op>) {
-        let finished = std::mem::take(&mut self.finalize);
-        let block_bytes = core.block_bytes;
-        for f in &finished {
-            let crc = block_crc(
-                &f.job,
-                &core.region,
-                f.block as usize * block_bytes as usize,
-                block_bytes as usize,
-            );
-            let s = &mut self.devs[f.d].slots[f.local as usize];
-            s.state = SlotState::Valid;
-            s.crc = crc;
-            let key = s.key.expect("writing slot has a key");
-            core.publisher.insert(&key);
-            let seq = self.seq;
-            self.seq += 1;
-            self.write_entry(
-                f.d,
-                f.local,
-                Some(crate::slab::Entry {
-                    seq,
-                    data_len: block_bytes as u32,
-                    data_crc: crc,
-                    key,
-                }),
-            );
-            core.me
-                .metrics
-                .dev(f.d)
-                .blocks_stored
-                .fetch_add(1, Ordering::Relaxed);
-            self.ack_after_entry(
-                f.d,
-                f.local,
-                Ack {
-                    job: Arc::clone(&f.job),
-                    item: f.item,
-                },
-            );
-        }
-        self.finalize = finished;
-        self.finalize.clear();
     }
 }
 

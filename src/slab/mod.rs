@@ -17,6 +17,7 @@ use crate::key::{Key, MAX_KEY_BYTES};
 
 mod evict;
 pub(crate) mod layout;
+mod outcome;
 pub(crate) mod prepare;
 pub(crate) mod table;
 
