@@ -14,15 +14,17 @@ use std::path::PathBuf;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use toml::Value;
 
+mod files;
 mod raw;
+mod s3;
 mod size;
 #[cfg(test)]
 mod tests;
 mod validate;
 
-use raw::{
-    cores_from_value, RawConfig, RawDevice, RawEvents, RawFiles, RawMetrics, RawS3, RawScheduler,
-};
+pub use files::{FilesConfig, FirstLookup, SyncMode};
+use raw::{cores_from_value, RawConfig, RawDevice, RawEvents, RawMetrics, RawScheduler};
+pub use s3::{S3Config, S3Write, Secret, WriteAck};
 pub use size::{parse_size, SizeError};
 use size::{serialize_size, serialize_size_opt, show_path, show_size};
 
@@ -331,191 +333,6 @@ pub struct Config {
     /// `[s3]`: the object-store tier; absent means no S3 tier.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub s3: Option<S3Config>,
-}
-
-/// A credential from the config: kept for the client, shown as `"<redacted>"` by `Debug` and
-/// when the config is printed, so it never reaches a log.
-#[derive(Clone, PartialEq, Eq, Deserialize)]
-pub struct Secret(String);
-
-impl Secret {
-    #[must_use]
-    pub fn new(value: impl Into<String>) -> Secret {
-        Secret(value.into())
-    }
-
-    /// The secret itself, for the S3 client only.
-    #[must_use]
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("\"<redacted>\"")
-    }
-}
-
-impl Serialize for Secret {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str("<redacted>")
-    }
-}
-
-/// `[s3] write`: when stored blocks go to the object store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum S3Write {
-    /// Every stored block is uploaded after its NVMe store.
-    Through,
-    /// Blocks the NVMe tier evicts are uploaded: read into a staging buffer before their slot is
-    /// reused (slab) or their file removed (files).
-    OnEvict,
-    /// Nothing is uploaded: the bucket is read-only for this node.
-    #[default]
-    Off,
-}
-
-/// `[s3] write_ack`: when a write-through store job is reported.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WriteAck {
-    /// After both the NVMe store and the upload finished; the job fails if either failed.
-    #[default]
-    Both,
-    /// After the NVMe store and a copy of the block for the upload; the upload finishes in the
-    /// background (failures are counted and logged, not reported in the job). A block finding
-    /// `upload_queue_blocks` copies waiting is not uploaded (counted): stores never wait for S3.
-    Nvme,
-}
-
-/// `[s3]`: an S3-compatible object store behind the NVMe tier.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(try_from = "RawS3")]
-pub struct S3Config {
-    pub bucket: String,
-    /// `http(s)://host:port` for S3-compatible stores; `None` for AWS itself.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub endpoint: Option<String>,
-    pub region: String,
-    /// Path-style URLs (`endpoint/bucket/key`), which most S3-compatible servers need.
-    pub force_path_style: bool,
-    /// Static credentials; all three absent means the AWS default chain (env, profile, IMDS...).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub access_key_id: Option<Secret>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub secret_access_key: Option<Secret>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub session_token: Option<Secret>,
-    /// Object names are `<prefix>/<files-layout relative path>`, the prefix used verbatim (an
-    /// empty prefix gives no leading slash; vLLM's prefix `P` is kvtier's `"P/"`).
-    pub prefix: String,
-    /// Requests in flight at once (GET, HEAD and PUT together).
-    pub max_concurrency: usize,
-    /// Per attempt: connect plus response, and the whole body for GET and PUT.
-    pub timeout_ms: u64,
-    /// Retries after the first attempt, for timeouts, connection errors, 5xx and throttling.
-    pub retries: u32,
-    pub write: S3Write,
-    pub write_ack: WriteAck,
-    /// Store a block loaded from S3 into NVMe too (the load reports once that store is done).
-    pub promote_on_load: bool,
-    /// Bound of the lookup cache (keys whose presence in the bucket is known or being asked).
-    pub lookup_cache_max: usize,
-    /// How long a HEAD's answer is trusted before the key is asked again (other nodes upload,
-    /// lifecycle rules delete).
-    pub lookup_ttl_ms: u64,
-    /// Bound of blocks copied and waiting for upload (`write_ack = "nvme"` and demotions).
-    pub upload_queue_blocks: usize,
-    /// Namespace for object names; defaults to `[files.namespace]`.
-    pub namespace: crate::files::mapper::Namespace,
-}
-
-/// Whether the files layout makes each published block durable before it is visible.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SyncMode {
-    /// Like vLLM: write, close, rename; no flush (a crash may leave a short or stale file,
-    /// which the checksum or the length check catches at load).
-    #[default]
-    None,
-    /// fdatasync the temp file before the rename, and fsync the directory after it.
-    Data,
-}
-
-/// The files layout's answer to the first lookup of a key it has not indexed (its worker then
-/// `statx`es the block path on its ring, and indexes a block another process published).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FirstLookup {
-    /// Miss at once, as if the probe had found nothing; a block published elsewhere is a hit
-    /// from the lookup after the probe's answer on.
-    #[default]
-    Miss,
-    /// Pending until the probe answers (vLLM's own tier answers RETRY first likewise).
-    Pending,
-}
-
-/// `[files]`: the vLLM-compatible files layout.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(try_from = "RawFiles")]
-pub struct FilesConfig {
-    /// What vLLM's FileMapper derives the namespace directory from (`[files.namespace]`).
-    pub namespace: crate::files::mapper::Namespace,
-    pub sync: SyncMode,
-    /// Temp files older than this are a crashed writer's and are removed at open.
-    pub temp_grace_secs: u64,
-    /// Keep a crc32c of each block in the `user.kvtier.crc32c` xattr and verify it on load.
-    pub checksums: bool,
-    /// Permission bits of every file kvtier creates in the directory (blocks, temp files,
-    /// `config.json`, `.kvtier-usage`, `.kvtier-lock`), exactly (not reduced by the umask).
-    /// Default 0600: only this user reads the cached prompts' KV.
-    #[serde(serialize_with = "serialize_mode")]
-    pub file_mode: u32,
-    /// Permission bits of every directory kvtier creates there. Default 0700.
-    #[serde(serialize_with = "serialize_mode")]
-    pub dir_mode: u32,
-    /// The answer to the first lookup of a key not indexed (see [`FirstLookup`]).
-    pub first_lookup: FirstLookup,
-    /// Bound of the answers kept for keys this engine has not indexed (a `statx` on the
-    /// worker's ring says whether another process published the block).
-    pub lookup_cache_max: usize,
-    /// How long such an answer is served before it is asked again; an older "absent" is still
-    /// answered while the new `statx` runs.
-    pub lookup_ttl_ms: u64,
-}
-
-impl FilesConfig {
-    /// Default file mode: owner read and write.
-    pub const DEFAULT_FILE_MODE: u32 = 0o600;
-    /// Default directory mode: owner only.
-    pub const DEFAULT_DIR_MODE: u32 = 0o700;
-    /// Default bound of the lookup answers for blocks not indexed.
-    pub const DEFAULT_LOOKUP_CACHE_MAX: usize = 65536;
-    /// Default age at which such an answer is asked again.
-    pub const DEFAULT_LOOKUP_TTL_MS: u64 = 1000;
-
-    /// The `[files]` section for `namespace` with every other field at its default.
-    pub fn new(namespace: crate::files::mapper::Namespace) -> FilesConfig {
-        FilesConfig {
-            namespace,
-            sync: SyncMode::None,
-            temp_grace_secs: 600,
-            checksums: true,
-            file_mode: Self::DEFAULT_FILE_MODE,
-            dir_mode: Self::DEFAULT_DIR_MODE,
-            first_lookup: FirstLookup::Miss,
-            lookup_cache_max: Self::DEFAULT_LOOKUP_CACHE_MAX,
-            lookup_ttl_ms: Self::DEFAULT_LOOKUP_TTL_MS,
-        }
-    }
-}
-
-/// A mode as TOML writes it back: an octal string, `"0640"`.
-#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `serialize_with` passes a reference
-fn serialize_mode<S: serde::Serializer>(mode: &u32, serializer: S) -> Result<S::Ok, S::Error> {
-    serializer.serialize_str(&format!("{mode:04o}"))
 }
 
 /// `[scheduler]`: how each worker shares its ring between loads and stores.
