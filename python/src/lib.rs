@@ -13,14 +13,16 @@
 //! * A job id is in flight at most once; its keys are kept here until its result is polled, so
 //!   results can name the keys that loaded.
 
+mod config;
+mod stats;
+
+use config::{check_config, parse_config, parse_size, to_py};
+use stats::stats_dict;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use kvtier::{
-    Config, ConfigError as RustConfigError, Engine, Error as RustError, Event, Job, JobKind,
-    JobResult, Key, KeyFailure, Lookup, Region, Stats, Tier,
-};
+use kvtier::{Engine, Event, Job, JobKind, JobResult, Key, KeyFailure, Lookup, Region, Tier};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyException, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -53,107 +55,6 @@ pyo3::create_exception!(
 
 /// Page alignment the region must have: O_DIRECT and registered buffers need it.
 const REGION_ALIGN_BYTES: usize = 4096;
-
-fn to_py(err: RustError) -> PyErr {
-    match err {
-        RustError::Config(e) => ConfigError::new_err(e.to_string()),
-        RustError::Backpressure(m) => BackpressureError::new_err(format!("backpressure: {m}")),
-        RustError::Shutdown => ShutdownError::new_err("the engine is shut down"),
-        RustError::InvalidKey(m) => PyValueError::new_err(format!("invalid key: {m}")),
-        other => Error::new_err(other.to_string()),
-    }
-}
-
-#[allow(clippy::needless_pass_by_value)] // used as `map_err(config_err)`
-fn config_err(err: RustConfigError) -> PyErr {
-    ConfigError::new_err(err.to_string())
-}
-
-/// JSON (what Python's `json.dumps` makes of a dict) to TOML, so a dict config goes through the
-/// same parser and validation as a file. `null` means "not set" and is left out.
-fn json_to_toml(field: &str, value: serde_json::Value) -> Result<Option<toml::Value>, PyErr> {
-    use serde_json::Value as J;
-    Ok(match value {
-        J::Null => None,
-        J::Bool(b) => Some(toml::Value::Boolean(b)),
-        J::Number(n) => Some(if let Some(i) = n.as_i64() {
-            toml::Value::Integer(i)
-        } else if let (true, Some(f)) = (n.is_f64(), n.as_f64()) {
-            toml::Value::Float(f)
-        } else {
-            return Err(ConfigError::new_err(format!(
-                "config field `{field}` = {n}: a number TOML can hold (at most {})",
-                i64::MAX
-            )));
-        }),
-        J::String(s) => Some(toml::Value::String(s)),
-        J::Array(items) => {
-            let mut out = Vec::with_capacity(items.len());
-            for (i, item) in items.into_iter().enumerate() {
-                let name = format!("{field}[{i}]");
-                let Some(v) = json_to_toml(&name, item)? else {
-                    return Err(ConfigError::new_err(format!(
-                        "config field `{name}` = None: a list may not hold None"
-                    )));
-                };
-                out.push(v);
-            }
-            Some(toml::Value::Array(out))
-        }
-        J::Object(map) => {
-            let mut table = toml::map::Map::new();
-            for (k, v) in map {
-                let name = if field.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{field}.{k}")
-                };
-                if let Some(v) = json_to_toml(&name, v)? {
-                    table.insert(k, v);
-                }
-            }
-            Some(toml::Value::Table(table))
-        }
-    })
-}
-
-/// Parses a config given as `kind` = "path", "toml" or "json" (a dict serialized by Python).
-fn parse_config(config: &str, kind: &str) -> PyResult<Config> {
-    match kind {
-        "path" => Config::from_file(std::path::Path::new(config)).map_err(config_err),
-        "toml" => Config::from_toml_str(config).map_err(config_err),
-        "json" => {
-            let value: serde_json::Value = serde_json::from_str(config)
-                .map_err(|e| ConfigError::new_err(format!("config: not a JSON table: {e}")))?;
-            if !value.is_object() {
-                return Err(ConfigError::new_err("config: the dict must be a table"));
-            }
-            let table =
-                json_to_toml("", value)?.unwrap_or(toml::Value::Table(toml::map::Map::new()));
-            let text = toml::to_string(&table)
-                .map_err(|e| ConfigError::new_err(format!("config: {e}")))?;
-            Config::from_toml_str(&text).map_err(config_err)
-        }
-        other => Err(PyValueError::new_err(format!(
-            "config kind {other:?}: expected \"path\", \"toml\" or \"json\""
-        ))),
-    }
-}
-
-/// Validates a config (path, TOML text or JSON of a dict) and returns it as TOML, defaults
-/// filled in.
-#[pyfunction]
-#[pyo3(signature = (config, kind))]
-fn check_config(config: &str, kind: &str) -> PyResult<String> {
-    Ok(parse_config(config, kind)?.to_toml_string())
-}
-
-/// A size such as `"2 MiB"` or `"4096"` in bytes, parsed as the config parses sizes.
-#[pyfunction]
-fn parse_size(text: &str) -> PyResult<u64> {
-    kvtier::config::parse_size(text)
-        .map_err(|e| ConfigError::new_err(format!("size {text:?}: {e}")))
-}
 
 /// One finished job.
 #[pyclass(frozen, get_all, module = "kvtier._native")]
@@ -687,137 +588,6 @@ impl Drop for PyEngine {
         // while they finish their I/O.
         Python::attach(|py| py.detach(|| self.engine.shutdown()));
     }
-}
-
-fn hist_dict<'py>(
-    py: Python<'py>,
-    h: &kvtier::metrics::HistogramSnapshot,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("count", h.count())?;
-    d.set_item("p50_us", h.quantile(0.5))?;
-    d.set_item("p99_us", h.quantile(0.99))?;
-    d.set_item("p999_us", h.quantile(0.999))?;
-    Ok(d)
-}
-
-fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    macro_rules! put {
-        ($($f:ident),* $(,)?) => { $( d.set_item(stringify!($f), s.$f)?; )* };
-    }
-    put!(
-        loads_ok,
-        loads_failed,
-        load_misses,
-        stores_ok,
-        stores_failed,
-        stores_skipped_present,
-        bytes_read,
-        bytes_written,
-        read_ops,
-        write_ops,
-        table_writes,
-        evictions,
-        checksum_failures,
-        files_refused,
-        io_timeouts,
-        devices_failed,
-        io_errors,
-        queued_loads,
-        queued_stores,
-        inflight_ops,
-        submits,
-        wakeups,
-        blocks_stored,
-        slots_total,
-        recovered_blocks,
-        torn_entries,
-        unroutable_entries,
-        demotions,
-        demotions_dropped,
-        jobs_in_flight,
-        events_dropped,
-        worker_cpu_seconds,
-    );
-    d.set_item("load_latency", hist_dict(py, &s.load_latency_us)?)?;
-    d.set_item("store_latency", hist_dict(py, &s.store_latency_us)?)?;
-    breakdown_into(py, &d, s)?;
-    stats_s3(py, &d, s)?;
-    Ok(d)
-}
-
-/// The breakdown of the flat counters: lookups by answer, jobs, and each device.
-fn breakdown_into<'py>(py: Python<'py>, d: &Bound<'py, PyDict>, s: &Stats) -> PyResult<()> {
-    let lookups = PyDict::new(py);
-    lookups.set_item("hit_nvme", s.lookups.hit_nvme)?;
-    lookups.set_item("hit_s3", s.lookups.hit_s3)?;
-    lookups.set_item("miss", s.lookups.miss)?;
-    lookups.set_item("pending", s.lookups.pending)?;
-    d.set_item("lookups", lookups)?;
-    let jobs = PyDict::new(py);
-    jobs.set_item("load_ok", s.jobs.load_ok)?;
-    jobs.set_item("load_failed", s.jobs.load_failed)?;
-    jobs.set_item("store_ok", s.jobs.store_ok)?;
-    jobs.set_item("store_failed", s.jobs.store_failed)?;
-    jobs.set_item("refused_jobs_in_flight", s.jobs.refused_jobs_in_flight)?;
-    jobs.set_item("refused_queue_blocks", s.jobs.refused_queue_blocks)?;
-    jobs.set_item("load_latency", hist_dict(py, &s.jobs.load_latency_us)?)?;
-    jobs.set_item("store_latency", hist_dict(py, &s.jobs.store_latency_us)?)?;
-    jobs.set_item(
-        "load_latency_under_stores",
-        hist_dict(py, &s.jobs.load_latency_under_stores_us)?,
-    )?;
-    d.set_item("jobs", jobs)?;
-    let devices = PyList::empty(py);
-    for dev in &s.devices {
-        let dd = PyDict::new(py);
-        dd.set_item("path", &dev.path)?;
-        dd.set_item("bytes_read", dev.bytes_read)?;
-        dd.set_item("bytes_written", dev.bytes_written)?;
-        dd.set_item("used_bytes", dev.blocks_stored * s.block_bytes)?;
-        dd.set_item("capacity_bytes", dev.slots_total * s.block_bytes)?;
-        dd.set_item("io_timeouts", dev.io_timeouts)?;
-        dd.set_item("failed", dev.failed_by > 0)?;
-        let errors = PyDict::new(py);
-        for (c, &n) in kvtier::metrics::ErrClass::ALL.iter().zip(&dev.errors) {
-            errors.set_item(c.as_str(), n)?;
-        }
-        dd.set_item("errors", errors)?;
-        devices.append(dd)?;
-    }
-    d.set_item("devices", devices)?;
-    Ok(())
-}
-
-fn stats_s3<'py>(py: Python<'py>, d: &Bound<'py, PyDict>, s: &Stats) -> PyResult<()> {
-    match &s.s3 {
-        None => d.set_item("s3", py.None())?,
-        Some(s3) => {
-            let sd = PyDict::new(py);
-            for (name, op) in [("head", &s3.head), ("get", &s3.get), ("put", &s3.put)] {
-                let od = PyDict::new(py);
-                od.set_item("requests", op.requests)?;
-                od.set_item("errors", op.errors)?;
-                od.set_item("retries", op.retries)?;
-                od.set_item("bytes", op.bytes)?;
-                od.set_item("latency", hist_dict(py, &op.latency_us)?)?;
-                sd.set_item(name, od)?;
-            }
-            sd.set_item("lookup_hits", s3.lookup_hits)?;
-            sd.set_item("lookup_misses", s3.lookup_misses)?;
-            sd.set_item("lookup_pending", s3.lookup_pending)?;
-            sd.set_item("promotions", s3.promotions)?;
-            sd.set_item("promotions_failed", s3.promotions_failed)?;
-            sd.set_item("promotions_skipped", s3.promotions_skipped)?;
-            sd.set_item("demotions", s3.demotions)?;
-            sd.set_item("demotions_dropped", s3.demotions_dropped)?;
-            sd.set_item("background_upload_failures", s3.background_upload_failures)?;
-            sd.set_item("uploads_dropped", s3.uploads_dropped)?;
-            d.set_item("s3", sd)?;
-        }
-    }
-    Ok(())
 }
 
 /// kvtier's log lines on stderr: warnings and errors by default (a device marked failed, an
