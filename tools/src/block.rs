@@ -12,21 +12,19 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Args;
 use kvtier::config::Layout;
 use kvtier::files::mapper::GROUP_INDEX_BYTES;
-use kvtier::{Config, Engine, Job, JobKind, JobResult, Key, KeyFailure, Region};
+use kvtier::{Config, Engine, JobKind, JobResult, Key, KeyFailure, Region};
 
-use crate::inspect;
 use crate::output::{self, CliError, CliResult};
+use crate::{inspect, jobs};
 
 /// Bound on the wait for the one job's result (a block takes milliseconds; this only keeps a
 /// wedged device from hanging the command forever).
 const JOB_TIMEOUT: Duration = Duration::from_secs(90);
-/// How long one wait for the result may block.
-const WAIT: Duration = Duration::from_millis(50);
 
 #[derive(Args)]
 pub struct GetArgs {
@@ -77,7 +75,7 @@ pub fn get(args: &GetArgs) -> CliResult<ExitCode> {
     }
     let hex = args.key.to_hex();
     let (region, engine) = open_one_block(&config)?;
-    let result = run_one(&engine, JobKind::Load, args.key)?;
+    let result = jobs::run_one(&engine, JobKind::Load, args.key, JOB_TIMEOUT)?;
     engine.shutdown();
     drop(engine);
     if !result.success {
@@ -115,7 +113,7 @@ pub fn put(args: &PutArgs) -> CliResult<ExitCode> {
     if bytes.len() < block_len {
         region.fill(bytes.len(), block_len - bytes.len(), 0);
     }
-    let result = run_one(&engine, JobKind::Store, args.key)?;
+    let result = jobs::run_one(&engine, JobKind::Store, args.key, JOB_TIMEOUT)?;
     // Shutting down flushes what the store left to write (the slab's slot table page).
     engine.shutdown();
     drop(engine);
@@ -181,29 +179,6 @@ fn open_one_block(config: &Config) -> CliResult<(Arc<Region>, Engine)> {
     let region = kvtier::region::allocate(&config)?;
     let engine = Engine::open(&config, Arc::clone(&region))?;
     Ok((region, engine))
-}
-
-/// Runs one job of `key` on region block 0 and returns its result.
-fn run_one(engine: &Engine, kind: JobKind, key: Key) -> CliResult<JobResult> {
-    let job = Job::new(1, vec![key], vec![0]);
-    match kind {
-        JobKind::Load => engine.submit_load(job),
-        JobKind::Store => engine.submit_store(job),
-    }
-    .map_err(|e| CliError::from(e).context(format!("key {}", key.to_hex())))?;
-    let start = Instant::now();
-    let mut results = Vec::with_capacity(1);
-    while results.is_empty() {
-        if start.elapsed() > JOB_TIMEOUT {
-            return Err(CliError::runtime(format!(
-                "key {}: no result after {} s",
-                key.to_hex(),
-                JOB_TIMEOUT.as_secs()
-            )));
-        }
-        engine.wait_finished(&mut results, WAIT);
-    }
-    Ok(results.swap_remove(0))
 }
 
 /// The error for a failed job: the key and why.

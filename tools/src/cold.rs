@@ -9,6 +9,7 @@
 //! Every loaded block is compared with what was stored. Objects are written under
 //! `<prefix>/kvtier-bench-<run>/...` and deleted at the end.
 
+use crate::jobs;
 use crate::rng::Rng;
 use crate::stats::{median, percentile};
 use std::collections::VecDeque;
@@ -202,58 +203,26 @@ impl Plain {
     }
 }
 
-/// Runs jobs of one block each, `depth` in flight, through `engine`; blocks come from
-/// `blocks` (cycled). `prepare(job index, block)` fills a block before a store;
-/// `check(job index, block)` verifies one after a load. Returns seconds.
+/// Runs jobs of one block each through `engine` ([`jobs::run_each`]), as many in flight as
+/// `blocks` has; `prepare(job index, block)` fills a block before a store; `check(job index,
+/// block)` verifies one after a load; a failed job stops the run. Returns seconds.
 fn drive(
     engine: &Engine,
     kind: JobKind,
     keys: &[Key],
     blocks: &[u32],
-    mut prepare: impl FnMut(usize, u32),
+    prepare: impl FnMut(usize, u32),
     mut check: impl FnMut(usize, u32) -> Result<(), String>,
 ) -> CliResult<f64> {
-    let started = Instant::now();
-    let mut free: VecDeque<u32> = blocks.iter().copied().collect();
-    let mut holder = vec![0u32; keys.len()];
-    let mut next = 0usize;
-    let mut done = 0usize;
-    let mut out = Vec::new();
-    while done < keys.len() {
-        while next < keys.len() {
-            let Some(block) = free.pop_front() else { break };
-            prepare(next, block);
-            let job = Job::new(next as u64, vec![keys[next]], vec![block]);
-            let r = match kind {
-                JobKind::Store => engine.submit_store(job),
-                JobKind::Load => engine.submit_load(job),
-            };
-            if let Err(e) = r {
-                free.push_front(block);
-                if matches!(e, kvtier::Error::Backpressure(_)) {
-                    break;
-                }
-                return Err(e.into());
-            }
-            holder[next] = block;
-            next += 1;
+    jobs::run_each(engine, kind, keys, blocks, None, prepare, |i, block, r| {
+        if !r.success {
+            return Err(CliError::runtime(format!(
+                "{kind:?} of object {i} failed: {:?}",
+                r.failure()
+            )));
         }
-        out.clear();
-        engine.wait_finished(&mut out, Duration::from_millis(100));
-        for r in &out {
-            let i = r.id as usize;
-            if !r.success {
-                return Err(CliError::runtime(format!(
-                    "{kind:?} of object {i} failed: {:?}",
-                    r.failure()
-                )));
-            }
-            check(i, holder[i]).map_err(CliError::runtime)?;
-            free.push_back(holder[i]);
-            done += 1;
-        }
-    }
-    Ok(started.elapsed().as_secs_f64())
+        check(i, block).map_err(CliError::runtime)
+    })
 }
 
 struct Latency {

@@ -15,6 +15,7 @@ mod cold;
 mod fio_compare;
 mod inspect;
 mod interrupt;
+mod jobs;
 mod live;
 mod output;
 mod probe;

@@ -4,14 +4,14 @@
 use super::{
     exit, render_keys, render_slab, render_verify, Checked, DeviceReport, InspectArgs, KeyReport,
     Loaded, Loads, Scan, Status, Stored, VerifyReport, FAILURES_LOGGED_MAX, TABLE_CHUNK_BYTES,
-    VERIFY_DEPTH, WAIT,
+    VERIFY_DEPTH,
 };
 use crate::output;
 use crate::output::{CliError, CliResult, Human};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvtier::key::KeyMap;
 use kvtier::slab::{EntryRead, HeaderRead, HeaderState};
-use kvtier::{slab, Config, Engine, Job, Key, KeyFailure};
+use kvtier::{slab, Config, Engine, Key, KeyFailure};
 use kvtier_sys::file::{DeviceFile, OpenOptions};
 use kvtier_sys::mem::{HugePages, Region};
 use serde_json::json;
@@ -19,7 +19,6 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
 #[allow(clippy::too_many_lines)] // to be split with the one job driver the CLI commands will share
 pub(super) fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
     let mut keys: KeyMap<Stored> = KeyMap::default();
@@ -310,39 +309,19 @@ pub(super) fn load_all(
     } else {
         ProgressBar::hidden()
     };
-    let start = Instant::now();
     let mut outcomes: Vec<Option<Loaded>> = (0..targets.len()).map(|_| None).collect();
     let mut bytes = 0u64;
     let mut failures_logged = 0u64;
-    let mut free: Vec<u32> = (0..VERIFY_DEPTH).rev().collect();
-    let mut in_flight: Vec<Option<usize>> = vec![None; VERIFY_DEPTH as usize];
-    let mut outstanding = 0usize;
-    let mut next = 0usize;
-    let mut results = Vec::with_capacity(VERIFY_DEPTH as usize);
-    while next < targets.len() || outstanding > 0 {
-        while next < targets.len() {
-            let Some(block) = free.pop() else { break };
-            let id = ((next as u64) << 32) | u64::from(block);
-            match engine.submit_load(Job::new(id, vec![targets[next].0], vec![block])) {
-                Ok(()) => {
-                    in_flight[block as usize] = Some(next);
-                    next += 1;
-                    outstanding += 1;
-                }
-                Err(kvtier::Error::Backpressure(_)) => {
-                    free.push(block);
-                    break;
-                }
-                Err(e) => return Err(CliError::from(e).context("submitting a load")),
-            }
-        }
-        engine.wait_finished(&mut results, WAIT);
-        for r in results.drain(..) {
-            let block = (r.id & u64::from(u32::MAX)) as u32;
-            let index = in_flight[block as usize]
-                .take()
-                .expect("each result is for a load in flight on its block");
-            outstanding -= 1;
+    let keys: Vec<Key> = targets.iter().map(|(k, _)| *k).collect();
+    let blocks: Vec<u32> = (0..VERIFY_DEPTH).collect();
+    let seconds = crate::jobs::run_each(
+        engine,
+        kvtier::JobKind::Load,
+        &keys,
+        &blocks,
+        None,
+        |_, _| {},
+        |index, block, r| {
             let (key, len) = &targets[index];
             outcomes[index] = Some(if r.success {
                 bytes += r.bytes;
@@ -359,10 +338,11 @@ pub(super) fn load_all(
                 }
                 Loaded::Failed { reason, detail }
             });
-            free.push(block);
             bar.inc(1);
-        }
-    }
+            Ok(())
+        },
+    )
+    .map_err(|e| e.context("verifying"))?;
     bar.finish_and_clear();
     let outcomes = outcomes
         .into_iter()
@@ -371,6 +351,6 @@ pub(super) fn load_all(
     Ok(Loads {
         outcomes,
         bytes,
-        seconds: start.elapsed().as_secs_f64(),
+        seconds,
     })
 }

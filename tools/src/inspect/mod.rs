@@ -25,7 +25,6 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::Args;
 use kvtier::config::Layout;
@@ -49,8 +48,6 @@ use render::{render_files, render_keys, render_slab, render_verify};
 const VERIFY_DEPTH: u32 = 16;
 /// Slot table bytes read per call (a multiple of the 4 KiB table page).
 const TABLE_CHUNK_BYTES: usize = 1 << 20;
-/// How long one wait for results may block.
-const WAIT: Duration = Duration::from_millis(5);
 /// Failed keys logged individually before the rest are only counted.
 const FAILURES_LOGGED_MAX: u64 = 10;
 
