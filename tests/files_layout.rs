@@ -221,6 +221,19 @@ fn lookups_of_keys_not_indexed_are_bounded_and_settle() {
         std::fs::write(p, content(0x4000, len)).expect("write");
     }
     wait_until(|| engine.lookup(&[keys[1]]) == vec![Lookup::Hit(Tier::Nvme)]);
+    let d = &engine.stats().devices[0];
+    assert_eq!(d.probes_found, 1, "one block was found by a probe");
+    assert!(
+        d.probes_absent >= pending as u64,
+        "{} absent",
+        d.probes_absent
+    );
+    assert!(
+        engine
+            .metrics_text()
+            .contains("kvtier_device_probes_total{device="),
+        "the probes are exported"
+    );
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(
         settled(&engine, &[keys[0]]),

@@ -95,6 +95,13 @@ impl FilesLayout {
             result == 0 && info.is_some_and(|i| i.is_regular() && i.size == core.block_bytes);
         Self::release(core, idx);
         self.probes_in_flight -= 1;
+        let m = core.me.metrics.dev(dev as usize);
+        if found {
+            &m.probes_found
+        } else {
+            &m.probes_absent
+        }
+        .fetch_add(1, Ordering::Relaxed);
         if found {
             if !self.index.contains_key(&key) {
                 // Published by another process: index it, as a load that finds it does.

@@ -236,6 +236,10 @@ pub struct DeviceMetrics {
     /// Files layout: block paths refused because a symlink or a non-regular file (FIFO,
     /// socket, device node, directory) was found there.
     pub files_refused: AtomicU64,
+    /// Files layout: lookups' `statx` probes of blocks not indexed here, by answer (a block
+    /// another process published, or none).
+    pub probes_found: AtomicU64,
+    pub probes_absent: AtomicU64,
     /// Blocks stored now.
     pub blocks_stored: AtomicU64,
     /// Blocks the worker's share can hold (0: unbounded, a files directory without a cap).
@@ -361,6 +365,8 @@ pub struct DeviceStats {
     pub checksum_failures: u64,
     pub evictions: u64,
     pub files_refused: u64,
+    pub probes_found: u64,
+    pub probes_absent: u64,
     pub blocks_stored: u64,
     pub slots_total: u64,
     /// Workers that marked the device failed.
@@ -383,6 +389,8 @@ impl DeviceStats {
         self.checksum_failures += l(&m.checksum_failures);
         self.evictions += l(&m.evictions);
         self.files_refused += l(&m.files_refused);
+        self.probes_found += l(&m.probes_found);
+        self.probes_absent += l(&m.probes_absent);
         self.blocks_stored += l(&m.blocks_stored);
         self.slots_total += l(&m.slots_total);
         self.failed_by += u64::from(m.failed.load(Relaxed));

@@ -21,6 +21,7 @@
 //! | `kvtier_device_io_seconds` | histogram | `device`, `op` (load, store), per block |
 //! | `kvtier_device_errors_total` | counter | `device`, `class` |
 //! | `kvtier_device_timeouts_total`, `..._checksum_failures_total`, `..._evictions_total`, `..._refused_total` | counter | `device` |
+//! | `kvtier_device_probes_total` | counter | `device`, `result` (found, absent) |
 //! | `kvtier_device_failed` | gauge | `device` |
 //! | `kvtier_device_used_bytes`, `kvtier_device_capacity_bytes` | gauge | `device` |
 //! | `kvtier_worker_queued_blocks` | gauge | `worker`, `op` |
@@ -429,6 +430,21 @@ fn device_state(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
         "Files layout: block paths refused (a symlink or a non-regular file was there).",
         None,
         per(&|d| d.files_refused),
+    )?;
+    o.counters(
+        "kvtier_device_probes",
+        "Files layout: statx probes of blocks not indexed here (lookups), by result: found (a \
+         block another process published, now indexed) or absent.",
+        None,
+        s.devices
+            .iter()
+            .flat_map(|d| {
+                [
+                    (l2("device", dev(d), "result", "found"), d.probes_found),
+                    (l2("device", dev(d), "result", "absent"), d.probes_absent),
+                ]
+            })
+            .collect(),
     )?;
     o.gauges(
         "kvtier_device_failed",
