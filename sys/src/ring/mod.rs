@@ -19,6 +19,7 @@
 //! * A ring is used only by the thread that created it (`SINGLE_ISSUER` and `DEFER_TASKRUN`
 //!   require it), so `Ring` is neither `Send` nor `Sync`.
 
+#[cfg(debug_assertions)]
 use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;

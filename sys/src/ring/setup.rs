@@ -1,6 +1,7 @@
 //! Building a ring: the setup flags tried best first (and dropped one at a time while the kernel
 //! refuses them), and registering its buffers and files.
 
+#[cfg(debug_assertions)]
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
