@@ -589,16 +589,18 @@ fn the_example_s3_section_parses_when_uncommented() {
     assert!(!format!("{s3:?}").contains("\"...\""));
 }
 
+/// A config of one device and a `[files]` section holding `lines` and a minimal namespace.
+fn files(lines: &str) -> String {
+    format!(
+        "{ONE_DEVICE}[files]\n{lines}\n[files.namespace]\nmodel_name = \"f\"\n\
+         dtype = \"x\"\ntokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n"
+    )
+}
+
 // Modes default to owner-only, parse from octal integers and strings, and every mistake names
 // the field, the value and what is accepted.
 #[test]
 fn files_modes_parse_and_errors_name_field_value_and_accepted() {
-    let files = |lines: &str| {
-        format!(
-            "{ONE_DEVICE}[files]\n{lines}\n[files.namespace]\nmodel_name = \"f\"\n\
-             dtype = \"x\"\ntokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n"
-        )
-    };
     let modes = |lines: &str| {
         let c = Config::from_toml_str(&files(lines)).expect("valid [files]");
         let f = c.files.expect("files");
@@ -629,12 +631,6 @@ fn files_modes_parse_and_errors_name_field_value_and_accepted() {
 // 65536 and 1000 ms; nonsense names the field.
 #[test]
 fn files_lookup_cache_parses_and_errors_name_field() {
-    let files = |lines: &str| {
-        format!(
-            "{ONE_DEVICE}[files]\n{lines}\n[files.namespace]\nmodel_name = \"f\"\n\
-             dtype = \"x\"\ntokens_per_hash = 16\nblocks_per_file = 1\nkv_cache_groups = []\n"
-        )
-    };
     let cache = |lines: &str| {
         let f = Config::from_toml_str(&files(lines))
             .expect("valid [files]")
