@@ -162,13 +162,14 @@ impl Engine {
     }
 
     /// Whether a load of `key` goes to its NVMe worker (else to the cold tier): stored here, or,
-    /// with the files layout, not known to be absent (another process may have published it;
-    /// the worker's open finds out, and a miss there still falls back to the cold tier).
+    /// with the files layout, not known to be absent by a fresh answer (another process may
+    /// have published it; the worker's open finds out, and a miss there still falls back to the
+    /// cold tier).
     pub(super) fn is_local(&self, key: &Key) -> bool {
         let me = &self.shards[key.shard(self.shards.len())].shared;
         me.published.contains(key)
             || (self.first_lookup.is_some()
-                && !matches!(me.unindexed().peek(key), Some((Verdict::Absent, _))))
+                && me.unindexed().peek(key) != Some((Verdict::Absent, true)))
     }
 
     pub(super) fn invalid(&self, job: &Job) -> Option<(usize, String)> {
