@@ -33,7 +33,7 @@ pub enum FirstLookup {
 #[serde(try_from = "RawFiles")]
 pub struct FilesConfig {
     /// What vLLM's FileMapper derives the namespace directory from (`[files.namespace]`).
-    pub namespace: crate::files::mapper::Namespace,
+    pub namespace: crate::config::Namespace,
     pub sync: SyncMode,
     /// Temp files older than this are a crashed writer's and are removed at open.
     pub temp_grace_secs: u64,
@@ -68,7 +68,7 @@ impl FilesConfig {
     pub const DEFAULT_LOOKUP_TTL_MS: u64 = 1000;
 
     /// The `[files]` section for `namespace` with every other field at its default.
-    pub fn new(namespace: crate::files::mapper::Namespace) -> FilesConfig {
+    pub fn new(namespace: crate::config::Namespace) -> FilesConfig {
         FilesConfig {
             namespace,
             sync: SyncMode::None,

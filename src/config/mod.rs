@@ -15,6 +15,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use toml::Value;
 
 mod files;
+mod namespace;
 mod raw;
 mod s3;
 mod size;
@@ -23,6 +24,7 @@ mod tests;
 mod validate;
 
 pub use files::{FilesConfig, FirstLookup, SyncMode};
+pub use namespace::{KvCacheGroup, Namespace};
 use raw::{cores_from_value, RawConfig, RawDevice, RawEvents, RawMetrics, RawScheduler};
 pub use s3::{S3Config, S3Write, Secret, WriteAck};
 pub use size::{parse_size, SizeError};

@@ -100,5 +100,5 @@ pub struct S3Config {
     /// Bound of blocks copied and waiting for upload (`write_ack = "nvme"` and demotions).
     pub upload_queue_blocks: usize,
     /// Namespace for object names; defaults to `[files.namespace]`.
-    pub namespace: crate::files::mapper::Namespace,
+    pub namespace: crate::config::Namespace,
 }

@@ -402,7 +402,7 @@ fn toml_round_trip() {
         overwrite: true,
     });
     config.files = Some(FilesConfig {
-        namespace: crate::files::mapper::Namespace::new("org/m", "bfloat16", 16, 2),
+        namespace: crate::config::Namespace::new("org/m", "bfloat16", 16, 2),
         sync: SyncMode::Data,
         temp_grace_secs: 60,
         checksums: false,
