@@ -67,23 +67,25 @@ impl Table {
         self.find(fp).is_some()
     }
 
-    /// Writer only, `fp` not in the table: stores it in the first removal mark or empty slot
-    /// of its probe sequence; true if that slot was empty.
-    fn put(&self, fp: u64) -> bool {
+    /// Writer only: stores `fp` unless it is there, in the first removal mark of its probe
+    /// sequence or else the empty slot that ends it, in one pass. `None` if it was there, else
+    /// whether an empty slot was used. The table is never full (the rebuild sees to it).
+    fn insert(&self, fp: u64) -> Option<bool> {
         let mut i = fp as usize & self.mask;
+        let mut reuse = None;
         loop {
             match self.slots[i].load(Ordering::Relaxed) {
-                EMPTY => {
-                    self.slots[i].store(fp, Ordering::Release);
-                    return true;
-                }
+                v if v == fp => return None,
                 GONE => {
-                    self.slots[i].store(fp, Ordering::Release);
-                    return false;
+                    reuse.get_or_insert(i);
                 }
-                _ => i = (i + 1) & self.mask,
+                EMPTY => break,
+                _ => {}
             }
+            i = (i + 1) & self.mask;
         }
+        self.slots[reuse.unwrap_or(i)].store(fp, Ordering::Release);
+        Some(reuse.is_none())
     }
 
     /// Writer only: marks `fp` removed; true if it was there.
@@ -205,18 +207,16 @@ impl Publisher {
         }
     }
 
-    fn held(&self, fp: u64) -> bool {
-        self.table.contains(fp) || self.old.as_ref().is_some_and(|(o, _)| o.contains(fp))
-    }
-
     /// Publishes `key` (a no-op if it is already published).
     pub fn insert(&mut self, key: &Key) {
         let fp = fingerprint(key);
-        if self.held(fp) {
+        // A key not moved yet is still published in the old table.
+        if self.old.as_ref().is_some_and(|(o, _)| o.contains(fp)) {
             return;
         }
-        if self.table.put(fp) {
-            self.used += 1;
+        match self.table.insert(fp) {
+            None => return,
+            Some(empty) => self.used += usize::from(empty),
         }
         self.live += 1;
         self.migrate();
@@ -245,7 +245,8 @@ impl Publisher {
 
     #[cfg(any(test, feature = "sim"))]
     pub fn contains(&self, key: &Key) -> bool {
-        self.held(fingerprint(key))
+        let fp = fingerprint(key);
+        self.table.contains(fp) || self.old.as_ref().is_some_and(|(o, _)| o.contains(fp))
     }
 
     /// Keys published (fingerprints; keys sharing a hash count once).
@@ -273,7 +274,7 @@ impl Publisher {
         let end = (*next + MIGRATE_STEP).min(old.capacity());
         for slot in &old.slots[*next..end] {
             let v = slot.load(Ordering::Relaxed);
-            if v > GONE && !self.table.contains(v) && self.table.put(v) {
+            if v > GONE && self.table.insert(v) == Some(true) {
                 self.used += 1;
             }
         }
