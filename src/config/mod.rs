@@ -379,7 +379,7 @@ pub struct Derived {
 pub(crate) const MAX_STORE_CHUNKS: u64 = 255;
 /// Largest registered buffer piece (the kernel's limit per iovec).
 const REGISTERED_PIECE_MAX: u64 = 1 << 30;
-const DEMOTION_STAGING_BLOCKS: usize = 8;
+pub(crate) const DEMOTION_STAGING_BLOCKS: usize = 8;
 
 /// The store chunk for `configured` bytes and blocks of `block_bytes`: at least
 /// `block_bytes / 255` rounded up to 4 KiB, at most the block.

@@ -6,12 +6,17 @@
 //! room), but owns its workers instead of running them on threads: [`Cluster::step`] runs one
 //! turn of one worker. [`Cluster::power_loss`] drops the workers with their I/O in flight and
 //! lets the storage lose what was not durable; [`Cluster::open`] on the same storage recovers.
+//! With a [`SimObjectStore`] the cluster has a cold tier too, stepped among the workers: loads
+//! of keys no worker holds go to it, write-through stores upload after their NVMe half, evicted
+//! blocks are demoted through the workers' staging slots, and a load a worker finds gone falls
+//! back to it, all as the engine wires the S3 tier.
 //! [`campaign`] is the seeded check that runs on it.
 
 use std::sync::Arc;
 
 use crossbeam_channel::Receiver;
 
+use crate::cold::ColdTier;
 use crate::config::{Config, Cores};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
@@ -20,8 +25,10 @@ use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
 use crate::route::{items_by_worker, Router};
 use crate::slab::layout::{DeviceSpec, SlabLayout};
 use crate::slab::prepare::prepare_slab;
-use crate::worker::{Scheduler, Worker, WorkerParams, WorkerShared};
+use crate::tier::{Lookup, Tier};
+use crate::worker::{Demote, DemoteSink, Scheduler, Worker, WorkerParams, WorkerShared};
 
+use super::object_store::SimObjectStore;
 use super::{Rng, SimStorage};
 
 pub mod campaign;
@@ -32,8 +39,39 @@ pub struct Cluster {
     router: Router,
     shared: Arc<Shared>,
     results: Receiver<JobResult>,
+    region: Arc<Region>,
     region_blocks: u64,
+    cold: Option<Arc<SimObjectStore>>,
     rng: Rng,
+}
+
+/// Opens (formats or recovers) every device of `config` on `storage`.
+fn open_devices(
+    config: &Config,
+    storage: &Arc<SimStorage>,
+    block_bytes: u64,
+) -> Result<Vec<DeviceSpec>> {
+    let mut devices = Vec::new();
+    for (i, dcfg) in config.devices.iter().enumerate() {
+        let info = storage.open_device(i, dcfg, config.direct_io)?;
+        let (geometry, fresh) =
+            prepare_slab(storage.as_ref(), i, &info, block_bytes, dcfg.overwrite)?;
+        devices.push(DeviceSpec {
+            geometry,
+            fresh,
+            name: format!("devices[{i}] {}", info.path.display()),
+            verify_always: config.verify_loads == crate::config::VerifyLoads::Always,
+        });
+    }
+    Ok(devices)
+}
+
+/// A worker's demotion staging (buffer 2 of its backend), as the engine builds it.
+fn staging(blocks: usize, block_bytes: u64, sink: &DemoteSink) -> Result<Demote> {
+    let len = blocks * block_bytes as usize;
+    let region = Region::allocate(len, kvtier_sys::mem::HugePages::Off)
+        .map_err(|e| Error::Memory(e.to_string()))?;
+    Ok(Demote::new(Arc::new(region), blocks, Arc::clone(sink)))
 }
 
 impl Cluster {
@@ -45,25 +83,35 @@ impl Cluster {
         storage: &Arc<SimStorage>,
         seed: u64,
     ) -> Result<Cluster> {
+        Cluster::open_with(config, region, storage, seed, None)
+    }
+
+    /// [`Cluster::open`] with `cold` as the cold tier (connected to this cluster: a store
+    /// reopened after a power loss is connected again).
+    pub fn open_with(
+        config: &Config,
+        region: &Arc<Region>,
+        storage: &Arc<SimStorage>,
+        seed: u64,
+        cold: Option<Arc<SimObjectStore>>,
+    ) -> Result<Cluster> {
         let derived = config.validate()?;
         let block_bytes = derived.block_bytes;
         let Cores::List(cores) = &config.cores else {
             return Err(Error::Worker("the simulation needs cores = [..]".into()));
         };
         let workers = cores.len();
-        let mut devices = Vec::new();
-        for (i, dcfg) in config.devices.iter().enumerate() {
-            let info = storage.open_device(i, dcfg, config.direct_io)?;
-            let (geometry, fresh) =
-                prepare_slab(storage.as_ref(), i, &info, block_bytes, dcfg.overwrite)?;
-            devices.push(DeviceSpec {
-                geometry,
-                fresh,
-                name: format!("devices[{i}] {}", info.path.display()),
-                verify_always: config.verify_loads == crate::config::VerifyLoads::Always,
-            });
-        }
+        let devices = open_devices(config, storage, block_bytes)?;
         let (shared, results) = Shared::new(EventSink::new(false, 1, None));
+        let demote_sink: Option<DemoteSink> =
+            cold.as_ref().and_then(|c| c.demote_sink()).map(|f| {
+                let sink = DemoteSink::default();
+                let _ = sink.set(f);
+                sink
+            });
+        if let Some(c) = &cold {
+            let _ = shared.miss_fallback.set(c.miss_fallback());
+        }
         let settings = BackendSettings {
             ring_entries: config.ring_entries,
             sqpoll: false,
@@ -88,12 +136,16 @@ impl Cluster {
                 Region::allocate(meta_len, kvtier_sys::mem::HugePages::Off)
                     .map_err(|e| Error::Memory(e.to_string()))?,
             );
-            let backend = storage.backend(
-                id,
-                vec![Arc::clone(region), Arc::clone(&meta)],
-                wake,
-                &settings,
-            )?;
+            let mut buffers = vec![Arc::clone(region), Arc::clone(&meta)];
+            let demote = match &demote_sink {
+                None => None,
+                Some(sink) => {
+                    let d = staging(derived.staging_blocks, block_bytes, sink)?;
+                    buffers.push(Arc::clone(&d.staging));
+                    Some(d)
+                }
+            };
+            let backend = storage.backend(id, buffers, wake, &settings)?;
             let params = WorkerParams {
                 id,
                 backend,
@@ -103,13 +155,22 @@ impl Cluster {
                 me,
                 sched: Scheduler::new(&config.scheduler, block_bytes, derived.store_chunk_bytes),
                 ring_entries: config.ring_entries as usize,
-                demote: None,
+                demote,
                 // Deadlines run on the wall clock: far out of reach, so a seed replays.
                 io_timeout: std::time::Duration::from_secs(3600),
             };
             let (worker, _) = SlabLayout::recovered_worker(params, workers, meta, &devices)
                 .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;
             list.push(worker);
+        }
+        if let Some(c) = &cold {
+            c.connect(
+                Arc::clone(&shared),
+                Router {
+                    shards: senders.clone(),
+                    queue_blocks_max: config.queue_blocks_max,
+                },
+            );
         }
         Ok(Cluster {
             workers: list,
@@ -119,7 +180,9 @@ impl Cluster {
             },
             shared,
             results,
+            region: Arc::clone(region),
             region_blocks: region.len() as u64 / block_bytes,
+            cold,
             rng: Rng::new(seed),
         })
     }
@@ -144,6 +207,20 @@ impl Cluster {
             );
             return Ok(());
         }
+        // Leased as the engine leases them (the simulated region is unguarded: the device copies
+        // through its accessors, so the lease only travels with the job).
+        let lease = match self.region.lease(&job.blocks, kind == JobKind::Load) {
+            Ok(lease) => Arc::new(lease),
+            Err(busy) => {
+                JobState::new(kind, job).fail_whole(
+                    &self.shared,
+                    0,
+                    KeyFailure::InvalidJob,
+                    busy.to_string(),
+                );
+                return Ok(());
+            }
+        };
         let parts = items_by_worker(&job.keys, self.workers.len());
         if let Err((s, before, n)) = self.router.reserve_or(&parts) {
             self.shared
@@ -153,10 +230,39 @@ impl Cluster {
                 "worker {s} has {before} blocks queued, this job adds {n}"
             )));
         }
-        let state = Arc::new(JobState::new(kind, job));
+        let state = Arc::new(match (kind, &self.cold) {
+            (JobKind::Store, Some(cold)) => {
+                match cold.write_through(&job.keys, &job.blocks, &lease) {
+                    Some(then) => JobState::internal(kind, job, then).borrowing_lease(Some(lease)),
+                    None => JobState::new(kind, job).with_lease(lease),
+                }
+            }
+            _ => JobState::new(kind, job).with_lease(lease),
+        });
         if state.job.keys.is_empty() {
             state.publish(&self.shared);
             return Ok(());
+        }
+        let mut parts = parts;
+        if let (JobKind::Load, Some(cold)) = (kind, &self.cold) {
+            // Keys no worker holds go to the cold tier; their queue room is returned.
+            let mut remote = Vec::new();
+            for (s, items) in parts.iter_mut().enumerate() {
+                let me = &self.router.shards[s].1;
+                let before = items.len();
+                items.retain(|&i| {
+                    let local = me.published.contains(&state.job.keys[i as usize]);
+                    if !local {
+                        remote.push(i);
+                    }
+                    local
+                });
+                me.queued_blocks
+                    .fetch_sub(before - items.len(), std::sync::atomic::Ordering::AcqRel);
+            }
+            if !remote.is_empty() {
+                cold.load(&state, remote);
+            }
         }
         for (s, items) in parts.into_iter().enumerate() {
             if !items.is_empty() {
@@ -166,10 +272,41 @@ impl Cluster {
         Ok(())
     }
 
-    /// Runs one turn of one worker, drawn from the seed; true if it did anything.
+    /// Answers a lookup as `Engine::lookup` does: the workers' published keys, then the cold
+    /// tier for the rest (which may queue HEADs).
+    pub fn lookup(&self, keys: &[crate::key::Key]) -> Vec<Lookup> {
+        let workers = self.workers.len();
+        let mut answers: Vec<Lookup> = keys
+            .iter()
+            .map(|k| {
+                if self.router.shards[k.shard(workers)].1.published.contains(k) {
+                    Lookup::Hit(Tier::Nvme)
+                } else {
+                    Lookup::Miss
+                }
+            })
+            .collect();
+        if let Some(cold) = &self.cold {
+            let rest: Vec<usize> = (0..keys.len())
+                .filter(|&i| answers[i] == Lookup::Miss)
+                .collect();
+            let asked: Vec<crate::key::Key> = rest.iter().map(|&i| keys[i]).collect();
+            for (i, a) in rest.into_iter().zip(cold.lookup(&asked)) {
+                answers[i] = a;
+            }
+        }
+        answers
+    }
+
+    /// Runs one turn of one worker, or one step of the cold tier, drawn from the seed; true if
+    /// it did anything.
     pub fn step(&mut self) -> bool {
-        let w = self.rng.below(self.workers.len() as u64) as usize;
-        self.workers[w].step()
+        let n = self.workers.len() + usize::from(self.cold.is_some());
+        let w = self.rng.below(n as u64) as usize;
+        match self.workers.get_mut(w) {
+            Some(worker) => worker.step(),
+            None => self.cold.as_ref().is_some_and(|c| c.step()),
+        }
     }
 
     /// Steps every worker in turn until nothing moves and no job is in flight, at most
@@ -179,6 +316,9 @@ impl Cluster {
             let mut any = false;
             for w in &mut self.workers {
                 any |= w.step();
+            }
+            if let Some(cold) = &self.cold {
+                any |= cold.step() || cold.queued() > 0;
             }
             if !any && self.jobs_in_flight() == 0 {
                 return true;
@@ -204,12 +344,18 @@ impl Cluster {
         for (i, w) in self.workers.iter().enumerate() {
             w.check_quiet().map_err(|e| format!("worker {i}: {e}"))?;
         }
-        Ok(())
+        match self.cold.as_ref().map(|c| c.queued()) {
+            Some(n) if n > 0 => Err(format!("the object store has {n} requests left")),
+            _ => Ok(()),
+        }
     }
 
     /// Power goes out: the workers vanish with their I/O in flight (it never completes), and
     /// the storage loses what was not durable ([`SimStorage::power_loss`]).
     pub fn power_loss(self, storage: &SimStorage, seed: u64) -> super::PowerLoss {
+        if let Some(cold) = &self.cold {
+            cold.crash();
+        }
         drop(self);
         storage.power_loss(seed)
     }

@@ -45,6 +45,8 @@ pub(crate) struct Demote {
     in_flight: usize,
     /// Staging slots handed to the S3 tier and not taken back yet.
     handed: usize,
+    /// Staging slots in all.
+    total: usize,
 }
 
 impl Demote {
@@ -58,6 +60,7 @@ impl Demote {
             give_back,
             in_flight: 0,
             handed: 0,
+            total: staging_blocks,
         }
     }
 
@@ -108,14 +111,76 @@ impl Demote {
         }
     }
 
+    /// For the simulator, once idle: no read into a staging slot in flight, and every slot
+    /// handed to the cold tier given back.
+    #[cfg(any(test, feature = "sim"))]
+    pub(crate) fn check_quiet(&self) -> Result<(), String> {
+        let back = self.free.len() + self.returned.len();
+        if self.in_flight > 0 || back != self.total {
+            return Err(format!(
+                "demotion staging: {} reads in flight, {back} of {} slots back",
+                self.in_flight, self.total
+            ));
+        }
+        Ok(())
+    }
+
     /// The staging slots' receiver, for the worker's sleep check.
     pub(crate) fn returned(&self) -> &crossbeam_channel::Receiver<u32> {
         &self.returned
     }
 
     /// Whether a staging slot will become free without this worker doing anything: read in
-    /// flight, or handed to the S3 tier, which gives it back right after copying it out.
+    /// flight, or handed to the S3 tier and not given back yet (it gives each back right after
+    /// copying it out). Slots already given back do not count: `handed` only drops when one is
+    /// taken from the channel, and a store waiting on them would wait forever (a worker whose
+    /// device share had no victim to evict blocked its stores for good; found by the
+    /// simulator, seed 202).
     pub(crate) fn will_free(&self) -> bool {
-        self.in_flight > 0 || self.handed > 0
+        self.in_flight > 0 || self.handed > self.returned.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A staging slot handed to the cold tier and given back (the tier copied it out) is no
+    /// longer one to wait for, before and after the worker takes it from the channel. Counting
+    /// it (the `handed` count only drops when a slot is taken) left a store that found no victim
+    /// to evict waiting forever: the simulator's seed 202.
+    #[test]
+    fn a_staging_slot_given_back_is_not_waited_for() {
+        let staging =
+            Arc::new(Region::allocate(2 * 4096, kvtier_sys::mem::HugePages::Off).expect("8 KiB"));
+        let sink = DemoteSink::default();
+        let held: Arc<std::sync::Mutex<Vec<Demotion>>> = Arc::default();
+        let into = Arc::clone(&held);
+        let _ = sink.set(Box::new(move |d| {
+            into.lock().expect("not poisoned").push(d);
+        }));
+        let wake = Arc::new(crate::io::EventFd::new().expect("an eventfd"));
+        let worker = Arc::new(WorkerShared::new(wake, 1));
+        let mut m = Demote::new(staging, 2, sink);
+        let key = Key::new(b"k").expect("a key");
+
+        let a = m.take_staging().expect("a slot");
+        m.started();
+        assert!(m.will_free(), "a read into a staging slot is in flight");
+        assert!(m.finished(a, 4096, Some((key, None)), &worker));
+        assert!(m.will_free(), "the slot is with the cold tier");
+        assert!(m.check_quiet().is_err());
+
+        held.lock().expect("not poisoned").clear(); // the tier copied the block out: the slot comes back
+        assert!(!m.will_free(), "nothing is out any more");
+        m.check_quiet().expect("quiet");
+        let mut got = vec![
+            m.take_staging().expect("a slot"),
+            m.take_staging().expect("a slot"),
+        ];
+        got.sort_unstable();
+        assert_eq!(got, vec![0, 1]);
+        assert!(m.take_staging().is_none());
+        assert!(!m.will_free());
     }
 }

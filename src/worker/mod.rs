@@ -335,6 +335,9 @@ impl<L: Layout> Worker<L> {
         if let Some((_, why)) = checks.into_iter().find(|(ok, _)| !ok) {
             return Err(why);
         }
+        if let Some(d) = &c.demote {
+            d.check_quiet()?;
+        }
         self.layout.check_quiet(c)
     }
 

@@ -9,16 +9,32 @@
 //!   and the published keys are exactly the indexed ones;
 //! * queue past `queue_blocks_max`.
 //!
+//! Half the runs add a simulated object store as the cold tier ([`SimObjectStore`]: write
+//! through with either acknowledgement, demotion on eviction, or read-only; promotion on load
+//! or not; seeded errors, timeouts, slow answers and lost objects). Those runs also check:
+//! * a write-through store reported successful (`write_ack = "both"`) left its objects in the
+//!   store with exactly its bytes, unless the store lost them since;
+//! * every object the store holds has exactly its key's bytes (an upload or a demotion never
+//!   carries a block that was reused, nor a staging slot given back too early);
+//! * a lookup answers `Hit(S3)` only for an object the store holds, and `Hit(Nvme)` only for a
+//!   key some store job named;
+//! * once settled, no object-store request is left and every staging slot is back; the
+//!   store's queue stays bounded.
+//!
 //! `run(seed)` is one run; a failure names its seed, and `KVTIER_SIM_SEED=<seed>` replays it
 //! (see the tests below for the commands).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use crate::config::{Config, Cores, DeviceConfig};
+use crate::config::{Config, Cores, DeviceConfig, S3Write, WriteAck};
 use crate::job::{Job, JobKind, JobResult};
 use crate::key::Key;
+use crate::sim::object_store::{
+    ObjectCounts, ObjectFaults, ObjectSettings, SimObjectStore, UPLOAD_QUEUE_MAX,
+};
 use crate::sim::{Faults, Rng, SimStorage};
+use crate::tier::{Lookup, Tier};
 use crate::Region;
 
 use super::Cluster;
@@ -44,6 +60,10 @@ pub struct Report {
     /// Reads the device delivered with a flipped bit, and loads failed by their checksum.
     pub read_flips: u64,
     pub checksum_failures: u64,
+    /// Runs with a simulated object store, and what the stores did in them.
+    pub cold_runs: u64,
+    pub lookups: u64,
+    pub cold: ObjectCounts,
 }
 
 struct Pending {
@@ -61,6 +81,11 @@ struct Run {
     reported: HashSet<u64>,
     next_id: u64,
     stored: HashSet<u64>,
+    /// Keys some store job named (whatever its outcome).
+    named: HashSet<u64>,
+    /// Key bytes to key ids, for naming objects.
+    ids: HashMap<Vec<u8>, u64>,
+    cold: Option<Arc<SimObjectStore>>,
     report: Report,
 }
 
@@ -109,6 +134,24 @@ fn faults(rng: &mut Rng, read_flip_ppm: u32) -> Faults {
     }
 }
 
+fn object_faults(rng: &mut Rng) -> ObjectFaults {
+    let ppm = |rng: &mut Rng, max: u64| [0, rng.below(max)][rng.below(2) as usize] as u32;
+    ObjectFaults {
+        error_ppm: ppm(rng, 100_000),
+        timeout_ppm: ppm(rng, 50_000),
+        lose_ppm: ppm(rng, 5_000),
+        max_delay_steps: rng.below(20) as u32,
+    }
+}
+
+fn object_settings(rng: &mut Rng) -> ObjectSettings {
+    ObjectSettings {
+        write: [S3Write::Through, S3Write::OnEvict, S3Write::Off][rng.below(3) as usize],
+        write_ack: [WriteAck::Both, WriteAck::Nvme][rng.below(2) as usize],
+        promote_on_load: rng.below(2) == 1,
+    }
+}
+
 impl Run {
     fn submit(&mut self, cluster: &mut Cluster, kind: JobKind) {
         let n = 1 + self.rng.below(4) as usize;
@@ -135,6 +178,9 @@ impl Run {
             .collect();
         for (&k, &b) in keys.iter().zip(&blocks) {
             let at = b as usize * BLOCK as usize;
+            if kind == JobKind::Store {
+                self.named.insert(k);
+            }
             match kind {
                 JobKind::Store => self.region.write(at, &content(k)),
                 JobKind::Load => self.region.fill(at, BLOCK as usize, 0xEE),
@@ -198,6 +244,7 @@ impl Run {
                     (JobKind::Store, true) => {
                         self.stored.insert(k);
                         self.report.keys_stored += 1;
+                        self.check_uploaded(r.id, k)?;
                     }
                     (JobKind::Store, false) => self.report.stores_failed += 1,
                 }
@@ -213,9 +260,130 @@ impl Run {
         if !settled || !self.pending.is_empty() {
             let mut ids: Vec<u64> = self.pending.keys().copied().collect();
             ids.sort_unstable();
-            return Err(format!("jobs never reported: {ids:?}"));
+            let cold = self
+                .cold
+                .as_ref()
+                .map(|c| (c.settings(), c.queued(), c.counts()));
+            return Err(format!(
+                "jobs never reported: {ids:?} (object store: {cold:?}; quiet: {:?})",
+                cluster.check_quiet()
+            ));
         }
-        cluster.check_quiet()
+        cluster.check_quiet()?;
+        self.check_objects(true)
+    }
+
+    /// After a power loss: every key ever stored is loaded once, served exactly or failed,
+    /// never wrong.
+    fn load_every_stored(&mut self, cluster: &mut Cluster) -> Result<(), String> {
+        let before = self.report.keys_loaded;
+        let mut keys: Vec<u64> = self.stored.iter().copied().collect();
+        keys.sort_unstable();
+        for chunk in keys.chunks(4) {
+            let blocks: Vec<u32> = self.free.drain(..chunk.len()).collect();
+            for &b in &blocks {
+                self.region
+                    .fill(b as usize * BLOCK as usize, BLOCK as usize, 0xEE);
+            }
+            let id = self.next_id;
+            self.next_id += 1;
+            let job = Job::new(id, chunk.iter().map(|&k| key(k)).collect(), blocks.clone());
+            cluster
+                .submit(JobKind::Load, job)
+                .map_err(|e| format!("load after the power loss: {e}"))?;
+            self.report.jobs += 1;
+            self.pending.insert(
+                id,
+                Pending {
+                    kind: JobKind::Load,
+                    keys: chunk.to_vec(),
+                    blocks,
+                },
+            );
+            self.settle(cluster)?;
+        }
+        self.report.after_loss_served += self.report.keys_loaded - before;
+        Ok(())
+    }
+
+    /// A write-through store acknowledged after its upload left the object, byte-exact (or the
+    /// store lost it since).
+    fn check_uploaded(&self, job: u64, k: u64) -> Result<(), String> {
+        let Some(cold) = &self.cold else {
+            return Ok(());
+        };
+        let s = cold.settings();
+        if s.write != S3Write::Through || s.write_ack != WriteAck::Both {
+            return Ok(());
+        }
+        let key = key(k);
+        if !cold.acknowledged(&key) {
+            return Err(format!(
+                "job {job}: key {k} reported stored, but the store never acknowledged its upload"
+            ));
+        }
+        match cold.object(&key) {
+            Some(bytes) if bytes != content(k) => Err(format!(
+                "job {job}: the object of key {k} holds other bytes"
+            )),
+            None if !cold.was_lost(&key) => Err(format!(
+                "job {job}: key {k} reported stored, and its object is gone unlost"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every object the store holds has exactly its key's bytes (all of them with `all`, else
+    /// those that landed since the last check); the store's queue is bounded.
+    fn check_objects(&self, all: bool) -> Result<(), String> {
+        let Some(cold) = &self.cold else {
+            return Ok(());
+        };
+        let check = |key: &Key, bytes: &[u8]| match self.ids.get(key.as_bytes()) {
+            Some(&k) if bytes == content(k).as_slice() => Ok(()),
+            Some(&k) => Err(format!("the object of key {k} holds other bytes")),
+            None => Err(format!("an object of a key never stored: {}", key.to_hex())),
+        };
+        for (key, bytes) in cold.take_landed() {
+            check(&key, &bytes)?;
+        }
+        if all {
+            cold.check_each(check)?;
+        }
+        let bound = REGION_BLOCKS as usize
+            + KEYS as usize
+            + UPLOAD_QUEUE_MAX
+            + 3 * crate::config::DEMOTION_STAGING_BLOCKS;
+        let queued = cold.queued();
+        if queued > bound {
+            return Err(format!(
+                "the object store has {queued} requests queued, past its bound of {bound}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// A lookup of a few keys: hits name a tier that holds (or held) the key.
+    fn lookup(&mut self, cluster: &Cluster) -> Result<(), String> {
+        let ids: Vec<u64> = (0..=self.rng.below(4))
+            .map(|_| self.rng.below(KEYS))
+            .collect();
+        let keys: Vec<Key> = ids.iter().map(|&k| key(k)).collect();
+        self.report.lookups += 1;
+        for (&k, answer) in ids.iter().zip(cluster.lookup(&keys)) {
+            match answer {
+                Lookup::Hit(Tier::Nvme) if !self.named.contains(&k) => {
+                    return Err(format!("lookup: key {k} is a hit on NVMe, never stored"));
+                }
+                Lookup::Hit(Tier::S3) if !self.cold.as_ref().is_some_and(|c| c.holds(&key(k))) => {
+                    return Err(format!(
+                        "lookup: key {k} is a hit in the object store, which does not hold it"
+                    ));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }
 
@@ -241,6 +409,12 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         crate::config::HugePages::Off,
     )
     .map_err(|e| e.to_string())?;
+    // Half the runs have a cold tier: a simulated object store with faults of its own.
+    let cold = (rng.below(2) == 1)
+        .then(|| SimObjectStore::new(seed, object_settings(&mut rng), &region, BLOCK as usize));
+    if let Some(c) = &cold {
+        c.set_faults(object_faults(&mut rng));
+    }
     let mut run = Run {
         seed,
         rng: Rng::new(seed ^ 0x5EED),
@@ -250,9 +424,13 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         reported: HashSet::new(),
         next_id: 1,
         stored: HashSet::new(),
+        named: HashSet::new(),
+        ids: (0..KEYS).map(|k| (key(k).as_bytes().to_vec(), k)).collect(),
+        cold: cold.clone(),
         report: Report::default(),
     };
-    let mut cluster = Cluster::open(&config, &region, &storage, seed).map_err(|e| e.to_string())?;
+    let mut cluster = Cluster::open_with(&config, &region, &storage, seed, cold.clone())
+        .map_err(|e| e.to_string())?;
     storage.set_faults(faults(&mut rng, read_flip_ppm));
     storage.track_durability(true);
     let loss_at = (rng.below(2) == 1).then(|| rng.below(steps));
@@ -261,11 +439,13 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         match run.rng.below(100) {
             0..12 => run.submit(&mut cluster, JobKind::Store),
             12..24 => run.submit(&mut cluster, JobKind::Load),
+            24..28 => run.lookup(&cluster)?,
             _ => {
                 cluster.step();
             }
         }
         run.collect(&cluster)?;
+        run.check_objects(false)?;
         if loss_at == Some(step) {
             // Jobs in flight are never reported: the process is gone.
             let lost = cluster.power_loss(&storage, seed ^ step);
@@ -275,56 +455,38 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
                 run.free.extend(p.blocks);
             }
             storage.restart();
-            cluster = match Cluster::open(&config, &region, &storage, seed ^ 0xAF7E) {
-                Ok(c) => c,
-                // A misdirected write hit a header: the store refuses to open (it never
-                // guesses); the operator's answer is to reformat it.
-                Err(e) if e.to_string().contains("overwrite = true") => {
-                    run.report.reformatted += 1;
-                    let mut again = config.clone();
-                    for d in &mut again.devices {
-                        d.overwrite = true;
+            cluster =
+                match Cluster::open_with(&config, &region, &storage, seed ^ 0xAF7E, cold.clone()) {
+                    Ok(c) => c,
+                    // A misdirected write hit a header: the store refuses to open (it never
+                    // guesses); the operator's answer is to reformat it.
+                    Err(e) if e.to_string().contains("overwrite = true") => {
+                        run.report.reformatted += 1;
+                        let mut again = config.clone();
+                        for d in &mut again.devices {
+                            d.overwrite = true;
+                        }
+                        Cluster::open_with(&again, &region, &storage, seed ^ 0xAF7E, cold.clone())
+                            .map_err(|e| format!("reformatting after the power loss: {e}"))?
                     }
-                    Cluster::open(&again, &region, &storage, seed ^ 0xAF7E)
-                        .map_err(|e| format!("reformatting after the power loss: {e}"))?
-                }
-                Err(e) => return Err(format!("reopening after the power loss: {e}")),
-            };
-            // Every key ever stored is loaded once: served exactly, or failed, never wrong.
-            let before = run.report.keys_loaded;
-            let mut keys: Vec<u64> = run.stored.iter().copied().collect();
-            keys.sort_unstable();
-            for chunk in keys.chunks(4) {
-                let blocks: Vec<u32> = run.free.drain(..chunk.len()).collect();
-                for &b in &blocks {
-                    region.fill(b as usize * BLOCK as usize, BLOCK as usize, 0xEE);
-                }
-                let id = run.next_id;
-                run.next_id += 1;
-                let job = Job::new(id, chunk.iter().map(|&k| key(k)).collect(), blocks.clone());
-                cluster
-                    .submit(JobKind::Load, job)
-                    .map_err(|e| format!("load after the power loss: {e}"))?;
-                run.report.jobs += 1;
-                run.pending.insert(
-                    id,
-                    Pending {
-                        kind: JobKind::Load,
-                        keys: chunk.to_vec(),
-                        blocks,
-                    },
-                );
-                run.settle(&mut cluster)?;
-            }
-            run.report.after_loss_served += run.report.keys_loaded - before;
+                    Err(e) => return Err(format!("reopening after the power loss: {e}")),
+                };
+            run.load_every_stored(&mut cluster)?;
             storage.set_faults(faults(&mut rng, read_flip_ppm));
             storage.track_durability(true);
         }
     }
     storage.set_faults(Faults::default());
+    if let Some(c) = &cold {
+        c.set_faults(ObjectFaults::default());
+    }
     run.settle(&mut cluster)?;
     let _ = run.seed;
     run.report.read_flips = storage.read_flips();
+    if let Some(c) = &cold {
+        run.report.cold_runs = 1;
+        run.report.cold = c.counts();
+    }
     Ok(run.report)
 }
 
@@ -349,6 +511,9 @@ pub fn seeds(first: u64, count: u64, steps: u64) -> Result<Report, String> {
         total.reformatted += r.reformatted;
         total.read_flips += r.read_flips;
         total.checksum_failures += r.checksum_failures;
+        total.cold_runs += r.cold_runs;
+        total.lookups += r.lookups;
+        total.cold.add(&r.cold);
     }
     Ok(total)
 }
@@ -385,6 +550,18 @@ mod tests {
         assert!(
             r.read_flips > 0 && r.checksum_failures > 0,
             "reads flipped bits and loads caught them: {r:?}"
+        );
+        let c = &r.cold;
+        assert!(
+            r.cold_runs > 0
+                && c.gets_served > 0
+                && c.puts_landed > 0
+                && c.demotions > 0
+                && c.promotions > 0
+                && c.errors > 0
+                && c.timeouts > 0
+                && c.lost > 0,
+            "runs with an object store loaded, uploaded, demoted, promoted and saw each fault: {r:?}"
         );
     }
 

@@ -1,0 +1,680 @@
+//! A simulated object store: a [`ColdTier`] that the simulator steps from its one thread, with
+//! faults drawn from a seed, so the cold tier's schedule replays with the workers'.
+//!
+//! It plays the S3 tier's part in the engine, with the same contract: lookups answer from a
+//! [`Verdicts`] cache and queue one HEAD per unknown key; a load of a key no worker holds (or
+//! one a worker found gone, through [`ColdTier::miss_fallback`]) is a GET into the job's block,
+//! optionally promoted into NVMe through the router (within `queue_blocks_max`, else served
+//! from the store alone); a write-through store uploads after its NVMe half (`write_ack =
+//! "both"`: the job reports after the uploads; `"nvme"`: copies first, reports, uploads in the
+//! background); evicted blocks arrive as [`Demotion`]s and are checked against their crc32c
+//! before upload.
+//!
+//! Faults, per request: an error (the key fails `Remote`), a timeout (fails `Remote` too; a
+//! PUT that timed out may still have landed), a slow answer (the request waits up to
+//! `max_delay_steps` of the store's steps, so answers come out of order), and lost objects (an
+//! object the store held disappears, as with a lifecycle rule or an operator's delete). A
+//! power loss ([`SimObjectStore::crash`]) drops every request under way; a PUT already sent may
+//! or may not land.
+//!
+//! What the campaign checks against it: every object's bytes ([`SimObjectStore::objects`]),
+//! the keys whose upload the store acknowledged, and the objects it lost.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use kvtier_sys::blocks::Lease;
+
+use crate::cold::{ColdTier, DemoteFn};
+use crate::config::{S3Write, WriteAck};
+use crate::io::Region;
+use crate::job::{Job, JobFailure, JobKind, JobResult, JobState, KeyFailure, MissFallback, Shared};
+use crate::key::Key;
+use crate::metrics::S3Stats;
+use crate::route::Router;
+use crate::tier::{Lookup, Tier};
+use crate::verdicts::{Verdict, Verdicts};
+use crate::worker::Demotion;
+
+use super::Rng;
+
+/// Fault rates of the simulated object store, in parts per million of requests.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ObjectFaults {
+    pub error_ppm: u32,
+    pub timeout_ppm: u32,
+    /// Per store step: one object the store holds disappears.
+    pub lose_ppm: u32,
+    /// A request waits up to this many store steps before it is answered.
+    pub max_delay_steps: u32,
+}
+
+/// How the tier is configured (the `[s3]` settings the simulation varies).
+#[derive(Clone, Copy, Debug)]
+pub struct ObjectSettings {
+    pub write: S3Write,
+    pub write_ack: WriteAck,
+    pub promote_on_load: bool,
+}
+
+/// Background copies (`write_ack = "nvme"`) waiting for their PUT, at most: past it a copy is
+/// dropped and counted, as the S3 tier's `upload_queue_blocks` does, so a slow store never
+/// holds up stores and its queue stays bounded.
+pub const UPLOAD_QUEUE_MAX: usize = 16;
+
+/// What the store did, for the campaign's report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ObjectCounts {
+    pub gets_served: u64,
+    pub puts_landed: u64,
+    pub demotions: u64,
+    pub promotions: u64,
+    pub promotions_skipped: u64,
+    pub errors: u64,
+    pub timeouts: u64,
+    pub lost: u64,
+    pub copies_dropped: u64,
+}
+
+/// One request under way.
+enum Request {
+    Head {
+        key: Key,
+        generation: u64,
+    },
+    Get {
+        job: Arc<JobState>,
+        index: usize,
+    },
+    /// The upload half of a write-through store job (`write_ack = "both"`), reported after it.
+    UploadJob(Upload),
+    /// A background PUT of a copy (`write_ack = "nvme"`, or a demotion copied out).
+    Put {
+        key: Key,
+        body: Vec<u8>,
+    },
+    /// An evicted block in its worker's staging slot.
+    Demote(Demotion),
+}
+
+struct Upload {
+    nvme: JobResult,
+    keys: Vec<Key>,
+    blocks: Vec<u32>,
+    lease: Arc<Lease>,
+}
+
+struct Queued {
+    /// The store step from which it may be answered.
+    ready_at: u64,
+    req: Request,
+}
+
+/// Where results go: the cluster this store serves (set again after a restart).
+struct Conn {
+    shared: Arc<Shared>,
+    router: Router,
+}
+
+struct State {
+    rng: Rng,
+    faults: ObjectFaults,
+    /// Object bytes by key bytes (ordered, so a seed picks the same object to lose).
+    objects: BTreeMap<Vec<u8>, (Key, Vec<u8>)>,
+    /// Keys whose upload the store answered with success, and what it lost since.
+    acknowledged: HashSet<Vec<u8>>,
+    lost: HashSet<Vec<u8>>,
+    verdicts: Verdicts,
+    /// PUTs landed since [`SimObjectStore::take_landed`] last ran.
+    landed: Vec<(Key, Vec<u8>)>,
+    queue: Vec<Queued>,
+    step: u64,
+    counts: ObjectCounts,
+}
+
+/// The simulated object store; see the module docs.
+pub struct SimObjectStore {
+    me: Weak<SimObjectStore>,
+    settings: ObjectSettings,
+    region: Arc<Region>,
+    block_bytes: usize,
+    state: Mutex<State>,
+    conn: Mutex<Option<Arc<Conn>>>,
+}
+
+/// How a request turned out, drawn before it runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Draw {
+    Ok,
+    Error,
+    Timeout,
+}
+
+impl SimObjectStore {
+    pub fn new(
+        seed: u64,
+        settings: ObjectSettings,
+        region: &Arc<Region>,
+        block_bytes: usize,
+    ) -> Arc<SimObjectStore> {
+        Arc::new_cyclic(|me| SimObjectStore {
+            me: me.clone(),
+            settings,
+            region: Arc::clone(region),
+            block_bytes,
+            state: Mutex::new(State {
+                rng: Rng::new(seed ^ 0x000B_1EC7),
+                faults: ObjectFaults::default(),
+                objects: BTreeMap::new(),
+                acknowledged: HashSet::new(),
+                lost: HashSet::new(),
+                // Answers never age: the simulation runs on steps, not the wall clock.
+                verdicts: Verdicts::new(1 << 16, Duration::from_secs(1 << 20)),
+                landed: Vec::new(),
+                queue: Vec::new(),
+                step: 0,
+                counts: ObjectCounts::default(),
+            }),
+            conn: Mutex::new(None),
+        })
+    }
+
+    pub fn settings(&self) -> ObjectSettings {
+        self.settings
+    }
+
+    pub fn set_faults(&self, faults: ObjectFaults) {
+        self.lock().faults = faults;
+    }
+
+    /// Connects the store to the cluster it serves: where results and promotions go.
+    pub(crate) fn connect(&self, shared: Arc<Shared>, router: Router) {
+        *self
+            .conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(Arc::new(Conn { shared, router }));
+    }
+
+    fn conn(&self) -> Arc<Conn> {
+        self.conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .expect("the simulated object store is connected before its first request")
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn push(&self, req: Request) {
+        let mut s = self.lock();
+        let delay = u64::from(s.faults.max_delay_steps);
+        let ready_at = s.step + s.rng.below(delay + 1);
+        s.queue.push(Queued { ready_at, req });
+    }
+
+    /// Requests under way.
+    pub fn queued(&self) -> usize {
+        self.lock().queue.len()
+    }
+
+    /// Answers one request whose delay has passed (drawn from the seed among them), and maybe
+    /// loses an object; true if it answered one. Never holds its lock while reporting.
+    pub fn step(&self) -> bool {
+        let (req, draw) = {
+            let mut guard = self.lock();
+            let s = &mut *guard;
+            s.step += 1;
+            let lose = s.faults.lose_ppm;
+            if s.rng.hit(lose) && !s.objects.is_empty() {
+                let i = s.rng.below(s.objects.len() as u64) as usize;
+                let name = s.objects.keys().nth(i).cloned().expect("i < len");
+                let (key, _) = s.objects.remove(&name).expect("listed");
+                s.lost.insert(name);
+                s.verdicts.set(key, Verdict::Absent);
+                s.counts.lost += 1;
+            }
+            let now = s.step;
+            let ready: Vec<usize> = (0..s.queue.len())
+                .filter(|&i| s.queue[i].ready_at <= now)
+                .collect();
+            if ready.is_empty() {
+                return false;
+            }
+            let pick = ready[s.rng.below(ready.len() as u64) as usize];
+            let req = s.queue.swap_remove(pick).req;
+            let draw = s.draw();
+            (req, draw)
+        };
+        match req {
+            Request::Head { key, generation } => self.head(key, generation, draw),
+            Request::Get { job, index } => self.get(&job, index, draw),
+            Request::UploadJob(u) => self.upload_job(u),
+            // A background PUT that fails is dropped (the S3 tier counts and logs it).
+            Request::Put { key, body } => {
+                let _ = self.put(key, &body, draw);
+            }
+            Request::Demote(d) => self.demote(d, draw),
+        }
+        true
+    }
+
+    /// Power is lost with requests under way: none of them reports (the process is gone); a
+    /// PUT already under way lands or not, drawn from the seed. The objects stay.
+    pub fn crash(&self) {
+        let queue = std::mem::take(&mut self.lock().queue);
+        for q in queue {
+            match q.req {
+                Request::Put { key, body } => {
+                    if self.lock().rng.below(2) == 1 {
+                        self.land(key, &body);
+                    }
+                }
+                Request::UploadJob(u) => {
+                    for (key, block) in u.keys.iter().zip(&u.blocks) {
+                        if self.lock().rng.below(2) == 1 {
+                            let body = self.read_block(*block);
+                            self.land(*key, &body);
+                        }
+                    }
+                }
+                Request::Demote(_) | Request::Head { .. } | Request::Get { .. } => {}
+            }
+        }
+        *self
+            .conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        // A new process starts with an empty cache.
+        self.lock().verdicts = Verdicts::new(1 << 16, Duration::from_secs(1 << 20));
+    }
+
+    /// Calls `f` with every object held (key, bytes), in name order, until it fails.
+    pub fn check_each(
+        &self,
+        mut f: impl FnMut(&Key, &[u8]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        self.lock().objects.values().try_for_each(|(k, b)| f(k, b))
+    }
+
+    /// The bytes of `key`'s object, if the store holds it.
+    pub fn object(&self, key: &Key) -> Option<Vec<u8>> {
+        self.lock()
+            .objects
+            .get(key.as_bytes())
+            .map(|(_, b)| b.clone())
+    }
+
+    pub fn holds(&self, key: &Key) -> bool {
+        self.lock().objects.contains_key(key.as_bytes())
+    }
+
+    /// The PUTs that landed since the last call: (key, bytes), in the order they landed.
+    pub fn take_landed(&self) -> Vec<(Key, Vec<u8>)> {
+        std::mem::take(&mut self.lock().landed)
+    }
+
+    /// Whether the store acknowledged an upload of `key`, and whether it lost the object since.
+    pub fn acknowledged(&self, key: &Key) -> bool {
+        self.lock().acknowledged.contains(key.as_bytes())
+    }
+
+    pub fn was_lost(&self, key: &Key) -> bool {
+        self.lock().lost.contains(key.as_bytes())
+    }
+
+    pub fn counts(&self) -> ObjectCounts {
+        self.lock().counts
+    }
+
+    fn read_block(&self, block: u32) -> Vec<u8> {
+        let mut body = vec![0u8; self.block_bytes];
+        let at = block as usize * self.block_bytes;
+        self.region
+            .with_bytes(at, self.block_bytes, |b| body.copy_from_slice(b));
+        body
+    }
+
+    /// A PUT reached the store: the object is replaced.
+    fn land(&self, key: Key, body: &[u8]) {
+        let mut s = self.lock();
+        let name = key.as_bytes().to_vec();
+        s.lost.remove(&name);
+        s.objects.insert(name, (key, body.to_vec()));
+        s.landed.push((key, body.to_vec()));
+        s.counts.puts_landed += 1;
+    }
+
+    /// One PUT; `Err` with the failure the job reports. A timed-out PUT may have landed.
+    fn put(&self, key: Key, body: &[u8], draw: Draw) -> Result<u64, (KeyFailure, String)> {
+        match draw {
+            Draw::Ok => {
+                self.land(key, body);
+                let mut s = self.lock();
+                s.acknowledged.insert(key.as_bytes().to_vec());
+                s.verdicts.set(key, Verdict::Present);
+                Ok(body.len() as u64)
+            }
+            Draw::Error => Err((
+                KeyFailure::Remote,
+                "PUT: 500 InternalError (simulated)".into(),
+            )),
+            Draw::Timeout => {
+                if self.lock().rng.below(2) == 1 {
+                    self.land(key, body);
+                }
+                Err((KeyFailure::Remote, "PUT: timed out (simulated)".into()))
+            }
+        }
+    }
+
+    fn head(&self, key: Key, generation: u64, draw: Draw) {
+        let mut s = self.lock();
+        // As the S3 tier does (vLLM's rule): a failed lookup is a miss.
+        let verdict = if draw == Draw::Ok && s.objects.contains_key(key.as_bytes()) {
+            Verdict::Present
+        } else {
+            Verdict::Absent
+        };
+        s.verdicts.resolve(key, generation, verdict);
+    }
+
+    fn get(&self, job: &Arc<JobState>, index: usize, draw: Draw) {
+        let conn = self.conn();
+        let key = job.job.keys[index];
+        let block = job.job.blocks[index];
+        let object = self
+            .lock()
+            .objects
+            .get(key.as_bytes())
+            .map(|(_, b)| b.clone());
+        let failure = match (draw, object) {
+            (Draw::Error, _) => Some((KeyFailure::Remote, "GET: 500 InternalError (simulated)")),
+            (Draw::Timeout, _) => Some((KeyFailure::Remote, "GET: timed out (simulated)")),
+            (Draw::Ok, None) => Some((KeyFailure::Miss, "not stored locally, nor in the store")),
+            (Draw::Ok, Some(body)) => {
+                let at = block as usize * self.block_bytes;
+                match job.lease() {
+                    Some(lease) => lease.write(at, &body),
+                    None => self.region.write(at, &body),
+                }
+                None
+            }
+        };
+        if let Some((reason, detail)) = failure {
+            // The livelock fix: a failed load makes the key a miss until asked again.
+            self.lock().verdicts.set(key, Verdict::Absent);
+            job.fail(&conn.shared, index, reason, detail.into());
+            return;
+        }
+        {
+            let mut s = self.lock();
+            s.verdicts.set(key, Verdict::Present);
+            s.counts.gets_served += 1;
+        }
+        let bytes = self.block_bytes as u64;
+        if self.settings.promote_on_load {
+            self.promote(&conn, job, index, key, block, bytes);
+        } else {
+            job.succeed(&conn.shared, index, bytes);
+        }
+    }
+
+    /// Stores a block just loaded into NVMe under the load's lease; the load reports after it,
+    /// or at once when the workers' queues are full.
+    fn promote(
+        &self,
+        conn: &Arc<Conn>,
+        parent: &Arc<JobState>,
+        index: usize,
+        key: Key,
+        block: u32,
+        bytes: u64,
+    ) {
+        let waiting = Arc::clone(parent);
+        let shared = Arc::clone(&conn.shared);
+        let then: crate::job::Then = Box::new(move |_: JobResult| {
+            waiting.succeed(&shared, index, bytes);
+        });
+        let state = Arc::new(
+            JobState::internal(JobKind::Store, Job::new(0, vec![key], vec![block]), then)
+                .borrowing_lease(parent.lease().cloned()),
+        );
+        let sent = conn.router.try_dispatch(&state);
+        let mut s = self.lock();
+        if sent {
+            s.counts.promotions += 1;
+        } else {
+            s.counts.promotions_skipped += 1;
+            drop(s);
+            parent.succeed(&conn.shared, index, bytes);
+        }
+    }
+
+    fn upload_job(&self, u: Upload) {
+        let Upload {
+            nvme,
+            keys,
+            blocks,
+            lease,
+        } = u;
+        let conn = self.conn();
+        let mut failures: Vec<JobFailure> = nvme.failures.clone();
+        let mut bytes = nvme.bytes;
+        for (i, (key, block)) in keys.iter().zip(&blocks).enumerate() {
+            let draw = self.lock().draw();
+            let body = self.read_block(*block);
+            match self.put(*key, &body, draw) {
+                Ok(n) => bytes += n,
+                Err((reason, detail)) if !failures.iter().any(|f| f.key_index == i) => {
+                    failures.push(JobFailure {
+                        key_index: i,
+                        reason,
+                        detail,
+                    });
+                }
+                Err(_) => {}
+            }
+        }
+        failures.sort_by_key(|f| f.key_index);
+        let total = keys.len();
+        lease.release();
+        conn.shared.finish(JobResult {
+            success: failures.is_empty(),
+            succeeded_prefix: failures.first().map_or(total, |f| f.key_index),
+            failures,
+            bytes,
+            ..nvme
+        });
+    }
+
+    fn demote(&self, d: Demotion, draw: Draw) {
+        let mut body = vec![0u8; d.len];
+        d.staging
+            .with_bytes(d.offset, d.len, |b| body.copy_from_slice(b));
+        let (key, crc) = (d.key, d.crc);
+        drop(d); // the staging slot is the worker's again
+        if crc.is_none_or(|c| crc32c::crc32c(&body) == c) && self.put(key, &body, draw).is_ok() {
+            self.lock().counts.demotions += 1;
+        }
+    }
+}
+
+impl ObjectCounts {
+    pub fn add(&mut self, o: &ObjectCounts) {
+        self.gets_served += o.gets_served;
+        self.puts_landed += o.puts_landed;
+        self.demotions += o.demotions;
+        self.promotions += o.promotions;
+        self.promotions_skipped += o.promotions_skipped;
+        self.errors += o.errors;
+        self.timeouts += o.timeouts;
+        self.lost += o.lost;
+        self.copies_dropped += o.copies_dropped;
+    }
+}
+
+impl State {
+    fn draw(&mut self) -> Draw {
+        let f = self.faults;
+        if self.rng.hit(f.error_ppm) {
+            self.counts.errors += 1;
+            Draw::Error
+        } else if self.rng.hit(f.timeout_ppm) {
+            self.counts.timeouts += 1;
+            Draw::Timeout
+        } else {
+            Draw::Ok
+        }
+    }
+}
+
+impl ColdTier for SimObjectStore {
+    fn lookup(&self, keys: &[Key]) -> Vec<Lookup> {
+        let mut asked = Vec::new();
+        let answers = {
+            let mut s = self.lock();
+            keys.iter()
+                .map(|k| match s.verdicts.get(k) {
+                    Some(Verdict::Present) => Lookup::Hit(Tier::S3),
+                    Some(Verdict::Absent) => Lookup::Miss,
+                    Some(Verdict::Pending) => Lookup::Pending,
+                    None => {
+                        let generation = s.verdicts.begin(*k);
+                        asked.push(Request::Head {
+                            key: *k,
+                            generation,
+                        });
+                        Lookup::Pending
+                    }
+                })
+                .collect()
+        };
+        for req in asked {
+            self.push(req);
+        }
+        answers
+    }
+
+    fn load(&self, job: &Arc<JobState>, items: Vec<u32>) {
+        for index in items {
+            self.push(Request::Get {
+                job: Arc::clone(job),
+                index: index as usize,
+            });
+        }
+    }
+
+    fn miss_fallback(&self) -> MissFallback {
+        let me = self.me.clone();
+        Box::new(move |job: &Arc<JobState>, index: usize| {
+            if let Some(me) = me.upgrade() {
+                me.push(Request::Get {
+                    job: Arc::clone(job),
+                    index,
+                });
+            }
+        })
+    }
+
+    fn write_through(
+        &self,
+        keys: &[Key],
+        blocks: &[u32],
+        lease: &Arc<Lease>,
+    ) -> Option<crate::job::Then> {
+        if self.settings.write != S3Write::Through {
+            return None;
+        }
+        let (keys, blocks) = (keys.to_vec(), blocks.to_vec());
+        let lease = Arc::clone(lease);
+        let me = self.me.clone();
+        Some(Box::new(move |nvme: JobResult| {
+            let Some(me) = me.upgrade() else { return };
+            if me.settings.write_ack == WriteAck::Nvme {
+                // Copy, report, upload in the background.
+                for (key, block) in keys.iter().zip(&blocks) {
+                    let waiting = me
+                        .lock()
+                        .queue
+                        .iter()
+                        .filter(|q| matches!(q.req, Request::Put { .. }))
+                        .count();
+                    if waiting >= UPLOAD_QUEUE_MAX {
+                        me.lock().counts.copies_dropped += 1;
+                        continue;
+                    }
+                    let body = me.read_block(*block);
+                    me.push(Request::Put { key: *key, body });
+                }
+                lease.release();
+                me.conn().shared.finish(nvme);
+                return;
+            }
+            me.push(Request::UploadJob(Upload {
+                nvme,
+                keys,
+                blocks,
+                lease,
+            }));
+        }))
+    }
+
+    fn demote_sink(&self) -> Option<DemoteFn> {
+        if self.settings.write != S3Write::OnEvict {
+            return None;
+        }
+        let me = self.me.clone();
+        Some(Box::new(move |d: Demotion| {
+            if let Some(me) = me.upgrade() {
+                me.push(Request::Demote(d));
+            }
+        }))
+    }
+
+    fn object_name(&self, key: &Key) -> Option<String> {
+        Some(key.to_hex())
+    }
+
+    fn stats(&self) -> S3Stats {
+        S3Stats::default()
+    }
+
+    /// Fails every request under way (`Shutdown`); background copies are dropped.
+    fn close(&self) {
+        let queue = std::mem::take(&mut self.lock().queue);
+        let conn = self.conn();
+        for q in queue {
+            match q.req {
+                Request::Get { job, index } => {
+                    job.fail(&conn.shared, index, KeyFailure::Shutdown, String::new());
+                }
+                Request::UploadJob(u) => {
+                    let total = u.keys.len();
+                    u.lease.release();
+                    let failures: Vec<JobFailure> = (0..total)
+                        .map(|key_index| JobFailure {
+                            key_index,
+                            reason: KeyFailure::Shutdown,
+                            detail: String::new(),
+                        })
+                        .collect();
+                    conn.shared.finish(JobResult {
+                        success: false,
+                        succeeded_prefix: 0,
+                        failures,
+                        ..u.nvme
+                    });
+                }
+                Request::Head { .. } | Request::Put { .. } | Request::Demote(_) => {}
+            }
+        }
+    }
+
+    fn stop(&self) {}
+}
