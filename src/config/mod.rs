@@ -40,7 +40,7 @@ const ALIGN_BYTES: u64 = 4096;
 /// Upper bound on `block_size`: one block must stay a reasonable unit of I/O and of memory.
 const BLOCK_SIZE_MAX: u64 = GIB;
 /// Smallest device worth formatting: room for the header and a useful number of blocks.
-const DEVICE_CAPACITY_MIN: u64 = 16 * MIB;
+pub(crate) const DEVICE_CAPACITY_MIN: u64 = 16 * MIB;
 /// CPU numbers in `cores` must be below this: room for any machine kvtier targets, while a
 /// slip such as `10000` is caught.
 const CPU_LIMIT: usize = 1024;

@@ -1,5 +1,6 @@
-//! A deterministic simulation of the slab engine: every worker stepped from the calling thread,
-//! on [`SimStorage`] devices, with a seeded schedule (which worker moves next) and seeded faults,
+//! A deterministic simulation of the engine: every worker stepped from the calling thread, on
+//! [`SimStorage`] devices (slab) or on scratch directories through [`SimFiles`] (files layout),
+//! with a seeded schedule (which worker moves next) and seeded faults,
 //! so one seed replays a run exactly: the order of every I/O, completion, fault and result.
 //!
 //! [`Cluster`] admits jobs the way `Engine` does (validation, routing, all-or-nothing queue
@@ -17,25 +18,87 @@ use std::sync::Arc;
 use crossbeam_channel::Receiver;
 
 use crate::cold::ColdTier;
-use crate::config::{Config, Cores};
+use crate::config::{Config, Cores, Derived};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
+use crate::files::device::{FilesDevice, ScannedFile};
+use crate::files::layout::{FilesLayout, Op as FilesOp};
 use crate::io::{BackendSettings, EventFd, Region, Storage};
 use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
 use crate::route::{items_by_worker, Router};
 use crate::slab::layout::{DeviceSpec, SlabLayout};
 use crate::slab::prepare::prepare_slab;
 use crate::tier::{Lookup, Tier};
-use crate::worker::{Demote, DemoteSink, Scheduler, Worker, WorkerParams, WorkerShared};
+use crate::worker::{Demote, DemoteSink, Layout, Scheduler, Worker, WorkerParams, WorkerShared};
 
+use super::files::SimFiles;
 use super::object_store::SimObjectStore;
 use super::{Rng, SimStorage};
 
 pub mod campaign;
 
-/// Slab workers on simulated devices, stepped by the caller.
+/// A worker the cluster steps, whatever its layout.
+trait Stepped {
+    fn step(&mut self) -> bool;
+    fn check_quiet(&self) -> std::result::Result<(), String>;
+}
+
+impl<L: Layout> Stepped for Worker<L> {
+    fn step(&mut self) -> bool {
+        Worker::step(self)
+    }
+
+    fn check_quiet(&self) -> std::result::Result<(), String> {
+        Worker::check_quiet(self)
+    }
+}
+
+/// The devices a cluster's workers run on.
+enum Devices {
+    Slab(Vec<DeviceSpec>),
+    /// Directories, and what their scan found, per worker.
+    Files(Vec<Arc<FilesDevice>>, Vec<Vec<ScannedFile>>),
+}
+
+impl Devices {
+    fn len(&self) -> usize {
+        match self {
+            Devices::Slab(d) => d.len(),
+            Devices::Files(d, _) => d.len(),
+        }
+    }
+
+    /// Worker `params.id`'s layout over these devices, recovered or with its scanned files
+    /// indexed and published.
+    fn worker(
+        &mut self,
+        params: WorkerParams,
+        workers: usize,
+        meta: Arc<Region>,
+        me: &WorkerShared,
+    ) -> Result<Box<dyn Stepped>> {
+        let id = params.id;
+        match self {
+            Devices::Slab(devices) => {
+                let (worker, _) = SlabLayout::recovered_worker(params, workers, meta, devices)
+                    .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;
+                Ok(Box::new(worker))
+            }
+            Devices::Files(devices, scanned) => {
+                let layout =
+                    FilesLayout::new(id, devices.clone(), std::mem::take(&mut scanned[id]), me);
+                let mut worker = Worker::new(params, layout, FilesOp::empty);
+                let (layout, core) = worker.parts();
+                layout.publish_scanned(core);
+                Ok(Box::new(worker))
+            }
+        }
+    }
+}
+
+/// Workers on simulated devices (slab) or scratch directories (files), stepped by the caller.
 pub struct Cluster {
-    workers: Vec<Worker<SlabLayout>>,
+    workers: Vec<Box<dyn Stepped>>,
     router: Router,
     shared: Arc<Shared>,
     results: Receiver<JobResult>,
@@ -96,12 +159,80 @@ impl Cluster {
         cold: Option<Arc<SimObjectStore>>,
     ) -> Result<Cluster> {
         let derived = config.validate()?;
+        let devices = open_devices(config, storage, derived.block_bytes)?;
+        let devices = Devices::Slab(devices);
+        Cluster::build(
+            config,
+            &derived,
+            region,
+            storage.as_ref(),
+            devices,
+            seed,
+            cold,
+        )
+    }
+
+    /// Files-layout workers on `config`'s directories (scanned as the engine scans them at
+    /// open), their file operations run by `files`; `cold` as in [`Cluster::open_with`].
+    pub fn open_files(
+        config: &Config,
+        region: &Arc<Region>,
+        files: &Arc<SimFiles>,
+        seed: u64,
+        cold: Option<Arc<SimObjectStore>>,
+    ) -> Result<Cluster> {
+        // Below the minimum capacity the engine accepts, so that eviction is frequent: checked
+        // at the minimum, opened at the size asked for.
+        let mut checked = config.clone();
+        for d in &mut checked.devices {
+            d.capacity_bytes = d
+                .capacity_bytes
+                .map(|c| c.max(crate::config::DEVICE_CAPACITY_MIN));
+        }
+        let derived = checked.validate()?;
+        let files_cfg = config
+            .files
+            .as_ref()
+            .ok_or_else(|| Error::Worker("the files layout needs a [files] section".into()))?;
+        let workers = match &config.cores {
+            Cores::List(cores) => cores.len(),
+            Cores::Auto => 1,
+        };
+        let mut devices = Vec::new();
+        let mut scanned = vec![Vec::new(); workers];
+        for (i, dcfg) in config.devices.iter().enumerate() {
+            let (dev, found, _) =
+                FilesDevice::open(i, dcfg, files_cfg, derived.block_bytes, config.direct_io)?;
+            for f in found {
+                scanned[f.key.shard(workers)].push(f);
+            }
+            devices.push(Arc::new(dev));
+        }
+        Cluster::build(
+            config,
+            &derived,
+            region,
+            files.as_ref(),
+            Devices::Files(devices, scanned),
+            seed,
+            cold,
+        )
+    }
+
+    fn build(
+        config: &Config,
+        derived: &Derived,
+        region: &Arc<Region>,
+        storage: &dyn Storage,
+        mut devices: Devices,
+        seed: u64,
+        cold: Option<Arc<SimObjectStore>>,
+    ) -> Result<Cluster> {
         let block_bytes = derived.block_bytes;
         let Cores::List(cores) = &config.cores else {
             return Err(Error::Worker("the simulation needs cores = [..]".into()));
         };
         let workers = cores.len();
-        let devices = open_devices(config, storage, block_bytes)?;
         let (shared, results) = Shared::new(EventSink::new(false, 1, None));
         let demote_sink: Option<DemoteSink> =
             cold.as_ref().and_then(|c| c.demote_sink()).map(|f| {
@@ -119,19 +250,30 @@ impl Cluster {
             iopoll: false,
             ioprio: config.scheduler.ioprio,
             piece_bytes: derived.piece_bytes,
-            files_layout: false,
+            files_layout: matches!(devices, Devices::Files(..)),
             wait_limit: std::time::Duration::from_secs(1),
         };
         let mut senders = Vec::new();
-        let mut list = Vec::new();
+        let mut list: Vec<Box<dyn Stepped>> = Vec::new();
         for id in 0..workers {
             let wake = Arc::new(
                 EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?,
             );
-            let me = Arc::new(WorkerShared::new(Arc::clone(&wake), devices.len()));
+            let mut me = WorkerShared::new(Arc::clone(&wake), devices.len());
+            if let Some(files) = &config.files {
+                me = me.with_lookup_cache(
+                    files.lookup_cache_max,
+                    std::time::Duration::from_millis(files.lookup_ttl_ms),
+                );
+            }
+            let me = Arc::new(me);
             let (tx, rx) = crossbeam_channel::unbounded();
             senders.push((tx, Arc::clone(&me)));
-            let meta_len = crate::slab::table::meta_bytes(&devices, id, workers);
+            let slab: &[DeviceSpec] = match &devices {
+                Devices::Slab(d) => d,
+                Devices::Files(..) => &[],
+            };
+            let meta_len = crate::slab::table::meta_bytes(slab, id, workers);
             let meta = Arc::new(
                 Region::allocate(meta_len, kvtier_sys::mem::HugePages::Off)
                     .map_err(|e| Error::Memory(e.to_string()))?,
@@ -152,16 +294,14 @@ impl Cluster {
                 region: Arc::clone(region),
                 rx,
                 shared: Arc::clone(&shared),
-                me,
+                me: Arc::clone(&me),
                 sched: Scheduler::new(&config.scheduler, block_bytes, derived.store_chunk_bytes),
                 ring_entries: config.ring_entries as usize,
                 demote,
                 // Deadlines run on the wall clock: far out of reach, so a seed replays.
                 io_timeout: std::time::Duration::from_secs(3600),
             };
-            let (worker, _) = SlabLayout::recovered_worker(params, workers, meta, &devices)
-                .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;
-            list.push(worker);
+            list.push(devices.worker(params, workers, meta, &me)?);
         }
         if let Some(c) = &cold {
             c.connect(
@@ -353,10 +493,17 @@ impl Cluster {
     /// Power goes out: the workers vanish with their I/O in flight (it never completes), and
     /// the storage loses what was not durable ([`SimStorage::power_loss`]).
     pub fn power_loss(self, storage: &SimStorage, seed: u64) -> super::PowerLoss {
+        self.crash();
+        storage.power_loss(seed)
+    }
+
+    /// The process dies: the workers vanish with their I/O in flight, and the cold tier's
+    /// requests with them (see [`SimObjectStore::crash`]). The storage is the caller's to
+    /// power off ([`SimStorage::power_loss`], [`SimFiles::power_loss`]).
+    pub fn crash(self) {
         if let Some(cold) = &self.cold {
             cold.crash();
         }
         drop(self);
-        storage.power_loss(seed)
     }
 }

@@ -19,6 +19,7 @@
 //! Set `KVTIER_SIM_SEED` to replay a failing seed; [`seed_from_env`] prints the seed in use.
 
 pub mod cluster;
+pub mod files;
 pub mod object_store;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -25,6 +25,7 @@ pub mod affinity;
 pub mod blocks;
 pub mod dir;
 pub mod eventfd;
+pub mod fd;
 pub mod file;
 pub mod mem;
 pub mod nvme;

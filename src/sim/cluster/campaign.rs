@@ -39,6 +39,9 @@ use crate::Region;
 
 use super::Cluster;
 
+mod files;
+pub use files::{files_run, files_seeds};
+
 const BLOCK: u64 = 8 << 10;
 const REGION_BLOCKS: u32 = 48;
 const KEYS: u64 = 160;
@@ -64,6 +67,25 @@ pub struct Report {
     pub cold_runs: u64,
     pub lookups: u64,
     pub cold: ObjectCounts,
+}
+
+impl Report {
+    pub fn add(&mut self, r: &Report) {
+        self.steps += r.steps;
+        self.jobs += r.jobs;
+        self.keys_loaded += r.keys_loaded;
+        self.loads_failed += r.loads_failed;
+        self.keys_stored += r.keys_stored;
+        self.stores_failed += r.stores_failed;
+        self.power_losses += r.power_losses;
+        self.after_loss_served += r.after_loss_served;
+        self.reformatted += r.reformatted;
+        self.read_flips += r.read_flips;
+        self.checksum_failures += r.checksum_failures;
+        self.cold_runs += r.cold_runs;
+        self.lookups += r.lookups;
+        self.cold.add(&r.cold);
+    }
 }
 
 struct Pending {
@@ -153,6 +175,47 @@ fn object_settings(rng: &mut Rng) -> ObjectSettings {
 }
 
 impl Run {
+    fn new(seed: u64, region: &Arc<Region>, cold: Option<Arc<SimObjectStore>>) -> Run {
+        Run {
+            seed,
+            rng: Rng::new(seed ^ 0x5EED),
+            region: Arc::clone(region),
+            free: (0..REGION_BLOCKS).collect(),
+            pending: HashMap::new(),
+            reported: HashSet::new(),
+            next_id: 1,
+            stored: HashSet::new(),
+            named: HashSet::new(),
+            ids: (0..KEYS).map(|k| (key(k).as_bytes().to_vec(), k)).collect(),
+            cold,
+            report: Report::default(),
+        }
+    }
+
+    /// One random action: a store, a load, a lookup, or a step of the cluster; then the
+    /// results and objects are checked.
+    fn act(&mut self, cluster: &mut Cluster) -> Result<(), String> {
+        self.report.steps += 1;
+        match self.rng.below(100) {
+            0..12 => self.submit(cluster, JobKind::Store),
+            12..24 => self.submit(cluster, JobKind::Load),
+            24..28 => self.lookup(cluster)?,
+            _ => {
+                cluster.step();
+            }
+        }
+        self.collect(cluster)?;
+        self.check_objects(false)
+    }
+
+    /// After a power loss: jobs in flight are never reported (the process is gone).
+    fn forget_pending(&mut self) {
+        self.report.power_losses += 1;
+        for (_, p) in self.pending.drain() {
+            self.free.extend(p.blocks);
+        }
+    }
+
     fn submit(&mut self, cluster: &mut Cluster, kind: JobKind) {
         let n = 1 + self.rng.below(4) as usize;
         if self.free.len() < n {
@@ -415,45 +478,17 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
     if let Some(c) = &cold {
         c.set_faults(object_faults(&mut rng));
     }
-    let mut run = Run {
-        seed,
-        rng: Rng::new(seed ^ 0x5EED),
-        region: Arc::clone(&region),
-        free: (0..REGION_BLOCKS).collect(),
-        pending: HashMap::new(),
-        reported: HashSet::new(),
-        next_id: 1,
-        stored: HashSet::new(),
-        named: HashSet::new(),
-        ids: (0..KEYS).map(|k| (key(k).as_bytes().to_vec(), k)).collect(),
-        cold: cold.clone(),
-        report: Report::default(),
-    };
+    let mut run = Run::new(seed, &region, cold.clone());
     let mut cluster = Cluster::open_with(&config, &region, &storage, seed, cold.clone())
         .map_err(|e| e.to_string())?;
     storage.set_faults(faults(&mut rng, read_flip_ppm));
     storage.track_durability(true);
     let loss_at = (rng.below(2) == 1).then(|| rng.below(steps));
     for step in 0..steps {
-        run.report.steps += 1;
-        match run.rng.below(100) {
-            0..12 => run.submit(&mut cluster, JobKind::Store),
-            12..24 => run.submit(&mut cluster, JobKind::Load),
-            24..28 => run.lookup(&cluster)?,
-            _ => {
-                cluster.step();
-            }
-        }
-        run.collect(&cluster)?;
-        run.check_objects(false)?;
+        run.act(&mut cluster)?;
         if loss_at == Some(step) {
-            // Jobs in flight are never reported: the process is gone.
-            let lost = cluster.power_loss(&storage, seed ^ step);
-            let _ = lost;
-            run.report.power_losses += 1;
-            for (_, p) in run.pending.drain() {
-                run.free.extend(p.blocks);
-            }
+            let _ = cluster.power_loss(&storage, seed ^ step);
+            run.forget_pending();
             storage.restart();
             cluster =
                 match Cluster::open_with(&config, &region, &storage, seed ^ 0xAF7E, cold.clone()) {
@@ -500,20 +535,7 @@ pub fn seeds(first: u64, count: u64, steps: u64) -> Result<Report, String> {
                  sim::cluster::campaign::tests::replays_one_seed -- --nocapture"
             )
         })?;
-        total.steps += r.steps;
-        total.jobs += r.jobs;
-        total.keys_loaded += r.keys_loaded;
-        total.loads_failed += r.loads_failed;
-        total.keys_stored += r.keys_stored;
-        total.stores_failed += r.stores_failed;
-        total.power_losses += r.power_losses;
-        total.after_loss_served += r.after_loss_served;
-        total.reformatted += r.reformatted;
-        total.read_flips += r.read_flips;
-        total.checksum_failures += r.checksum_failures;
-        total.cold_runs += r.cold_runs;
-        total.lookups += r.lookups;
-        total.cold.add(&r.cold);
+        total.add(&r);
     }
     Ok(total)
 }

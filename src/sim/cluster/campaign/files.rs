@@ -1,0 +1,185 @@
+//! The seeded campaign on the files layout: the same random jobs, lookups, faults, schedules
+//! and checks as the slab's [`run`](super::run), on workers whose file operations run on a
+//! scratch directory through [`SimFiles`], with an object store in half the runs. A power loss
+//! undoes renames and keeps, truncates, zeroes or removes files not synced ([`SimFiles`]);
+//! the directory is then scanned again by a new cluster, and every key ever stored is loaded
+//! once: served exactly, or failed, never wrong.
+//!
+//! Runs draw `sync = "none"` (vLLM's: nothing flushed) or `"data"`; without a sync nothing
+//! but the crc32c kept in each file's xattr can tell a zeroed sector, so runs that lose power
+//! with `sync = "none"` keep `checksums = true`.
+
+use std::path::PathBuf;
+
+use crate::config::{Config, DeviceConfig, DirectIo, FilesConfig, Layout, Namespace, SyncMode};
+use crate::sim::files::SimFiles;
+use crate::sim::object_store::{ObjectFaults, SimObjectStore};
+use crate::sim::{Faults, Rng};
+
+use super::REGION_BLOCKS;
+use super::{config, faults, object_faults, object_settings, Cluster, Report, Run, BLOCK};
+
+/// A scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(seed: u64) -> Result<Scratch, String> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "kvtier-sim-files-{}-{seed}-{n}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Scratch(path))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn files_config(rng: &mut Rng, dir: &std::path::Path, workers: usize, loses_power: bool) -> Config {
+    let mut c = config(rng, workers, 1);
+    c.direct_io = DirectIo::Off;
+    let mut d = DeviceConfig::new(dir);
+    d.layout = Layout::Files;
+    // 16..64 blocks: eviction is frequent.
+    d.capacity_bytes = Some((16 + rng.below(48)) * BLOCK);
+    c.devices = vec![d];
+    let mut files = FilesConfig::new(Namespace::new("sim/model", "bfloat16", 16, 1));
+    files.sync = [SyncMode::None, SyncMode::Data][rng.below(2) as usize];
+    files.checksums = rng.below(4) > 0 || (loses_power && files.sync == SyncMode::None);
+    if !files.checksums && files.sync == SyncMode::None && loses_power {
+        files.checksums = true;
+    }
+    c.files = Some(files);
+    c
+}
+
+/// One seeded run on the files layout; see the module docs.
+pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
+    let mut rng = Rng::new(seed ^ 0xF1_1E5);
+    let workers = 1 + rng.below(3) as usize;
+    let loss_at = (rng.below(2) == 1).then(|| rng.below(steps));
+    let scratch = Scratch::new(seed)?;
+    let config = files_config(&mut rng, &scratch.0, workers, loss_at.is_some());
+    let checksums = config.files.as_ref().is_some_and(|f| f.checksums);
+    // Flipped reads only where a checksum can catch them.
+    let read_flip_ppm = if checksums {
+        [0, 0, 1 + rng.below(20_000) as u32][rng.below(3) as usize]
+    } else {
+        0
+    };
+    let files = SimFiles::new(seed);
+    let region = crate::region::allocate_blocks(
+        BLOCK,
+        u64::from(REGION_BLOCKS),
+        crate::config::HugePages::Off,
+    )
+    .map_err(|e| e.to_string())?;
+    let cold = (rng.below(2) == 1)
+        .then(|| SimObjectStore::new(seed, object_settings(&mut rng), &region, BLOCK as usize));
+    if let Some(c) = &cold {
+        c.set_faults(object_faults(&mut rng));
+    }
+    let mut run = Run::new(seed, &region, cold.clone());
+    let mut cluster = Cluster::open_files(&config, &region, &files, seed, cold.clone())
+        .map_err(|e| e.to_string())?;
+    files.set_faults(faults(&mut rng, read_flip_ppm));
+    files.track_durability(true);
+    for step in 0..steps {
+        run.act(&mut cluster)?;
+        if loss_at == Some(step) {
+            cluster.crash();
+            let _ = files.power_loss(seed ^ step);
+            run.forget_pending();
+            cluster = Cluster::open_files(&config, &region, &files, seed ^ 0xAF7E, cold.clone())
+                .map_err(|e| format!("reopening after the power loss: {e}"))?;
+            run.load_every_stored(&mut cluster)?;
+            files.set_faults(faults(&mut rng, read_flip_ppm));
+            files.track_durability(true);
+        }
+    }
+    files.set_faults(Faults::default());
+    if let Some(c) = &cold {
+        c.set_faults(ObjectFaults::default());
+    }
+    run.settle(&mut cluster)?;
+    run.report.read_flips = files.read_flips();
+    if let Some(c) = &cold {
+        run.report.cold_runs = 1;
+        run.report.cold = c.counts();
+    }
+    drop(cluster);
+    Ok(run.report)
+}
+
+/// Runs `count` files-layout seeds from `first`; the first failure names its seed and how to
+/// replay it.
+pub fn files_seeds(first: u64, count: u64, steps: u64) -> Result<Report, String> {
+    let mut total = Report::default();
+    for seed in first..first + count {
+        let r = files_run(seed, steps).map_err(|e| {
+            format!(
+                "files seed {seed}: {e}\nreplay: KVTIER_SIM_SEED={seed} cargo test -p kvtier --lib \
+                 --features sim sim::cluster::campaign::files::tests::replays_one_seed -- --nocapture"
+            )
+        })?;
+        total.add(&r);
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(name: &str, default: u64) -> u64 {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
+
+    /// `KVTIER_SIM_SEEDS=100000 cargo test --release -p kvtier --lib --features sim
+    /// sim::cluster::campaign::files -- --nocapture` runs a hundred thousand.
+    #[test]
+    fn seeded_files_campaign_finds_no_violation() {
+        let first = env("KVTIER_SIM_FIRST", 1);
+        let count = env("KVTIER_SIM_SEEDS", 300);
+        let steps = env("KVTIER_SIM_STEPS", 1500);
+        let t = std::time::Instant::now();
+        let r = files_seeds(first, count, steps).unwrap_or_else(|e| panic!("{e}"));
+        eprintln!(
+            "sim files campaign: {count} seeds from {first}, {steps} steps each, {:.1} s: {r:?}",
+            t.elapsed().as_secs_f64()
+        );
+        assert!(
+            r.keys_loaded > 0 && r.keys_stored > 0 && r.after_loss_served > 0,
+            "the campaign moved data, also after power losses: {r:?}"
+        );
+        assert!(r.power_losses > 0, "some runs lost power: {r:?}");
+        assert!(
+            r.read_flips > 0 && r.checksum_failures > 0,
+            "reads flipped bits and loads caught them: {r:?}"
+        );
+        assert!(
+            r.cold_runs > 0 && r.cold.gets_served > 0 && r.cold.demotions > 0,
+            "runs with an object store loaded from it and demoted to it: {r:?}"
+        );
+    }
+
+    /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib --features sim
+    /// sim::cluster::campaign::files::tests::replays_one_seed -- --nocapture` replays one.
+    #[test]
+    fn replays_one_seed() {
+        let seed = env("KVTIER_SIM_SEED", 7);
+        let steps = env("KVTIER_SIM_STEPS", 1500);
+        let a = files_run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let b = files_run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
+    }
+}
