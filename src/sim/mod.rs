@@ -13,26 +13,29 @@
 //! Durability: with [`SimStorage::track_durability`] every completed write is journaled as
 //! not yet durable (the slab never syncs, so nothing after open is); [`SimStorage::power_loss`]
 //! then keeps, drops, tears or misdirects each of them, drawn from a seed, as a device's
-//! volatile cache may at power loss. [`cluster`] steps workers on these devices from one thread,
-//! so a seed replays the schedule too.
+//! volatile cache may at power loss. `backend` is one worker's queue to these devices.
+//!
+//! Beside it: [`files`], the files layout's operations on a scratch directory with the same
+//! faults and a durability journal of its own, and [`object_store`], a simulated cold tier.
+//! [`cluster`] steps workers on either, and the object store, from one thread, so a seed
+//! replays the schedule too.
 //!
 //! Set `KVTIER_SIM_SEED` to replay a failing seed; [`seed_from_env`] prints the seed in use.
 
+mod backend;
 pub mod cluster;
 pub mod files;
 pub mod object_store;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, IoBackend, IoClass, IoKind,
-    IoRequest, Region, Storage,
+    BackendSettings, BufRef, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, Region, Storage,
 };
-use crate::Errno;
+use backend::SimBackend;
 
 /// Fault rates, in parts per million of I/Os, and timing.
 #[derive(Clone, Copy, Debug, Default)]
@@ -471,222 +474,12 @@ impl Storage for SimStorage {
         wake: Arc<EventFd>,
         settings: &BackendSettings,
     ) -> Result<Box<dyn IoBackend>> {
-        Ok(Box::new(SimBackend {
-            state: Arc::clone(&self.state),
+        Ok(Box::new(SimBackend::new(
+            Arc::clone(&self.state),
             worker,
             buffers,
             wake,
-            rng: Rng::new(self.state.seed ^ (worker as u64).wrapping_mul(0xA24B_AED4_963E_E407)),
-            queued: Vec::new(),
-            pending: Vec::new(),
-            round: 0,
-            sq_entries: settings.ring_entries as usize,
-        }))
-    }
-}
-
-struct Pending {
-    req: IoRequest,
-    due: u64,
-}
-
-struct SimBackend {
-    state: Arc<State>,
-    worker: usize,
-    buffers: Vec<Arc<Region>>,
-    wake: Arc<EventFd>,
-    rng: Rng,
-    queued: Vec<IoRequest>,
-    pending: Vec<Pending>,
-    round: u64,
-    sq_entries: usize,
-}
-
-impl SimBackend {
-    fn faults(&self) -> Faults {
-        *self
-            .state
-            .faults
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Performs the request's data movement and decides its result.
-    fn execute(&mut self, req: &IoRequest) -> i32 {
-        let f = self.faults();
-        let len = req.buf.len as usize;
-        let region = Arc::clone(&self.buffers[req.buf.region as usize]);
-        let dev = req.device as usize;
-        let faulty = !(f.data_only && req.class == IoClass::Meta);
-        if self.state.failing.load(Ordering::SeqCst) & (1u64 << dev) != 0 {
-            return -(Errno::EIO as i32);
-        }
-        if req.kind == IoKind::Write {
-            if self.state.crashed.load(Ordering::SeqCst) {
-                return self.tear(req, &region);
-            }
-            let left = self.state.writes_until_crash.load(Ordering::SeqCst);
-            if left != u64::MAX {
-                if left == 0 {
-                    self.state.crashed.store(true, Ordering::SeqCst);
-                    return self.tear(req, &region);
-                }
-                self.state
-                    .writes_until_crash
-                    .store(left - 1, Ordering::SeqCst);
-            }
-        }
-        if faulty {
-            if self.rng.hit(f.eio_ppm) {
-                return -(Errno::EIO as i32);
-            }
-            if req.kind == IoKind::Write && self.rng.hit(f.enospc_ppm) {
-                return -(Errno::ENOSPC as i32);
-            }
-            if req.kind == IoKind::Write && self.rng.hit(f.torn_write_ppm) {
-                return self.tear(req, &region);
-            }
-            if len > 512 && self.rng.hit(f.short_ppm) {
-                let short = (self.rng.below(len as u64 / 512) * 512) as usize;
-                self.state
-                    .copy(dev, req.kind, req.offset, &region, req.buf, short);
-                return i32::try_from(short).expect("I/O sizes fit i32");
-            }
-        }
-        self.state
-            .copy(dev, req.kind, req.offset, &region, req.buf, len);
-        if faulty && req.kind == IoKind::Read && len > 0 && self.rng.hit(f.read_flip_ppm) {
-            let at = req.buf.offset + self.rng.below(len as u64) as usize;
-            let mut byte = [0u8];
-            region.read(at, &mut byte);
-            byte[0] ^= 1 << self.rng.below(8);
-            region.write(at, &byte);
-            self.state.read_flips.fetch_add(1, Ordering::SeqCst);
-        }
-        i32::try_from(len).expect("I/O sizes fit i32")
-    }
-
-    /// Lands a random prefix of a write (in 512-byte sectors) and fails it.
-    fn tear(&mut self, req: &IoRequest, region: &Region) -> i32 {
-        let sectors = u64::from(req.buf.len) / 512;
-        let landed = (self.rng.below(sectors + 1) * 512) as usize;
-        self.state.copy(
-            req.device as usize,
-            IoKind::Write,
-            req.offset,
-            region,
-            req.buf,
-            landed,
-        );
-        -(Errno::EIO as i32)
-    }
-}
-
-impl IoBackend for SimBackend {
-    fn push(&mut self, req: &IoRequest) -> bool {
-        if self.queued.len() + self.pending.len() >= self.sq_entries * 2 {
-            return false;
-        }
-        let r = &self.buffers[req.buf.region as usize];
-        assert!(
-            req.buf.offset + req.buf.len as usize <= r.len(),
-            "request outside its buffer"
-        );
-        if self.state.log_enabled.load(Ordering::SeqCst) {
-            self.state
-                .log
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(LogEntry {
-                    worker: self.worker,
-                    kind: req.kind,
-                    class: req.class,
-                    device: req.device,
-                    offset: req.offset,
-                    len: req.buf.len,
-                });
-        }
-        self.queued.push(*req);
-        true
-    }
-
-    fn submit(&mut self, wait: bool) -> std::io::Result<()> {
-        self.round += 1;
-        let max_delay = u64::from(self.faults().max_delay_rounds);
-        for req in self.queued.drain(..) {
-            let delay = if max_delay == 0 {
-                0
-            } else {
-                self.rng.below(max_delay + 1)
-            };
-            self.pending.push(Pending {
-                req,
-                due: self.round + delay,
-            });
-        }
-        if !wait {
-            return Ok(());
-        }
-        let hung = self.state.hung.load(Ordering::SeqCst);
-        let all_hung = self
-            .pending
-            .iter()
-            .all(|p| hung & (1u64 << p.req.device) != 0);
-        if self.state.paused.load(Ordering::SeqCst) || all_hung {
-            // Nothing can complete: sleep until woken (bounded, so pause can be lifted).
-            self.wake
-                .wait_timeout(Duration::from_millis(if self.pending.is_empty() {
-                    100
-                } else {
-                    1
-                }));
-            return Ok(());
-        }
-        // Waiting: jump time to the earliest due completion.
-        let earliest = self
-            .pending
-            .iter()
-            .filter(|p| hung & (1u64 << p.req.device) == 0)
-            .map(|p| p.due)
-            .min()
-            .unwrap_or(self.round);
-        self.round = self.round.max(earliest);
-        Ok(())
-    }
-
-    fn complete(&mut self, out: &mut Vec<Completion>) {
-        if self.state.paused.load(Ordering::SeqCst) {
-            return;
-        }
-        let f = self.faults();
-        let round = self.round;
-        let hung = self.state.hung.load(Ordering::SeqCst);
-        let (ready, rest): (Vec<Pending>, Vec<Pending>) = self
-            .pending
-            .drain(..)
-            .partition(|p| p.due <= round && hung & (1u64 << p.req.device) == 0);
-        self.pending = rest;
-        let mut ready: Vec<IoRequest> = ready.into_iter().map(|p| p.req).collect();
-        if f.reorder {
-            for i in (1..ready.len()).rev() {
-                let j = self.rng.below(i as u64 + 1) as usize;
-                ready.swap(i, j);
-            }
-        }
-        for req in ready {
-            let result = self.execute(&req);
-            out.push(Completion {
-                user_data: req.user_data,
-                result,
-            });
-        }
-    }
-
-    fn in_flight(&self) -> usize {
-        self.queued.len() + self.pending.len()
-    }
-
-    fn describe(&self) -> String {
-        format!("sim (seed {})", self.state.seed)
+            settings.ring_entries as usize,
+        )))
     }
 }
