@@ -706,3 +706,82 @@ fn write_ack_nvme_stores_do_not_wait_for_a_dead_endpoint() {
     assert!(s3.uploads_dropped >= 14, "{s3:?}"); // 16 blocks, at most 2 queued
     assert_eq!(engine.lookup(&[key(215)]), vec![Lookup::Hit(Tier::Nvme)]);
 }
+
+/// A slab worker that demoted blocks and then gets a store for a device where it owns no slot
+/// (a device of one table page belongs to worker 0 alone) must report it failed (no space),
+/// not wait forever: the staging slots it handed to the S3 tier all came back, so none is
+/// one to wait for. Before the fix the worker counted them as still out and blocked the store
+/// for good (found by the simulator, seed 202).
+#[test]
+fn a_store_with_no_slot_to_evict_fails_after_demotions_instead_of_hanging() {
+    const BIG: u64 = 512 << 10;
+    let server = S3Server::start();
+    let dir = scratch_dir();
+    let text = config_text(
+        dir.path(),
+        &server.endpoint(),
+        0,
+        "write = \"on_evict\"\npromote_on_load = false",
+    )
+    .replace(
+        &format!("block_size = {BLOCK}"),
+        &format!("block_size = {BIG}"),
+    )
+    .replace("cores = [0]", "cores = [0, 1]")
+    .replace("region_blocks = 64", "region_blocks = 4")
+    // Device 0: about 60 slots, two table pages, one per worker. Device 1: under 32
+    // slots, one table page, all worker 0's.
+    .replace(
+        &format!("capacity_bytes = {}", 16u64 << 20),
+        &format!(
+            "capacity_bytes = {}\n[[devices]]\npath = \"{}\"\ncapacity_bytes = {}",
+            32u64 << 20,
+            dir.path().join("slab1").display(),
+            16u64 << 20
+        ),
+    );
+    let cfg = Config::from_toml_str(&text).expect("two-device config");
+    let region =
+        kvtier::region::allocate_blocks(BIG, 4, kvtier::config::HugePages::Off).expect("region");
+    let engine = Engine::open(&cfg, Arc::clone(&region)).expect("engine opens");
+    // Keys of worker 1: on device 0 (it owns about 30 slots there), and one on device 1.
+    let of = |device: usize| {
+        (1000u64..).filter(move |&i| key(i).shard(2) == 1 && key(i).device(2) == device)
+    };
+    let store_one = |job: u64, id: u64| {
+        region.write(0, &content(id, BIG as usize));
+        engine
+            .submit_store(Job::new(job, vec![key(id)], vec![0]))
+            .expect("submit");
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while out.is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "store job {job} of key {id} never reported"
+            );
+            engine.wait_finished(&mut out, Duration::from_millis(50));
+        }
+        out.pop().expect("one result")
+    };
+    for (j, id) in of(0).take(48).enumerate() {
+        let r = store_one(j as u64, id);
+        assert!(r.success, "{r:?}");
+    }
+    let stats = engine.stats();
+    assert!(
+        stats.demotions >= 8,
+        "worker 1 demoted its evicted blocks: {stats:?}"
+    );
+    // Every handed-over staging slot comes back once the tier copied it out.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while engine.stats().s3.expect("s3 stats").demotions < stats.demotions {
+        assert!(Instant::now() < deadline, "uploads never finished");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let id = of(1).next().expect("a key of worker 1 on device 1");
+    let r = store_one(100, id);
+    let f = r.failure().expect("no slot on device 1 for worker 1");
+    assert_eq!(f.reason, KeyFailure::NoSpace, "{r:?}");
+    engine.shutdown();
+}

@@ -9,10 +9,9 @@
 //! Every loaded block is compared with what was stored. Objects are written under
 //! `<prefix>/kvtier-bench-<run>/...` and deleted at the end.
 
-use crate::jobs;
+use crate::jobs::{self, Jobs};
 use crate::rng::Rng;
 use crate::stats::{median, percentile};
-use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
@@ -20,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier::config::{S3Write, WriteAck};
-use kvtier::{Config, Engine, Job, JobKind, JobResult, Key, Region};
+use kvtier::{Config, Engine, JobKind, JobResult, Key, Region};
 use serde_json::json;
 
 use crate::output::{self, CliError, CliResult, Human, Table};
@@ -231,9 +230,85 @@ struct Latency {
     seconds: f64,
 }
 
+/// The latency phase's two streams: QD1 loads of `local` keys (stream 0), and with `s3_keys`
+/// loads of those (held only in S3) at `2 × depth` (stream 1), so the reactor has `depth` GETs
+/// running. Every loaded block is checked.
+struct LatencyJobs<'a> {
+    region: &'a Region,
+    block_bytes: usize,
+    local: &'a [(Key, Vec<u8>)],
+    s3_keys: &'a [(Key, u32)],
+    streams: [(JobKind, usize); 2],
+    /// Jobs submitted per stream; by block, which key index the job on it loads.
+    next: [usize; 2],
+    on_block: Vec<usize>,
+    nvme_us: Vec<u64>,
+    s3_bytes: u64,
+}
+
+impl Jobs for LatencyJobs<'_> {
+    fn streams(&self) -> &[(JobKind, usize)] {
+        &self.streams
+    }
+
+    fn next_key(&mut self, s: usize) -> Option<Key> {
+        Some(if s == 0 {
+            self.local[self.next[0] % self.local.len()].0
+        } else {
+            self.s3_keys[self.next[1] % self.s3_keys.len()].0
+        })
+    }
+
+    fn prepare(&mut self, _: usize, _: u32) {}
+
+    fn submitted(&mut self, s: usize, block: u32) {
+        let n = if s == 0 {
+            self.local.len()
+        } else {
+            self.s3_keys.len()
+        };
+        self.on_block[block as usize] = self.next[s] % n;
+        self.next[s] += 1;
+    }
+
+    fn has_work(&self, _: usize) -> bool {
+        true
+    }
+
+    fn done(&mut self, s: usize, block: u32, r: &JobResult) -> CliResult<()> {
+        if !r.success {
+            return Err(CliError::runtime(format!(
+                "load {} failed: {:?}",
+                r.id,
+                r.failure()
+            )));
+        }
+        let idx = self.on_block[block as usize];
+        let at = block as usize * self.block_bytes;
+        if s == 1 {
+            let (_, want) = self.s3_keys[idx];
+            let crc = self.region.with_bytes(at, self.block_bytes, crc32c::crc32c);
+            if crc != want {
+                return Err(CliError::runtime(format!("S3 load {idx}: wrong bytes")));
+            }
+            self.s3_bytes += self.block_bytes as u64;
+        } else {
+            let want = &self.local[idx].1;
+            if !self
+                .region
+                .with_bytes(at, self.block_bytes, |b| b == want.as_slice())
+            {
+                return Err(CliError::runtime("NVMe load: wrong bytes"));
+            }
+            self.nvme_us.push(r.elapsed.as_micros() as u64);
+        }
+        Ok(())
+    }
+}
+
 /// QD1 loads of `local` keys for `seconds`; with `s3_keys`, also keeps `2 × depth` loads of
 /// those (held only in S3) in flight, so the reactor has `depth` GETs running. Every loaded block
-/// is checked.
+/// is checked. Blocks `0..=2 × depth` of the region are used.
 fn latency_phase(
     engine: &Engine,
     region: &Region,
@@ -243,79 +318,30 @@ fn latency_phase(
     depth: usize,
     seconds: f64,
 ) -> CliResult<Latency> {
-    const S3_ID: u64 = 1 << 62;
-    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
     let started = Instant::now();
-    let mut nvme_us = Vec::new();
-    let mut s3_bytes = 0u64;
-    let mut s3_free: VecDeque<u32> = (1..=2 * depth as u32).collect();
-    let mut s3_next = 0usize;
-    let mut s3_holder = std::collections::HashMap::new();
-    let mut nvme_busy = false;
-    let mut nvme_next = 0usize;
-    let mut out: Vec<JobResult> = Vec::new();
-    loop {
-        let running = Instant::now() < deadline;
-        if running && !nvme_busy {
-            let (k, _) = &local[nvme_next % local.len()];
-            engine.submit_load(Job::new(nvme_next as u64, vec![*k], vec![0]))?;
-            nvme_busy = true;
-        }
-        while running && !s3_keys.is_empty() {
-            let Some(block) = s3_free.pop_front() else {
-                break;
-            };
-            let (k, _) = s3_keys[s3_next % s3_keys.len()];
-            let id = S3_ID | s3_next as u64;
-            if engine
-                .submit_load(Job::new(id, vec![k], vec![block]))
-                .is_err()
-            {
-                s3_free.push_front(block);
-                break;
-            }
-            s3_holder.insert(id, (block, s3_next % s3_keys.len()));
-            s3_next += 1;
-        }
-        if !running && !nvme_busy && s3_holder.is_empty() {
-            break;
-        }
-        out.clear();
-        engine.wait_finished(&mut out, Duration::from_millis(50));
-        for r in &out {
-            if !r.success {
-                return Err(CliError::runtime(format!(
-                    "load {} failed: {:?}",
-                    r.id,
-                    r.failure()
-                )));
-            }
-            if r.id & S3_ID != 0 {
-                let (block, idx) = s3_holder.remove(&r.id).expect("tracked S3 load");
-                let (_, want) = s3_keys[idx];
-                let crc =
-                    region.with_bytes(block as usize * block_bytes, block_bytes, crc32c::crc32c);
-                if crc != want {
-                    return Err(CliError::runtime(format!("S3 load {idx}: wrong bytes")));
-                }
-                s3_bytes += block_bytes as u64;
-                s3_free.push_back(block);
-            } else {
-                let (_, want) = &local[r.id as usize % local.len()];
-                let ok = region.with_bytes(0, block_bytes, |b| b == want.as_slice());
-                if !ok {
-                    return Err(CliError::runtime("NVMe load: wrong bytes"));
-                }
-                nvme_us.push(r.elapsed.as_micros() as u64);
-                nvme_busy = false;
-                nvme_next += 1;
-            }
-        }
-    }
+    let s3_depth = if s3_keys.is_empty() { 0 } else { 2 * depth };
+    let blocks: Vec<u32> = (0..=s3_depth as u32).collect();
+    let mut jobs = LatencyJobs {
+        region,
+        block_bytes,
+        local,
+        s3_keys,
+        streams: [(JobKind::Load, 1), (JobKind::Load, s3_depth)],
+        next: [0, 0],
+        on_block: vec![0; blocks.len()],
+        nvme_us: Vec::new(),
+        s3_bytes: 0,
+    };
+    let limits = jobs::Limits {
+        until: Some(started + Duration::from_secs_f64(seconds)),
+        stall: None,
+    };
+    jobs::Driver::new(engine, &blocks, Duration::from_millis(50)).run(&mut jobs, limits)?;
+    let mut nvme_us = jobs.nvme_us;
     nvme_us.sort_unstable();
     Ok(Latency {
         nvme_us,
-        s3_bytes,
+        s3_bytes: jobs.s3_bytes,
         seconds: started.elapsed().as_secs_f64(),
     })
 }

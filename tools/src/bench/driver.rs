@@ -1,20 +1,12 @@
-//! The job driver: phases of store and load jobs kept at the queue depth on one engine, each
-//! block from a free list, every result checked and tallied.
+//! The bench's phases on the tools' job driver ([`crate::jobs`]): a load and a store stream
+//! kept at the queue depth on one engine, every result checked and tallied.
 
 use super::*;
+use crate::jobs::{self, Driver, Jobs};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stream {
     Load = 0,
     Store = 1,
-}
-
-impl Stream {
-    pub(super) fn of(kind: JobKind) -> Stream {
-        match kind {
-            JobKind::Load => Stream::Load,
-            JobKind::Store => Stream::Store,
-        }
-    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -116,31 +108,42 @@ impl PhaseOutcome {
     }
 }
 
-/// A job the bench has submitted and not yet seen finish; indexed by its region block.
-#[derive(Clone, Copy)]
-pub(super) struct InFlight {
-    pub(super) kind: JobKind,
-    pub(super) key: u64,
-    pub(super) seq: u64,
-}
-
+/// What the bench keeps between phases: the blocks' contents, the keys stored, the rng.
 pub(super) struct Bench<'e> {
     pub(super) engine: &'e Engine,
-    pub(super) region: &'e Region,
-    pub(super) data: Patterns,
-    pub(super) block_bytes: usize,
-    pub(super) queue_depth: usize,
-    pub(super) free: Vec<u32>,
-    pub(super) in_flight: Vec<Option<InFlight>>,
-    pub(super) next_seq: u64,
-    pub(super) results: Vec<JobResult>,
-    pub(super) rng: Rng,
+    driver: Driver<'e>,
+    state: State<'e>,
+}
+
+struct State<'e> {
+    engine: &'e Engine,
+    region: &'e Region,
+    data: Patterns,
+    block_bytes: usize,
+    queue_depth: usize,
+    /// By block: the key number of the job on it.
+    key_on_block: Vec<u64>,
+    rng: Rng,
     /// Keys whose store succeeded, oldest first; loads pick among them.
-    pub(super) pool: VecDeque<u64>,
+    pool: VecDeque<u64>,
     /// Bound on `pool`: more keys than slots cannot all be stored.
-    pub(super) pool_max: usize,
-    pub(super) next_store_key: u64,
-    pub(super) show_progress: bool,
+    pool_max: usize,
+    next_store_key: u64,
+    /// The key the load stream offered last.
+    last_pick: u64,
+    show_progress: bool,
+}
+
+/// One phase as the job driver runs it: stream 0 loads, stream 1 stores (each at the queue
+/// depth, or absent from the phase with depth 0).
+struct PhaseJobs<'a, 'e> {
+    state: &'a mut State<'e>,
+    phase: &'a Phase,
+    streams: [(JobKind, usize); 2],
+    tallies: [Tally; 2],
+    bar: ProgressBar,
+    start: Instant,
+    last_draw: Instant,
 }
 
 impl<'e> Bench<'e> {
@@ -164,118 +167,139 @@ impl<'e> Bench<'e> {
                 region.write(block as usize * block_bytes, data.pattern(u64::from(block)));
             }
         }
+        let blocks: Vec<u32> = (0..region_blocks).collect();
         Bench {
             engine,
-            region,
-            data,
-            block_bytes,
-            queue_depth,
-            free: (0..region_blocks).rev().collect(),
-            in_flight: vec![None; region_blocks as usize],
-            next_seq: 0,
-            results: Vec::with_capacity(2 * queue_depth),
-            rng: Rng::new(SEED ^ 0x5eed),
-            pool: VecDeque::with_capacity(slots_total.min(1 << 20)),
-            pool_max: slots_total.max(1),
-            next_store_key: 0,
-            show_progress: std::io::stderr().is_terminal(),
+            driver: Driver::new(engine, &blocks, WAIT),
+            state: State {
+                engine,
+                region,
+                data,
+                block_bytes,
+                queue_depth,
+                key_on_block: vec![0; region_blocks as usize],
+                rng: Rng::new(SEED ^ 0x5eed),
+                pool: VecDeque::with_capacity(slots_total.min(1 << 20)),
+                pool_max: slots_total.max(1),
+                next_store_key: 0,
+                last_pick: 0,
+                show_progress: std::io::stderr().is_terminal(),
+            },
         }
     }
 
     pub(super) fn run_phase(&mut self, phase: &Phase) -> CliResult<PhaseOutcome> {
-        let bar = self.progress_bar(phase);
         let cpu_before = self.engine.stats().worker_cpu_seconds;
         let bench_before = thread_cpu_time();
         let start = Instant::now();
-        let mut tallies = [Tally::default(), Tally::default()];
-        let mut last_draw = start;
-        loop {
-            let open =
-                !interrupt::requested() && phase.duration.is_none_or(|d| start.elapsed() < d);
-            if open {
-                self.submit_more(phase, &mut tallies)?;
-            }
-            let in_flight: usize = tallies.iter().map(|t| t.in_flight).sum();
-            if in_flight == 0 && (!open || !self.has_work(phase)) {
-                break;
-            }
-            self.engine.wait_finished(&mut self.results, WAIT);
-            let mut results = std::mem::take(&mut self.results);
-            for r in results.drain(..) {
-                self.complete(&r, &mut tallies);
-            }
-            self.results = results;
-            if last_draw.elapsed() >= PROGRESS_EVERY {
-                last_draw = Instant::now();
-                Bench::draw(&bar, phase, start, &tallies);
-            }
-        }
+        let depth = self.state.queue_depth;
+        let mut jobs = PhaseJobs {
+            bar: self.state.progress_bar(phase),
+            state: &mut self.state,
+            phase,
+            streams: [
+                (JobKind::Load, if phase.load { depth } else { 0 }),
+                (
+                    JobKind::Store,
+                    if phase.store.is_some() { depth } else { 0 },
+                ),
+            ],
+            tallies: [Tally::default(), Tally::default()],
+            start,
+            last_draw: start,
+        };
+        let limits = jobs::Limits {
+            until: phase.duration.map(|d| start + d),
+            stall: None,
+        };
+        self.driver.run(&mut jobs, limits)?;
         let seconds = start.elapsed().as_secs_f64();
-        bar.finish_and_clear();
+        jobs.bar.finish_and_clear();
         Ok(PhaseOutcome {
             seconds,
             cpu_seconds: (self.engine.stats().worker_cpu_seconds - cpu_before).max(0.0),
             bench_cpu_seconds: thread_cpu_time().saturating_sub(bench_before).as_secs_f64(),
-            tallies,
+            tallies: jobs.tallies,
         })
     }
+}
 
-    pub(super) fn has_work(&self, phase: &Phase) -> bool {
-        let stores = match phase.store {
-            Some(StoreUntil::Key(end)) => self.next_store_key < end,
-            Some(StoreUntil::Deadline) => true,
-            None => false,
-        };
-        stores || (phase.load && !self.pool.is_empty())
+impl Jobs for PhaseJobs<'_, '_> {
+    fn streams(&self) -> &[(JobKind, usize)] {
+        &self.streams
     }
 
-    /// Tops both streams up to the queue depth, loads first. Stops a stream at backpressure.
-    pub(super) fn submit_more(&mut self, phase: &Phase, tallies: &mut [Tally; 2]) -> CliResult<()> {
-        if phase.load {
-            let tally = &mut tallies[Stream::Load as usize];
-            while tally.in_flight < self.queue_depth {
-                let Some(key) = self.pick_load_key(tally) else {
-                    break;
-                };
-                let block = self
-                    .free
-                    .pop()
-                    .expect("the region has a block per job in flight");
-                self.data.poison(self.region, self.offset(block));
-                if !self.submit(JobKind::Load, key, block)? {
-                    self.free.push(block);
-                    break;
+    fn next_key(&mut self, s: usize) -> Option<Key> {
+        let k = if s == Stream::Load as usize {
+            self.state.pick_load_key(&mut self.tallies[s])?
+        } else {
+            if let Some(StoreUntil::Key(end)) = self.phase.store {
+                if self.state.next_store_key >= end {
+                    return None;
                 }
-                tally.in_flight += 1;
+            }
+            self.state.next_store_key
+        };
+        Some(key_of(k))
+    }
+
+    fn prepare(&mut self, s: usize, block: u32) {
+        let st = &mut *self.state;
+        let offset = st.offset(block);
+        if s == Stream::Load as usize {
+            st.data.poison(st.region, offset);
+        } else {
+            st.data.store_into(st.region, offset, st.next_store_key);
+        }
+    }
+
+    fn submitted(&mut self, s: usize, block: u32) {
+        let st = &mut *self.state;
+        st.key_on_block[block as usize] = if s == Stream::Load as usize {
+            // The key `next_key` just picked: `pick_load_key` left it in `last_pick`.
+            st.last_pick
+        } else {
+            st.next_store_key += 1;
+            st.next_store_key - 1
+        };
+        self.tallies[s].in_flight += 1;
+    }
+
+    fn has_work(&self, s: usize) -> bool {
+        if s == Stream::Load as usize {
+            self.phase.load && !self.state.pool.is_empty()
+        } else {
+            match self.phase.store {
+                Some(StoreUntil::Key(end)) => self.state.next_store_key < end,
+                Some(StoreUntil::Deadline) => true,
+                None => false,
             }
         }
-        if let Some(until) = phase.store {
-            let tally = &mut tallies[Stream::Store as usize];
-            while tally.in_flight < self.queue_depth {
-                if let StoreUntil::Key(end) = until {
-                    if self.next_store_key >= end {
-                        break;
-                    }
-                }
-                let key = self.next_store_key;
-                let block = self
-                    .free
-                    .pop()
-                    .expect("the region has a block per job in flight");
-                self.data.store_into(self.region, self.offset(block), key);
-                if !self.submit(JobKind::Store, key, block)? {
-                    self.free.push(block);
-                    break;
-                }
-                self.next_store_key += 1;
-                tally.in_flight += 1;
-            }
-        }
+    }
+
+    fn done(&mut self, s: usize, block: u32, r: &JobResult) -> CliResult<()> {
+        let kind = self.streams[s].0;
+        self.state.complete(kind, block, r, &mut self.tallies[s]);
         Ok(())
     }
 
+    fn tick(&mut self) {
+        if self.last_draw.elapsed() >= PROGRESS_EVERY {
+            self.last_draw = Instant::now();
+            State::draw(&self.bar, self.phase, self.start, &self.tallies);
+        }
+    }
+}
+
+impl State<'_> {
     /// A random stored key the index still holds; candidates it no longer holds leave the pool.
-    pub(super) fn pick_load_key(&mut self, tally: &mut Tally) -> Option<u64> {
+    fn pick_load_key(&mut self, tally: &mut Tally) -> Option<u64> {
+        let key = self.pick(tally)?;
+        self.last_pick = key;
+        Some(key)
+    }
+
+    fn pick(&mut self, tally: &mut Tally) -> Option<u64> {
         for _ in 0..LOOKUP_TRIES {
             if self.pool.is_empty() {
                 return None;
@@ -292,59 +316,21 @@ impl<'e> Bench<'e> {
         self.pool.back().copied()
     }
 
-    /// `Ok(false)` on backpressure (nothing was queued).
-    pub(super) fn submit(&mut self, kind: JobKind, key: u64, block: u32) -> CliResult<bool> {
-        let seq = self.next_seq;
-        assert!(
-            seq < 1 << 32,
-            "job sequence numbers fit the id's upper half"
-        );
-        let id = (seq << 32) | u64::from(block);
-        let job = Job::new(id, vec![key_of(key)], vec![block]);
-        let submitted = match kind {
-            JobKind::Load => self.engine.submit_load(job),
-            JobKind::Store => self.engine.submit_store(job),
-        };
-        match submitted {
-            Ok(()) => {
-                self.next_seq += 1;
-                let slot = &mut self.in_flight[block as usize];
-                assert!(slot.is_none(), "block {block} is already in flight");
-                *slot = Some(InFlight { kind, key, seq });
-                Ok(true)
-            }
-            Err(kvtier::Error::Backpressure(why)) => {
-                tracing::debug!(%why, "backpressure: waiting for results before resubmitting");
-                Ok(false)
-            }
-            Err(e) => Err(CliError::from(e).context("submitting a job")),
-        }
-    }
-
-    pub(super) fn complete(&mut self, r: &JobResult, tallies: &mut [Tally; 2]) {
-        let block = (r.id & u64::from(u32::MAX)) as u32;
-        let job = self.in_flight[block as usize]
-            .take()
-            .expect("each result is for a job this bench submitted and has not seen finish");
-        assert_eq!(
-            job.seq,
-            r.id >> 32,
-            "result id matches the job in flight on its block"
-        );
-        let tally = &mut tallies[Stream::of(job.kind) as usize];
+    fn complete(&mut self, kind: JobKind, block: u32, r: &JobResult, tally: &mut Tally) {
+        let key = self.key_on_block[block as usize];
         tally.in_flight -= 1;
         let offset = self.offset(block);
         if r.success {
             tally.ok_blocks += 1;
             tally.bytes += r.bytes;
             tally.record_latency(r.elapsed.as_micros() as u64, &mut self.rng);
-            match job.kind {
-                JobKind::Load => match self.data.first_mismatch(self.region, offset, job.key) {
+            match kind {
+                JobKind::Load => match self.data.first_mismatch(self.region, offset, key) {
                     None => tally.verified += 1,
                     Some(at) => {
                         tally.corrupt += 1;
                         tracing::error!(
-                            key = job.key,
+                            key,
                             block,
                             first_bad_byte = at,
                             "CORRUPT: loaded block differs from what was stored under this key"
@@ -352,7 +338,7 @@ impl<'e> Bench<'e> {
                     }
                 },
                 JobKind::Store => {
-                    self.pool.push_back(job.key);
+                    self.pool.push_back(key);
                     if self.pool.len() > self.pool_max {
                         self.pool.pop_front();
                     }
@@ -360,14 +346,14 @@ impl<'e> Bench<'e> {
             }
         } else {
             let failure = r.failure();
-            if job.kind == JobKind::Load && failure.is_some_and(|f| f.reason == KeyFailure::Miss) {
+            if kind == JobKind::Load && failure.is_some_and(|f| f.reason == KeyFailure::Miss) {
                 tally.missed += 1;
             } else {
                 tally.failed += 1;
                 if tally.failed <= FAILURES_LOGGED_MAX {
                     tracing::warn!(
-                        kind = ?job.kind,
-                        key = job.key,
+                        ?kind,
+                        key,
                         reason = failure.map_or_else(|| "unknown".into(), |f| f.reason.to_string()),
                         detail = failure.map_or("", |f| f.detail.as_str()),
                         "job failed"
@@ -375,14 +361,13 @@ impl<'e> Bench<'e> {
                 }
             }
         }
-        self.free.push(block);
     }
 
-    pub(super) fn offset(&self, block: u32) -> usize {
+    fn offset(&self, block: u32) -> usize {
         block as usize * self.block_bytes
     }
 
-    pub(super) fn progress_bar(&self, phase: &Phase) -> ProgressBar {
+    fn progress_bar(&self, phase: &Phase) -> ProgressBar {
         if !self.show_progress {
             return ProgressBar::hidden();
         }
@@ -405,7 +390,7 @@ impl<'e> Bench<'e> {
         bar
     }
 
-    pub(super) fn draw(bar: &ProgressBar, phase: &Phase, start: Instant, tallies: &[Tally; 2]) {
+    fn draw(bar: &ProgressBar, phase: &Phase, start: Instant, tallies: &[Tally; 2]) {
         let secs = start.elapsed().as_secs_f64().max(1e-9);
         let rate = |t: &Tally| output::gib(t.bytes) / secs;
         let [load, store] = tallies;

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvtier::config::Layout;
-use kvtier::{Config, Engine, Job, JobKind, JobResult, Key, KeyFailure, Lookup, Region};
+use kvtier::{Config, Engine, JobKind, JobResult, Key, KeyFailure, Lookup, Region};
 use kvtier_sys::affinity::thread_cpu_time;
 use serde::Serialize;
 use serde_json::json;
