@@ -1,7 +1,8 @@
 //! The `files` layout as a worker's [`Layout`]: each block a small state machine of io_uring
 //! file operations, so a job's blocks are all in flight at once and the worker never blocks its
 //! ring on a system call. The worker's scheduler is the slab's (loads first, stores capped while
-//! loads wait, stores chunked). Here: the op table, the index and the `Layout` seam; the load
+//! loads wait, stores chunked). Here: the index and the `Layout` seam; the op is in
+//! [`super::op`], how its steps become ring operations in [`super::steps`], the load
 //! steps are in [`super::load`], stores in [`super::store`], eviction and demotion in
 //! [`super::evict`], lookups' probes in [`super::probe`].
 //!
@@ -31,20 +32,16 @@
 //! released if it fails; every temp file is closed and removed on every failure path.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
-use nix::fcntl::OFlag;
-
-use crate::files::device::{c_path, FilesDevice, ScannedFile};
+use crate::files::device::{FilesDevice, ScannedFile};
 use crate::io::{BufRef, FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
-use crate::worker::{
-    own_key, Chunks, Core, Layout, LayoutOp, Start, TableOp, BUF_REGION, BUF_STAGING,
-};
+use crate::worker::{own_key, Core, Layout, Start, BUF_REGION};
+
+pub(crate) use super::op::{Kind, Op, Step};
 
 pub(super) const RENAME_NOREPLACE: u32 = 1;
 /// Blocks evicted at once when a store finds the device full.
@@ -64,148 +61,6 @@ pub(crate) struct Entry {
     pub tick: u64,
     /// Whether its bytes are in the shared usage counter (written or scanned by kvtier).
     pub counted: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Step {
-    Open,
-    /// `fgetxattr` of the block's crc32c on the ring (5.19+; else a call after the open).
-    GetXattr,
-    Read,
-    Close,
-    OpenTmp,
-    /// A confined `O_PATH` open of `<hhh>`, the parent of the temp file's directory, when the
-    /// temp file's directory is missing (first block there); its fd is the op's `fd` until
-    /// `MkdirLeaf` completes.
-    OpenParent,
-    /// `mkdirat(<hhh> fd, "<hh>_g<g>")`.
-    MkdirLeaf,
-    /// `mkdirat` of `<hhh>` below the data directory, when it is missing too.
-    MkdirParent,
-    /// `fsetxattr` of the block's crc32c on the ring (5.19+; else a call after the open).
-    SetXattr,
-    Write,
-    Sync,
-    CloseTmp,
-    Rename,
-    UnlinkTmp,
-    Unlink,
-    /// `sync = "data"`: after the rename, the directory is opened, fsynced (the new name is
-    /// durable; the store reports then) and closed, all on the ring.
-    OpenDir,
-    SyncDir,
-    CloseDir,
-    /// A probe's `statx` of the block path (see [`super::probe`]).
-    Stat,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Load,
-    Store,
-    /// Removing a block: an eviction, or a short/corrupt file found by a load.
-    Remove,
-    /// Finding out whether a block not indexed here exists (a lookup's question).
-    Probe,
-}
-
-pub(crate) struct Op {
-    pub kind: Kind,
-    pub step: Step,
-    pub job: Option<Arc<JobState>>,
-    pub item: u32,
-    pub key: Option<Key>,
-    pub dev: u16,
-    pub block: u32,
-    pub fd: i32,
-    pub dest: PathBuf,
-    pub tmp: PathBuf,
-    pub crc: Option<u32>,
-    /// The writes of a store: the whole block, or chunks when loads were waiting as it started
-    /// writing (so a load can overtake it). A new file is extended by each write, and
-    /// extending O_DIRECT writes serialize in the file system: one write is cheapest when
-    /// nothing waits.
-    pub chunks: Chunks,
-    /// The store failed: after closing, its temp file is removed.
-    pub failed: bool,
-    /// Bytes reserved in (or, for a removal, to release from) the usage counter.
-    pub bytes: u64,
-    /// The key's outcome has been reported; the op only cleans up now.
-    pub resolved: bool,
-    pub mkdir_tried: bool,
-    /// The leaf's parent `<hhh>` was made once already: a second ENOENT on the leaf (a
-    /// dangling symlink at `<hhh>`, or a cleaner racing) fails the store instead of looping.
-    pub mkdir_parent_tried: bool,
-    pub retried: bool,
-    /// The temp file exists on disk (created, not yet renamed or removed).
-    pub tmp_exists: bool,
-    /// A removal that first reads the file into this staging slot (demotion to S3).
-    pub staging: Option<u32>,
-    pub started: Instant,
-    /// A probe: the generation of its question in `WorkerShared::unindexed`.
-    pub generation: u64,
-}
-
-impl Op {
-    /// The temp file's directory `<data>/<hhh>/<hh>_g<g>`.
-    pub fn leaf_dir(&self) -> &Path {
-        self.tmp.parent().unwrap_or(&self.tmp)
-    }
-
-    /// The directory a `MkdirLeaf` / `MkdirParent` / `OpenParent` step creates or opens: the
-    /// leaf, or its parent `<hhh>`.
-    pub fn mkdir_target(&self) -> &Path {
-        let leaf = self.leaf_dir();
-        match self.step {
-            Step::MkdirParent | Step::OpenParent => leaf.parent().unwrap_or(leaf),
-            _ => leaf,
-        }
-    }
-}
-
-impl TableOp for Op {
-    fn clear(&mut self) {
-        self.job = None;
-    }
-}
-
-impl LayoutOp for Op {
-    fn writing(&mut self) -> Option<&mut Chunks> {
-        (self.step == Step::Write).then_some(&mut self.chunks)
-    }
-
-    fn device(&self) -> usize {
-        self.dev as usize
-    }
-}
-
-impl Op {
-    pub fn empty() -> Op {
-        Op {
-            kind: Kind::Load,
-            step: Step::Open,
-            job: None,
-            item: 0,
-            key: None,
-            dev: 0,
-            block: 0,
-            fd: -1,
-            dest: PathBuf::new(),
-            tmp: PathBuf::new(),
-            crc: None,
-            chunks: Chunks::default(),
-            failed: false,
-            bytes: 0,
-            resolved: false,
-            mkdir_tried: false,
-            mkdir_parent_tried: false,
-            retried: false,
-            tmp_exists: false,
-            staging: None,
-            started: Instant::now(),
-            generation: 0,
-        }
-    }
 }
 
 pub(crate) struct FilesLayout {
@@ -302,162 +157,6 @@ impl FilesLayout {
 
     pub(super) fn release(core: &mut Core<Op>, idx: u32) {
         core.ops.release(idx);
-    }
-
-    /// Pushes the SQE for `idx`'s current step; on a full SQ parks the op in `stalled`.
-    pub(super) fn push_step(&mut self, core: &mut Core<Op>, idx: u32) {
-        if !self.try_push_step(core, idx) {
-            self.stalled.push_back(idx);
-        }
-    }
-
-    pub(super) fn try_push_step(&mut self, core: &mut Core<Op>, idx: u32) -> bool {
-        let op = &core.ops[idx as usize];
-        let dev = &self.devs[op.dev as usize];
-        let direct = if dev.direct { O_DIRECT } else { 0 };
-        let class = match op.kind {
-            Kind::Load => IoClass::Load,
-            Kind::Store | Kind::Remove => IoClass::Store,
-            Kind::Probe => IoClass::Meta,
-        };
-        let user_data = core.ops.user_data(idx, 0);
-        let at = dev.dir_fd();
-        let dest = dev.rel(&op.dest);
-        let tmp = dev.rel(&op.tmp);
-        let block_buf = match op.staging {
-            Some(slot) => BufRef {
-                region: BUF_STAGING,
-                offset: slot as usize * core.block_bytes as usize,
-                len: core.block_bytes as u32,
-            },
-            None => BufRef {
-                region: BUF_REGION,
-                offset: op.block as usize * core.block_bytes as usize,
-                len: core.block_bytes as u32,
-            },
-        };
-        let crc_bytes = op.crc.unwrap_or(0).to_le_bytes();
-        let file_op = match op.step {
-            Step::GetXattr => FileOp::GetXattr {
-                fd: op.fd,
-                name: &dev.xattr_name,
-                len: 4,
-            },
-            Step::SetXattr => FileOp::SetXattr {
-                fd: op.fd,
-                name: &dev.xattr_name,
-                value: &crc_bytes,
-            },
-            // O_NONBLOCK: a FIFO planted at the path must not block the ring (it is refused
-            // once open); no effect on a regular file.
-            Step::Open => FileOp::OpenAt {
-                dir: at,
-                path: &dest,
-                flags: O_RDONLY | O_NONBLOCK | O_NOCTTY | direct,
-                mode: 0,
-                confined: true,
-            },
-            Step::Read => FileOp::ReadFd {
-                fd: op.fd,
-                offset: 0,
-                buf: block_buf,
-            },
-            Step::Close | Step::CloseTmp | Step::CloseDir => FileOp::Close { fd: op.fd },
-            Step::SyncDir => FileOp::Fsync {
-                fd: op.fd,
-                data_only: false,
-            },
-            Step::OpenTmp => FileOp::OpenAt {
-                dir: at,
-                path: &tmp,
-                flags: O_CREAT | O_EXCL | O_WRONLY | direct,
-                mode: dev.file_mode,
-                confined: true,
-            },
-            Step::Sync => FileOp::Fsync {
-                fd: op.fd,
-                data_only: true,
-            },
-            // Both names are in the leaf directory the temp file was created in (confined).
-            Step::Rename => FileOp::RenameAt {
-                dir: at,
-                from: &tmp,
-                to: &dest,
-                flags: RENAME_NOREPLACE,
-            },
-            Step::UnlinkTmp => FileOp::UnlinkAt {
-                dir: at,
-                path: &tmp,
-            },
-            Step::Unlink => FileOp::UnlinkAt {
-                dir: at,
-                path: &dest,
-            },
-            Step::Stat => FileOp::Statx {
-                dir: at,
-                path: &dest,
-            },
-            Step::OpenDir | Step::OpenParent | Step::MkdirParent | Step::MkdirLeaf => {
-                return self.push_dir_step(core, idx, class);
-            }
-            Step::Write => unreachable!("writes are pushed chunk by chunk"),
-        };
-        core.backend.push_file(user_data, &file_op, class)
-    }
-
-    /// The directory steps of `idx`: opening the block's directory (to fsync it) or `<hhh>`,
-    /// and making `<hhh>` or the leaf.
-    fn push_dir_step(&self, core: &mut Core<Op>, idx: u32, class: IoClass) -> bool {
-        let op = &core.ops[idx as usize];
-        let dev = &self.devs[op.dev as usize];
-        let at = dev.dir_fd();
-        let user_data = core.ops.user_data(idx, 0);
-        let parent = || dev.rel(op.leaf_dir().parent().unwrap_or(&op.tmp));
-        // Opens are confined; `<hhh>` is made below the data directory (one component:
-        // mkdirat never follows a final symlink), the leaf `<hh>_g<g>` below the `<hhh>` the
-        // confined `OpenParent` opened: no component is resolved through a symlink.
-        let (dir, path, open_flags) = match op.step {
-            Step::OpenDir => (
-                at,
-                dev.rel(op.dest.parent().unwrap_or(&op.dest)),
-                Some(O_RDONLY | O_DIRECTORY),
-            ),
-            Step::OpenParent => (at, parent(), Some(O_PATH | O_DIRECTORY)),
-            Step::MkdirParent => (at, parent(), None),
-            Step::MkdirLeaf => (
-                op.fd,
-                c_path(Path::new(op.leaf_dir().file_name().unwrap_or_default())),
-                None,
-            ),
-            _ => unreachable!("not a directory step"),
-        };
-        let file_op = match open_flags {
-            Some(flags) => FileOp::OpenAt {
-                dir,
-                path: &path,
-                flags,
-                mode: 0,
-                confined: true,
-            },
-            None => FileOp::MkdirAt {
-                dir,
-                path: &path,
-                mode: dev.dir_mode,
-            },
-        };
-        core.backend.push_file(user_data, &file_op, class)
-    }
-
-    fn push_stalled(&mut self, core: &mut Core<Op>) -> bool {
-        let mut any = false;
-        while let Some(&idx) = self.stalled.front() {
-            if !self.try_push_step(core, idx) {
-                break;
-            }
-            self.stalled.pop_front();
-            any = true;
-        }
-        any
     }
 
     fn touch_key(&mut self, key: Key) {
@@ -706,13 +405,3 @@ impl Layout for FilesLayout {
         Ok(())
     }
 }
-
-const O_RDONLY: i32 = OFlag::O_RDONLY.bits();
-const O_WRONLY: i32 = OFlag::O_WRONLY.bits();
-const O_CREAT: i32 = OFlag::O_CREAT.bits();
-const O_EXCL: i32 = OFlag::O_EXCL.bits();
-const O_DIRECT: i32 = OFlag::O_DIRECT.bits();
-const O_DIRECTORY: i32 = OFlag::O_DIRECTORY.bits();
-const O_NONBLOCK: i32 = OFlag::O_NONBLOCK.bits();
-const O_NOCTTY: i32 = OFlag::O_NOCTTY.bits();
-const O_PATH: i32 = OFlag::O_PATH.bits();

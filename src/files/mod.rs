@@ -7,5 +7,7 @@ mod evict;
 pub(crate) mod layout;
 mod load;
 pub mod mapper;
+mod op;
 mod probe;
+mod steps;
 mod store;

@@ -346,7 +346,40 @@ fn latency_phase(
     })
 }
 
-#[allow(clippy::too_many_lines)] // to be split with the one job driver the CLI commands will share
+/// What the cold bench measured, for its report.
+struct Measured {
+    info: kvtier::EngineInfo,
+    put_engine: Vec<f64>,
+    put_plain: Vec<f64>,
+    get_engine: Vec<f64>,
+    get_plain: Vec<f64>,
+    /// Process CPU seconds spent in each side's phases (engine threads and the driving thread,
+    /// or the plain loop's runtime): [put engine, put plain, get engine, get plain].
+    cpu: [f64; 4],
+    alone: Latency,
+    busy: Latency,
+    put_stats: kvtier::S3Stats,
+    get_stats: kvtier::S3Stats,
+}
+
+/// One cold bench run: its objects' names and contents, and the plain SDK loop beside the
+/// engine.
+struct Cold<'a> {
+    params: &'a ColdParams<'a>,
+    /// Tags this run's object names and contents.
+    run: u64,
+    block_bytes: usize,
+    /// The S3 tier's `max_concurrency`, also the plain loop's.
+    depth: usize,
+    plain: Plain,
+    plain_prefix: String,
+    /// Twice as many jobs as requests in flight, so the engine keeps `depth` requests busy
+    /// while other jobs are in their NVMe half; its S3 concurrency is still `depth`.
+    blocks: Vec<u32>,
+    engine_names: Vec<String>,
+    plain_names: Vec<String>,
+}
+
 pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliResult<ExitCode> {
     let s3 = base.s3.clone().ok_or_else(|| {
         CliError::usage(
@@ -355,11 +388,10 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
              in --config",
         )
     })?;
-    let block_bytes = base.block_size as usize;
-    let depth = s3.max_concurrency;
     let run = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64);
+    let depth = s3.max_concurrency;
     let mut config = base.clone();
     config.region_blocks = (2 * depth as u64 + 2).max(16);
     let mut s3cfg = s3.clone();
@@ -373,59 +405,19 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
     s3cfg.promote_on_load = false;
     config.s3 = Some(s3cfg.clone());
     config.validate()?;
-    let plain = Plain::new(&s3)?;
-    let plain_prefix = format!("{}/plain", s3cfg.prefix);
-    let n_objects = params.objects;
-    let mut engine_names = Vec::new();
-    let mut plain_names = Vec::new();
-
-    // PUT: the engine (write-through stores) and the plain loop, alternating.
+    let mut cold = Cold {
+        params,
+        run,
+        block_bytes: base.block_size as usize,
+        depth,
+        plain: Plain::new(&s3)?,
+        plain_prefix: format!("{}/plain", s3cfg.prefix),
+        blocks: (0..2 * depth as u32).collect(),
+        engine_names: Vec::new(),
+        plain_names: Vec::new(),
+    };
     let region = kvtier::region::allocate(&config)?;
-    let engine = Engine::open(&config, Arc::clone(&region))?;
-    let info = engine.info().clone();
-    let mut put_engine = Vec::new();
-    let mut put_plain = Vec::new();
-    // Process CPU seconds spent in each side's phases (engine threads and the driving thread,
-    // or the plain loop's runtime): [put engine, put plain, get engine, get plain].
-    let mut cpu = [0f64; 4];
-    let cpu_now = || kvtier_sys::affinity::process_cpu_time().as_secs_f64();
-    // Twice as many jobs as requests in flight, so the engine keeps `depth` requests busy while
-    // other jobs are in their NVMe half; its S3 concurrency is still `depth`, like the loop's.
-    let blocks: Vec<u32> = (0..2 * depth as u32).collect();
-    for r in 0..params.rounds as u64 {
-        let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
-        engine_names.extend(keys.iter().filter_map(|k| engine.s3_object_name(k)));
-        // Made before the clock starts, as the plain loop's bodies are.
-        let bodies: Vec<Vec<u8>> = (0..n_objects)
-            .map(|i| pattern(run, r, i, block_bytes))
-            .collect();
-        let c0 = cpu_now();
-        let secs = drive(
-            &engine,
-            JobKind::Store,
-            &keys,
-            &blocks,
-            |i, b| region.write(b as usize * block_bytes, &bodies[i]),
-            |_, _| Ok(()),
-        )?;
-        cpu[0] += cpu_now() - c0;
-        put_engine.push(output::gib(n_objects * block_bytes as u64) / secs);
-        let objects: Vec<(String, bytes::Bytes)> = (0..n_objects)
-            .map(|i| {
-                let name = format!("{plain_prefix}/{r}/{i}");
-                plain_names.push(name.clone());
-                (name, bytes::Bytes::from(pattern(run, r, i, block_bytes)))
-            })
-            .collect();
-        let c0 = cpu_now();
-        let secs = plain.put_all(objects)?;
-        cpu[1] += cpu_now() - c0;
-        put_plain.push(output::gib(n_objects * block_bytes as u64) / secs);
-    }
-    let put_stats = engine.stats().s3.unwrap_or_default();
-    engine.shutdown();
-    drop(engine);
-
+    let (info, put_engine, put_plain, put_cpu, put_stats) = cold.put_rounds(&config, &region)?;
     // GET: a second engine on an empty slab, so every key is held only in S3.
     for d in &mut config.devices {
         d.path = params.scratch.join("kvtier-cold-get.slab");
@@ -434,176 +426,306 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
         s.write = S3Write::Off;
     }
     let engine = Engine::open(&config, Arc::clone(&region))?;
-    // Loaded blocks are checked against the crc32c of what was stored (computed up front).
-    let crcs: Vec<Vec<u32>> = (0..params.rounds as u64)
-        .map(|r| {
-            (0..n_objects)
-                .map(|i| crc32c::crc32c(&pattern(run, r, i, block_bytes)))
-                .collect()
+    let gets = cold.get_rounds(&engine, &region);
+    let measured = gets.and_then(|(get_engine, get_plain, get_cpu, crcs)| {
+        let (alone, busy) = cold.latencies(&engine, &region, &crcs)?;
+        Ok(Measured {
+            info,
+            put_engine,
+            put_plain,
+            get_engine,
+            get_plain,
+            cpu: [put_cpu[0], put_cpu[1], get_cpu[0], get_cpu[1]],
+            alone,
+            busy,
+            put_stats,
+            get_stats: engine.stats().s3.unwrap_or_default(),
         })
-        .collect();
-    let mut get_engine = Vec::new();
-    let mut get_plain = Vec::new();
-    for r in 0..params.rounds as u64 {
-        let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
-        let want = &crcs[r as usize];
-        let c0 = cpu_now();
-        let secs = drive(
-            &engine,
-            JobKind::Load,
-            &keys,
-            &blocks,
-            |_, b| region.fill(b as usize * block_bytes, 4096, 0xee),
-            |i, b| {
-                let crc = region.with_bytes(b as usize * block_bytes, block_bytes, crc32c::crc32c);
-                if crc == want[i] {
-                    Ok(())
-                } else {
-                    Err(format!("object {i} of round {r}: loaded bytes differ"))
-                }
-            },
-        )?;
-        cpu[2] += cpu_now() - c0;
-        get_engine.push(output::gib(n_objects * block_bytes as u64) / secs);
-        let names: Vec<(String, u32)> = (0..n_objects)
-            .map(|i| (format!("{plain_prefix}/{r}/{i}"), want[i as usize]))
-            .collect();
-        let c0 = cpu_now();
-        let secs = plain.get_all(names, block_bytes)?;
-        cpu[3] += cpu_now() - c0;
-        get_plain.push(output::gib(n_objects * block_bytes as u64) / secs);
-    }
-
-    // NVMe load latency alone, then under an S3 GET stream through the same engine.
-    let local: Vec<(Key, Vec<u8>)> = (0..16u64)
-        .map(|i| {
-            (
-                key_of(run, u64::MAX, i),
-                pattern(run, u64::MAX, i, block_bytes),
-            )
-        })
-        .collect();
-    let local_keys: Vec<Key> = local.iter().map(|(k, _)| *k).collect();
-    drive(
-        &engine,
-        JobKind::Store,
-        &local_keys,
-        &[0],
-        |i, b| region.write(b as usize * block_bytes, &local[i].1),
-        |_, _| Ok(()),
-    )?;
-    let s3_keys: Vec<(Key, u32)> = (0..params.rounds as u64)
-        .flat_map(|r| {
-            let crcs = &crcs;
-            (0..n_objects).map(move |i| (key_of(run, r, i), crcs[r as usize][i as usize]))
-        })
-        .collect();
-    let half = params.latency_seconds;
-    let alone = latency_phase(&engine, &region, block_bytes, &local, &[], depth, half)?;
-    let busy = latency_phase(&engine, &region, block_bytes, &local, &s3_keys, depth, half)?;
-    let get_stats = engine.stats().s3.unwrap_or_default();
+    });
     engine.shutdown();
     drop(engine);
-    plain.delete_all(engine_names.into_iter().chain(plain_names).collect());
+    let names = std::mem::take(&mut cold.engine_names)
+        .into_iter()
+        .chain(std::mem::take(&mut cold.plain_names))
+        .collect();
+    cold.plain.delete_all(names);
+    cold.report(&s3, &measured?, human)?;
+    Ok(ExitCode::SUCCESS)
+}
 
-    let (pe, pp) = (
-        median(put_engine.iter().copied()),
-        median(put_plain.iter().copied()),
-    );
-    let (ge, gp) = (
-        median(get_engine.iter().copied()),
-        median(get_plain.iter().copied()),
-    );
-    let q = |l: &Latency, x| percentile(&l.nvme_us, x);
-    let busy_s3 = output::gib(busy.s3_bytes) / busy.seconds;
-    let mut text = String::new();
-    let _ = writeln!(
-        text,
-        "S3: bucket {:?} at {}, objects of {}, max_concurrency {depth}, {n_objects} objects per round, \
-         {} rounds (engine and plain aws-sdk-s3 loop alternate); reactor threads {} on cores {:?}\n",
-        s3.bucket,
-        s3.endpoint.as_deref().unwrap_or("AWS"),
-        output::size(block_bytes as u64),
-        params.rounds,
-        info.s3.as_ref().map_or(0, |s| s.reactor_threads),
-        info.s3.as_ref().map(|s| s.reactor_cores.clone()).unwrap_or_default(),
-    );
-    let total_gib = output::gib(n_objects * block_bytes as u64) * params.rounds as f64;
-    let per_gib = |c: f64| format!("{:.2}", c / total_gib);
-    let mut rates = Table::new(&[
-        "op",
-        "engine GiB/s",
-        "plain SDK GiB/s",
-        "ratio",
-        "CPU s/GiB engine",
-        "plain",
-        "rounds (engine)",
-    ]);
-    let fmt_rounds = |v: &[f64]| {
-        v.iter()
-            .map(|x| format!("{x:.3}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    rates.row(vec![
-        "PUT (write-through store)".into(),
-        format!("{pe:.3}"),
-        format!("{pp:.3}"),
-        format!("{:.2}", pe / pp.max(f64::MIN_POSITIVE)),
-        per_gib(cpu[0]),
-        per_gib(cpu[1]),
-        fmt_rounds(&put_engine),
-    ]);
-    rates.row(vec![
-        "GET (load of S3-only keys)".into(),
-        format!("{ge:.3}"),
-        format!("{gp:.3}"),
-        format!("{:.2}", ge / gp.max(f64::MIN_POSITIVE)),
-        per_gib(cpu[2]),
-        per_gib(cpu[3]),
-        fmt_rounds(&get_engine),
-    ]);
-    text.push_str(&rates.to_string());
-    let mut lat_table = Table::new(&[
-        "NVMe load latency (QD1)",
-        "loads",
-        "p50 us",
-        "p99 us",
-        "max us",
-    ]);
-    for (name, lat) in [("alone", &alone), ("during S3 GET stream", &busy)] {
-        lat_table.row(vec![
-            name.into(),
-            lat.nvme_us.len().to_string(),
-            q(lat, 0.5).to_string(),
-            q(lat, 0.99).to_string(),
-            lat.nvme_us.last().copied().unwrap_or(0).to_string(),
-        ]);
+impl Cold<'_> {
+    fn gib(&self) -> f64 {
+        output::gib(self.params.objects * self.block_bytes as u64)
     }
-    let _ = writeln!(text);
-    text.push_str(&lat_table.to_string());
-    let _ = writeln!(
-        text,
-        "S3 GET stream during the busy phase: {busy_s3:.3} GiB/s; p99 ratio busy/alone {:.2}\n\
-         S3 requests: PUT {} ({} retries, {} errors), GET {} ({} retries, {} errors), \
-         GET latency p50 {} us p99 {} us",
-        q(&busy, 0.99) as f64 / q(&alone, 0.99).max(1) as f64,
-        put_stats.put.requests,
-        put_stats.put.retries,
-        put_stats.put.errors,
-        get_stats.get.requests,
-        get_stats.get.retries,
-        get_stats.get.errors,
-        get_stats.get.latency_us.quantile(0.5),
-        get_stats.get.latency_us.quantile(0.99),
-    );
-    human.print(&text);
-    if let Some(target) = params.json {
+
+    /// PUT: the engine (write-through stores) and the plain loop, alternating, round by round.
+    /// Returns the engine's description, the engine's and the loop's GiB/s per round, their
+    /// CPU seconds and the engine's S3 counters.
+    #[allow(clippy::type_complexity)]
+    fn put_rounds(
+        &mut self,
+        config: &Config,
+        region: &Arc<Region>,
+    ) -> CliResult<(
+        kvtier::EngineInfo,
+        Vec<f64>,
+        Vec<f64>,
+        [f64; 2],
+        kvtier::S3Stats,
+    )> {
+        let (run, n_objects, block_bytes) = (self.run, self.params.objects, self.block_bytes);
+        let engine = Engine::open(config, Arc::clone(region))?;
+        let info = engine.info().clone();
+        let (mut put_engine, mut put_plain, mut cpu) = (Vec::new(), Vec::new(), [0f64; 2]);
+        for r in 0..self.params.rounds as u64 {
+            let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
+            self.engine_names
+                .extend(keys.iter().filter_map(|k| engine.s3_object_name(k)));
+            // Made before the clock starts, as the plain loop's bodies are.
+            let bodies: Vec<Vec<u8>> = (0..n_objects)
+                .map(|i| pattern(run, r, i, block_bytes))
+                .collect();
+            let c0 = cpu_now();
+            let secs = drive(
+                &engine,
+                JobKind::Store,
+                &keys,
+                &self.blocks,
+                |i, b| region.write(b as usize * block_bytes, &bodies[i]),
+                |_, _| Ok(()),
+            )?;
+            cpu[0] += cpu_now() - c0;
+            put_engine.push(self.gib() / secs);
+            let objects: Vec<(String, bytes::Bytes)> = (0..n_objects)
+                .map(|i| {
+                    let name = format!("{}/{r}/{i}", self.plain_prefix);
+                    self.plain_names.push(name.clone());
+                    (name, bytes::Bytes::from(pattern(run, r, i, block_bytes)))
+                })
+                .collect();
+            let c0 = cpu_now();
+            let secs = self.plain.put_all(objects)?;
+            cpu[1] += cpu_now() - c0;
+            put_plain.push(self.gib() / secs);
+        }
+        let stats = engine.stats().s3.unwrap_or_default();
+        engine.shutdown();
+        Ok((info, put_engine, put_plain, cpu, stats))
+    }
+
+    /// GET: loads of keys held only in S3 through `engine`, and the plain loop's GETs,
+    /// alternating; every loaded block is checked against the crc32c of what was stored.
+    /// Returns both sides' GiB/s per round, their CPU seconds, and the crc32c of every object
+    /// (by round).
+    #[allow(clippy::type_complexity)]
+    fn get_rounds(
+        &self,
+        engine: &Engine,
+        region: &Region,
+    ) -> CliResult<(Vec<f64>, Vec<f64>, [f64; 2], Vec<Vec<u32>>)> {
+        let (run, n_objects, block_bytes) = (self.run, self.params.objects, self.block_bytes);
+        let crcs: Vec<Vec<u32>> = (0..self.params.rounds as u64)
+            .map(|r| {
+                (0..n_objects)
+                    .map(|i| crc32c::crc32c(&pattern(run, r, i, block_bytes)))
+                    .collect()
+            })
+            .collect();
+        let (mut get_engine, mut get_plain, mut cpu) = (Vec::new(), Vec::new(), [0f64; 2]);
+        for r in 0..self.params.rounds as u64 {
+            let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
+            let want = &crcs[r as usize];
+            let c0 = cpu_now();
+            let secs = drive(
+                engine,
+                JobKind::Load,
+                &keys,
+                &self.blocks,
+                |_, b| region.fill(b as usize * block_bytes, 4096, 0xee),
+                |i, b| {
+                    let crc =
+                        region.with_bytes(b as usize * block_bytes, block_bytes, crc32c::crc32c);
+                    if crc == want[i] {
+                        Ok(())
+                    } else {
+                        Err(format!("object {i} of round {r}: loaded bytes differ"))
+                    }
+                },
+            )?;
+            cpu[0] += cpu_now() - c0;
+            get_engine.push(self.gib() / secs);
+            let names: Vec<(String, u32)> = (0..n_objects)
+                .map(|i| (format!("{}/{r}/{i}", self.plain_prefix), want[i as usize]))
+                .collect();
+            let c0 = cpu_now();
+            let secs = self.plain.get_all(names, block_bytes)?;
+            cpu[1] += cpu_now() - c0;
+            get_plain.push(self.gib() / secs);
+        }
+        Ok((get_engine, get_plain, cpu, crcs))
+    }
+
+    /// NVMe load latency alone, then under an S3 GET stream through the same engine.
+    fn latencies(
+        &self,
+        engine: &Engine,
+        region: &Region,
+        crcs: &[Vec<u32>],
+    ) -> CliResult<(Latency, Latency)> {
+        let (run, block_bytes) = (self.run, self.block_bytes);
+        let local: Vec<(Key, Vec<u8>)> = (0..16u64)
+            .map(|i| {
+                (
+                    key_of(run, u64::MAX, i),
+                    pattern(run, u64::MAX, i, block_bytes),
+                )
+            })
+            .collect();
+        let local_keys: Vec<Key> = local.iter().map(|(k, _)| *k).collect();
+        drive(
+            engine,
+            JobKind::Store,
+            &local_keys,
+            &[0],
+            |i, b| region.write(b as usize * block_bytes, &local[i].1),
+            |_, _| Ok(()),
+        )?;
+        let s3_keys: Vec<(Key, u32)> = (0..self.params.rounds as u64)
+            .flat_map(|r| {
+                (0..self.params.objects)
+                    .map(move |i| (key_of(run, r, i), crcs[r as usize][i as usize]))
+            })
+            .collect();
+        let (depth, half) = (self.depth, self.params.latency_seconds);
+        let alone = latency_phase(engine, region, block_bytes, &local, &[], depth, half)?;
+        let busy = latency_phase(engine, region, block_bytes, &local, &s3_keys, depth, half)?;
+        Ok((alone, busy))
+    }
+
+    /// The report: the rates and latency tables, and the JSON document with `--json`.
+    fn report(&self, s3: &kvtier::config::S3Config, m: &Measured, human: Human) -> CliResult<()> {
+        human.print(&self.text(s3, m));
+        if let Some(target) = self.params.json {
+            output::write_json(target, &self.json(s3, m))?;
+        }
+        Ok(())
+    }
+
+    fn text(&self, s3: &kvtier::config::S3Config, m: &Measured) -> String {
+        let (params, depth, n_objects, block_bytes) = (
+            self.params,
+            self.depth,
+            self.params.objects,
+            self.block_bytes,
+        );
+        let (info, cpu, alone, busy) = (&m.info, &m.cpu, &m.alone, &m.busy);
+        let (put_engine, put_plain, get_engine, get_plain) =
+            (&m.put_engine, &m.put_plain, &m.get_engine, &m.get_plain);
+        let (put_stats, get_stats) = (&m.put_stats, &m.get_stats);
+        let (pe, pp) = (
+            median(put_engine.iter().copied()),
+            median(put_plain.iter().copied()),
+        );
+        let (ge, gp) = (
+            median(get_engine.iter().copied()),
+            median(get_plain.iter().copied()),
+        );
+        let q = |l: &Latency, x| percentile(&l.nvme_us, x);
+        let busy_s3 = output::gib(busy.s3_bytes) / busy.seconds;
+        let mut text = String::new();
+        let _ = writeln!(
+            text,
+            "S3: bucket {:?} at {}, objects of {}, max_concurrency {depth}, {n_objects} objects per round, \
+             {} rounds (engine and plain aws-sdk-s3 loop alternate); reactor threads {} on cores {:?}\n",
+            s3.bucket,
+            s3.endpoint.as_deref().unwrap_or("AWS"),
+            output::size(block_bytes as u64),
+            params.rounds,
+            info.s3.as_ref().map_or(0, |s| s.reactor_threads),
+            info.s3.as_ref().map(|s| s.reactor_cores.clone()).unwrap_or_default(),
+        );
+        let total_gib = output::gib(n_objects * block_bytes as u64) * params.rounds as f64;
+        let per_gib = |c: f64| format!("{:.2}", c / total_gib);
+        let mut rates = Table::new(&[
+            "op",
+            "engine GiB/s",
+            "plain SDK GiB/s",
+            "ratio",
+            "CPU s/GiB engine",
+            "plain",
+            "rounds (engine)",
+        ]);
+        let fmt_rounds = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.3}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        rates.row(vec![
+            "PUT (write-through store)".into(),
+            format!("{pe:.3}"),
+            format!("{pp:.3}"),
+            format!("{:.2}", pe / pp.max(f64::MIN_POSITIVE)),
+            per_gib(cpu[0]),
+            per_gib(cpu[1]),
+            fmt_rounds(put_engine),
+        ]);
+        rates.row(vec![
+            "GET (load of S3-only keys)".into(),
+            format!("{ge:.3}"),
+            format!("{gp:.3}"),
+            format!("{:.2}", ge / gp.max(f64::MIN_POSITIVE)),
+            per_gib(cpu[2]),
+            per_gib(cpu[3]),
+            fmt_rounds(get_engine),
+        ]);
+        text.push_str(&rates.to_string());
+        let _ = writeln!(text);
+        text.push_str(&latency_table(alone, busy));
+        let _ = writeln!(
+            text,
+            "S3 GET stream during the busy phase: {busy_s3:.3} GiB/s; p99 ratio busy/alone {:.2}\n\
+             S3 requests: PUT {} ({} retries, {} errors), GET {} ({} retries, {} errors), \
+             GET latency p50 {} us p99 {} us",
+            q(busy, 0.99) as f64 / q(alone, 0.99).max(1) as f64,
+            put_stats.put.requests,
+            put_stats.put.retries,
+            put_stats.put.errors,
+            get_stats.get.requests,
+            get_stats.get.retries,
+            get_stats.get.errors,
+            get_stats.get.latency_us.quantile(0.5),
+            get_stats.get.latency_us.quantile(0.99),
+        );
+        text
+    }
+
+    fn json(&self, s3: &kvtier::config::S3Config, m: &Measured) -> serde_json::Value {
+        let (params, depth, n_objects, block_bytes) = (
+            self.params,
+            self.depth,
+            self.params.objects,
+            self.block_bytes,
+        );
+        let (cpu, alone, busy) = (&m.cpu, &m.alone, &m.busy);
+        let (put_engine, put_plain, get_engine, get_plain) =
+            (&m.put_engine, &m.put_plain, &m.get_engine, &m.get_plain);
+        let (pe, pp) = (
+            median(put_engine.iter().copied()),
+            median(put_plain.iter().copied()),
+        );
+        let (ge, gp) = (
+            median(get_engine.iter().copied()),
+            median(get_plain.iter().copied()),
+        );
+        let q = |l: &Latency, x| percentile(&l.nvme_us, x);
+        let busy_s3 = output::gib(busy.s3_bytes) / busy.seconds;
         let lat = |l: &Latency| {
             json!({"loads": l.nvme_us.len(), "p50_us": q(l, 0.5), "p99_us": q(l, 0.99),
                    "max_us": l.nvme_us.last().copied().unwrap_or(0)})
         };
-        let value = json!({
+        let total_gib = output::gib(n_objects * block_bytes as u64) * params.rounds as f64;
+        json!({
             "workload": "cold",
             "bucket": s3.bucket,
             "endpoint": s3.endpoint,
@@ -615,9 +737,34 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
             "get_gib_s": {"engine": ge, "plain_sdk": gp, "engine_rounds": get_engine, "plain_rounds": get_plain},
             "cpu_seconds_per_gib": {"put_engine": cpu[0] / total_gib, "put_plain": cpu[1] / total_gib,
                                     "get_engine": cpu[2] / total_gib, "get_plain": cpu[3] / total_gib},
-            "nvme_load_latency": {"alone": lat(&alone), "during_s3": lat(&busy), "s3_gib_s_during": busy_s3},
-        });
-        output::write_json(target, &value)?;
+            "nvme_load_latency": {"alone": lat(alone), "during_s3": lat(busy), "s3_gib_s_during": busy_s3},
+        })
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+/// The NVMe load latencies at QD 1, alone and beside the S3 GET stream.
+fn latency_table(alone: &Latency, busy: &Latency) -> String {
+    let q = |l: &Latency, x| percentile(&l.nvme_us, x);
+    let mut table = Table::new(&[
+        "NVMe load latency (QD1)",
+        "loads",
+        "p50 us",
+        "p99 us",
+        "max us",
+    ]);
+    for (name, lat) in [("alone", alone), ("during S3 GET stream", busy)] {
+        table.row(vec![
+            name.into(),
+            lat.nvme_us.len().to_string(),
+            q(lat, 0.5).to_string(),
+            q(lat, 0.99).to_string(),
+            lat.nvme_us.last().copied().unwrap_or(0).to_string(),
+        ]);
+    }
+    table.to_string()
+}
+
+/// Process CPU seconds so far.
+fn cpu_now() -> f64 {
+    kvtier_sys::affinity::process_cpu_time().as_secs_f64()
 }

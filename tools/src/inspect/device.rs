@@ -2,12 +2,11 @@
 //! every stored block loaded through an engine.
 
 use super::{
-    exit, render_keys, render_slab, render_verify, Checked, DeviceReport, InspectArgs, KeyReport,
-    Loaded, Loads, Scan, Status, Stored, VerifyReport, FAILURES_LOGGED_MAX, TABLE_CHUNK_BYTES,
-    VERIFY_DEPTH,
+    finish, render_slab, Checked, DeviceReport, InspectArgs, KeyReport, Loaded, Loads, Scan,
+    Status, Stored, VerifyReport, FAILURES_LOGGED_MAX, TABLE_CHUNK_BYTES, VERIFY_DEPTH,
 };
 use crate::output;
-use crate::output::{CliError, CliResult, Human};
+use crate::output::{CliError, CliResult};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvtier::key::KeyMap;
 use kvtier::slab::{EntryRead, HeaderRead, HeaderState};
@@ -19,21 +18,8 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
-#[allow(clippy::too_many_lines)] // to be split with the one job driver the CLI commands will share
 pub(super) fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
-    let mut keys: KeyMap<Stored> = KeyMap::default();
-    let mut scans = Vec::with_capacity(config.devices.len());
-    for (i, device) in config.devices.iter().enumerate() {
-        if !device.path.exists() {
-            return Err(CliError::usage(format!(
-                "devices[{i}].path {} does not exist; inspect never creates devices",
-                device.path.display()
-            )));
-        }
-        let scan = scan_device(&device.path, i, config.block_size, &mut keys)
-            .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
-        scans.push(scan);
-    }
+    let (keys, scans) = scan_devices(&config)?;
     // Nothing below may create, grow or reformat a device.
     for device in &mut config.devices {
         device.capacity_bytes = None;
@@ -49,7 +35,72 @@ pub(super) fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<Exit
     let engine = Engine::open(&config, Arc::clone(&region))?;
     let info = engine.info().clone();
     let stats = engine.stats();
-    let devices: Vec<DeviceReport> = scans
+    let devices = device_reports(&scans, &info);
+    let mut list: Vec<(Key, Stored)> = keys.iter().map(|(k, s)| (*k, *s)).collect();
+    list.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let (checked, verify) = if args.no_verify {
+        let checked = list
+            .iter()
+            .map(|_| Checked::status(Status::NotVerified))
+            .collect();
+        (checked, None)
+    } else {
+        let (checked, verify) = verify_slots(&engine, &region, &config, &list)?;
+        (checked, Some(verify))
+    };
+    engine.shutdown();
+    drop(engine);
+    let key_reports: Option<Vec<KeyReport>> = args.keys.then(|| {
+        list.iter()
+            .zip(checked)
+            .map(|((key, stored), c)| KeyReport {
+                key: key.to_hex(),
+                device: stored.device,
+                size_bytes: Some(u64::from(stored.data_len)),
+                checksum: c.status,
+                detail: c.detail,
+            })
+            .collect()
+    });
+    let value = json!({
+        "config": args.config.display().to_string(),
+        "layout": "slab",
+        "block_size": config.block_size,
+        "devices": devices,
+        "engine": {
+            "blocks_stored": stats.blocks_stored,
+            "slots_total": stats.slots_total,
+            "recovered_blocks": stats.recovered_blocks,
+            "torn_entries": stats.torn_entries,
+            "workers": info.workers.len(),
+            "open_seconds": info.open_seconds,
+        },
+        "verify": verify,
+    });
+    let text = render_slab(args, &config, &devices, &stats);
+    finish(args, value, text, key_reports.as_deref(), verify.as_ref())
+}
+
+/// Reads every device's slot table (before the engine's open recovers and may clear entries).
+fn scan_devices(config: &Config) -> CliResult<(KeyMap<Stored>, Vec<Scan>)> {
+    let mut keys: KeyMap<Stored> = KeyMap::default();
+    let mut scans = Vec::with_capacity(config.devices.len());
+    for (i, device) in config.devices.iter().enumerate() {
+        if !device.path.exists() {
+            return Err(CliError::usage(format!(
+                "devices[{i}].path {} does not exist; inspect never creates devices",
+                device.path.display()
+            )));
+        }
+        let scan = scan_device(&device.path, i, config.block_size, &mut keys)
+            .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
+        scans.push(scan);
+    }
+    Ok((keys, scans))
+}
+
+fn device_reports(scans: &[Scan], info: &kvtier::EngineInfo) -> Vec<DeviceReport> {
+    scans
         .iter()
         .zip(&info.devices)
         .map(|(scan, d)| {
@@ -69,90 +120,45 @@ pub(super) fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<Exit
                 duplicate_entries: scan.duplicates,
             }
         })
-        .collect();
-    let mut list: Vec<(Key, Stored)> = keys.iter().map(|(k, s)| (*k, *s)).collect();
-    list.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-    let block_len = config.block_size as usize;
-    let (checked, verify) = if args.no_verify {
-        let checked = list
-            .iter()
-            .map(|_| Checked::status(Status::NotVerified))
-            .collect();
-        (checked, None)
-    } else {
-        let targets: Vec<(Key, usize)> = list
-            .iter()
-            .map(|(k, s)| (*k, (s.data_len as usize).min(block_len)))
-            .collect();
-        let loads = load_all(&engine, &region, block_len, &targets)?;
-        let checked: Vec<Checked> = list
-            .iter()
-            .zip(&loads.outcomes)
-            .map(|((key, stored), loaded)| match loaded {
-                Loaded::Ok { crc } if *crc == stored.data_crc => Checked::status(Status::Verified),
-                Loaded::Ok { crc } => {
-                    tracing::error!(
-                        key = %key.to_hex(),
-                        "loaded block's crc32c differs from its slot table entry"
-                    );
-                    Checked {
-                        status: Status::CrcMismatch,
-                        detail: Some(format!(
-                            "slot table crc {:08x}, loaded {crc:08x}",
-                            stored.data_crc
-                        )),
-                    }
-                }
-                Loaded::Failed { reason, detail } => Checked::failed(*reason, detail),
-            })
-            .collect();
-        let verify = VerifyReport::new(&checked, &loads, "slot tables read from the devices");
-        (checked, Some(verify))
-    };
-    engine.shutdown();
-    drop(engine);
-    let key_reports: Option<Vec<KeyReport>> = args.keys.then(|| {
-        list.iter()
-            .zip(checked)
-            .map(|((key, stored), c)| KeyReport {
-                key: key.to_hex(),
-                device: stored.device,
-                size_bytes: Some(u64::from(stored.data_len)),
-                checksum: c.status,
-                detail: c.detail,
-            })
-            .collect()
-    });
+        .collect()
+}
 
-    if args.json {
-        let mut value = json!({
-            "config": args.config.display().to_string(),
-            "layout": "slab",
-            "block_size": config.block_size,
-            "devices": devices,
-            "engine": {
-                "blocks_stored": stats.blocks_stored,
-                "slots_total": stats.slots_total,
-                "recovered_blocks": stats.recovered_blocks,
-                "torn_entries": stats.torn_entries,
-                "workers": info.workers.len(),
-                "open_seconds": info.open_seconds,
-            },
-            "verify": verify,
-        });
-        if let Some(keys) = &key_reports {
-            value["keys"] = json!(keys);
-        }
-        output::write_json("-", &value)?;
-    } else {
-        let mut text = render_slab(args, &config, &devices, &stats);
-        text.push_str(&render_verify(verify.as_ref()));
-        if let Some(keys) = &key_reports {
-            text.push_str(&render_keys(keys));
-        }
-        Human::Stdout.print(&text);
-    }
-    Ok(exit(verify.as_ref()))
+/// Loads every stored key through the engine and checks it against its slot table entry.
+fn verify_slots(
+    engine: &Engine,
+    region: &Region,
+    config: &Config,
+    list: &[(Key, Stored)],
+) -> CliResult<(Vec<Checked>, VerifyReport)> {
+    let block_len = config.block_size as usize;
+    let targets: Vec<(Key, usize)> = list
+        .iter()
+        .map(|(k, s)| (*k, (s.data_len as usize).min(block_len)))
+        .collect();
+    let loads = load_all(engine, region, block_len, &targets)?;
+    let checked: Vec<Checked> = list
+        .iter()
+        .zip(&loads.outcomes)
+        .map(|((key, stored), loaded)| match loaded {
+            Loaded::Ok { crc } if *crc == stored.data_crc => Checked::status(Status::Verified),
+            Loaded::Ok { crc } => {
+                tracing::error!(
+                    key = %key.to_hex(),
+                    "loaded block's crc32c differs from its slot table entry"
+                );
+                Checked {
+                    status: Status::CrcMismatch,
+                    detail: Some(format!(
+                        "slot table crc {:08x}, loaded {crc:08x}",
+                        stored.data_crc
+                    )),
+                }
+            }
+            Loaded::Failed { reason, detail } => Checked::failed(*reason, detail),
+        })
+        .collect();
+    let verify = VerifyReport::new(&checked, &loads, "slot tables read from the devices");
+    Ok((checked, verify))
 }
 
 /// A slab device opened for reading: a file or block device, or an NVMe namespace read by

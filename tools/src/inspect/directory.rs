@@ -2,11 +2,10 @@
 //! checked against its checksum xattr.
 
 use super::{
-    exit, load_all, render_files, render_keys, render_verify, require_existing, Checked,
-    FilesDeviceReport, InspectArgs, KeyReport, Loaded, Status, VerifyReport, VERIFY_DEPTH,
+    finish, load_all, render_files, require_existing, Checked, FilesDeviceReport, InspectArgs,
+    KeyReport, Loaded, Status, VerifyReport, VERIFY_DEPTH,
 };
-use crate::output;
-use crate::output::{CliError, CliResult, Human};
+use crate::output::{CliError, CliResult};
 use kvtier::files::device::CHECKSUM_XATTR;
 use kvtier::files::mapper::FileMapper;
 use kvtier::{Config, Engine, Key};
@@ -17,7 +16,10 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-#[allow(clippy::too_many_lines)] // to be split with the one job driver the CLI commands will share
+/// Where a key's file is (device, path) and its size, taken before loading: a bad file is
+/// removed by its load.
+type FileOf = (usize, Option<PathBuf>, Option<u64>);
+
 pub(super) fn run_files(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
     require_existing(&config, "inspect")?;
     let namespace = config
@@ -33,7 +35,62 @@ pub(super) fn run_files(args: &InspectArgs, mut config: Config) -> CliResult<Exi
     let region = kvtier::region::allocate(&config)?;
     let engine = Engine::open(&config, Arc::clone(&region))?;
     let info = engine.info().clone();
-    let devices: Vec<FilesDeviceReport> = config
+    let devices = device_reports(&config, &info);
+    let mappers: Vec<FileMapper> = config
+        .devices
+        .iter()
+        .map(|d| FileMapper::new(&d.path, &namespace))
+        .collect();
+    let mut keys = engine.keys();
+    keys.sort_unstable_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+    let files: Vec<FileOf> = keys.iter().map(|key| file_of(key, &mappers)).collect();
+    let (checked, verify) = if args.no_verify {
+        let checked = keys
+            .iter()
+            .map(|_| Checked::status(Status::NotVerified))
+            .collect();
+        (checked, None)
+    } else {
+        let (checked, verify) = verify_files(&engine, &region, &config, &keys, &files)?;
+        (checked, Some(verify))
+    };
+    let stats = engine.stats();
+    engine.shutdown();
+    drop(engine);
+    let key_reports: Option<Vec<KeyReport>> = args.keys.then(|| {
+        keys.iter()
+            .zip(&files)
+            .zip(checked)
+            .map(|((key, (device, _, size)), c)| KeyReport {
+                key: key.to_hex(),
+                device: *device,
+                size_bytes: *size,
+                checksum: c.status,
+                detail: c.detail,
+            })
+            .collect()
+    });
+    let value = json!({
+        "config": args.config.display().to_string(),
+        "layout": "files",
+        "block_size": config.block_size,
+        "devices": devices,
+        "engine": {
+            "blocks_indexed": keys.len(),
+            "checksum_failures": stats.checksum_failures,
+            "io_errors": stats.io_errors,
+            "workers": info.workers.len(),
+            "open_seconds": info.open_seconds,
+        },
+        "verify": verify,
+    });
+    let text = render_files(args, &config, &devices, keys.len());
+    finish(args, value, text, key_reports.as_deref(), verify.as_ref())
+}
+
+/// Each directory as the engine's open scan found it.
+fn device_reports(config: &Config, info: &kvtier::EngineInfo) -> Vec<FilesDeviceReport> {
+    config
         .devices
         .iter()
         .zip(&info.devices)
@@ -54,102 +111,49 @@ pub(super) fn run_files(args: &InspectArgs, mut config: Config) -> CliResult<Exi
                 slot_count: d.geometry.slot_count,
             }
         })
-        .collect();
-    let mappers: Vec<FileMapper> = config
-        .devices
+        .collect()
+}
+
+fn file_of(key: &Key, mappers: &[FileMapper]) -> FileOf {
+    let device = key.device(mappers.len());
+    let path = mappers[device].key_path(key.as_bytes());
+    let size = path
+        .as_ref()
+        .and_then(|p| std::fs::symlink_metadata(p).ok())
+        .filter(std::fs::Metadata::is_file)
+        .map(|m| m.len());
+    (device, path, size)
+}
+
+/// Loads every key through the engine and checks each block against its file's xattr.
+fn verify_files(
+    engine: &Engine,
+    region: &kvtier::Region,
+    config: &Config,
+    keys: &[Key],
+    files: &[FileOf],
+) -> CliResult<(Vec<Checked>, VerifyReport)> {
+    let block_len = config.block_size as usize;
+    let targets: Vec<(Key, usize)> = keys.iter().map(|k| (*k, block_len)).collect();
+    let loads = load_all(engine, region, block_len, &targets)?;
+    let xattr =
+        CString::new(CHECKSUM_XATTR).map_err(|e| CliError::runtime(format!("xattr name: {e}")))?;
+    let checked: Vec<Checked> = loads
+        .outcomes
         .iter()
-        .map(|d| FileMapper::new(&d.path, &namespace))
-        .collect();
-    let mut keys = engine.keys();
-    keys.sort_unstable_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
-    // Where each key's file is and its size, taken before loading: a bad file is removed.
-    let files: Vec<(usize, Option<PathBuf>, Option<u64>)> = keys
-        .iter()
-        .map(|key| {
-            let device = key.device(mappers.len());
-            let path = mappers[device].key_path(key.as_bytes());
-            let size = path
-                .as_ref()
-                .and_then(|p| std::fs::symlink_metadata(p).ok())
-                .filter(std::fs::Metadata::is_file)
-                .map(|m| m.len());
-            (device, path, size)
+        .zip(files)
+        .zip(keys)
+        .map(|((loaded, (_, path, _)), key)| match (loaded, path) {
+            (Loaded::Ok { crc }, Some(path)) => check_xattr(key, path, &xattr, *crc),
+            (Loaded::Ok { .. }, None) => Checked {
+                status: Status::Error,
+                detail: Some("not a vLLM-shaped key: it has no file path".into()),
+            },
+            (Loaded::Failed { reason, detail }, _) => Checked::failed(*reason, detail),
         })
         .collect();
-    let block_len = config.block_size as usize;
-    let (checked, verify) = if args.no_verify {
-        let checked = keys
-            .iter()
-            .map(|_| Checked::status(Status::NotVerified))
-            .collect();
-        (checked, None)
-    } else {
-        let targets: Vec<(Key, usize)> = keys.iter().map(|k| (*k, block_len)).collect();
-        let loads = load_all(&engine, &region, block_len, &targets)?;
-        let xattr = CString::new(CHECKSUM_XATTR)
-            .map_err(|e| CliError::runtime(format!("xattr name: {e}")))?;
-        let checked: Vec<Checked> = loads
-            .outcomes
-            .iter()
-            .zip(&files)
-            .zip(&keys)
-            .map(|((loaded, (_, path, _)), key)| match (loaded, path) {
-                (Loaded::Ok { crc }, Some(path)) => check_xattr(key, path, &xattr, *crc),
-                (Loaded::Ok { .. }, None) => Checked {
-                    status: Status::Error,
-                    detail: Some("not a vLLM-shaped key: it has no file path".into()),
-                },
-                (Loaded::Failed { reason, detail }, _) => Checked::failed(*reason, detail),
-            })
-            .collect();
-        let verify = VerifyReport::new(&checked, &loads, "Engine::keys (the directory scan)");
-        (checked, Some(verify))
-    };
-    let stats = engine.stats();
-    engine.shutdown();
-    drop(engine);
-    let key_reports: Option<Vec<KeyReport>> = args.keys.then(|| {
-        keys.iter()
-            .zip(&files)
-            .zip(checked)
-            .map(|((key, (device, _, size)), c)| KeyReport {
-                key: key.to_hex(),
-                device: *device,
-                size_bytes: *size,
-                checksum: c.status,
-                detail: c.detail,
-            })
-            .collect()
-    });
-
-    if args.json {
-        let mut value = json!({
-            "config": args.config.display().to_string(),
-            "layout": "files",
-            "block_size": config.block_size,
-            "devices": devices,
-            "engine": {
-                "blocks_indexed": keys.len(),
-                "checksum_failures": stats.checksum_failures,
-                "io_errors": stats.io_errors,
-                "workers": info.workers.len(),
-                "open_seconds": info.open_seconds,
-            },
-            "verify": verify,
-        });
-        if let Some(keys) = &key_reports {
-            value["keys"] = json!(keys);
-        }
-        output::write_json("-", &value)?;
-    } else {
-        let mut text = render_files(args, &config, &devices, keys.len());
-        text.push_str(&render_verify(verify.as_ref()));
-        if let Some(keys) = &key_reports {
-            text.push_str(&render_keys(keys));
-        }
-        Human::Stdout.print(&text);
-    }
-    Ok(exit(verify.as_ref()))
+    let verify = VerifyReport::new(&checked, &loads, "Engine::keys (the directory scan)");
+    Ok((checked, verify))
 }
 
 /// Compares a loaded block's crc32c with its file's xattr, if it has one.

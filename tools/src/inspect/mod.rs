@@ -358,6 +358,30 @@ fn files_data_dir(config: &Config, index: usize) -> CliResult<PathBuf> {
     Ok(data_dir)
 }
 
+/// The end of every inspect report: the JSON document `value` (with the keys added) or the
+/// text `text` (with the verification and the keys appended), then the exit code.
+fn finish(
+    args: &InspectArgs,
+    mut value: serde_json::Value,
+    mut text: String,
+    key_reports: Option<&[KeyReport]>,
+    verify: Option<&VerifyReport>,
+) -> CliResult<ExitCode> {
+    if args.json {
+        if let Some(keys) = key_reports {
+            value["keys"] = serde_json::json!(keys);
+        }
+        crate::output::write_json("-", &value)?;
+    } else {
+        text.push_str(&render_verify(verify));
+        if let Some(keys) = key_reports {
+            text.push_str(&render_keys(keys));
+        }
+        crate::output::Human::Stdout.print(&text);
+    }
+    Ok(exit(verify))
+}
+
 fn exit(verify: Option<&VerifyReport>) -> ExitCode {
     match verify {
         Some(v) if v.bad() > 0 => {
