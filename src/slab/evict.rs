@@ -117,8 +117,12 @@ impl SlabLayout {
             ));
         }
         let slot = self.devs[d].slots[local as usize];
-        if slot.state == SlotState::Valid && slot.pins == 0 {
-            self.evict(core, d, local);
+        match slot.state {
+            SlotState::Valid if slot.pins == 0 => self.evict(core, d, local),
+            // A load found the block corrupt while it was read out for demotion: the last
+            // unpin frees it, and that was this read (found by the simulator, seed 21365).
+            SlotState::Doomed if slot.pins == 0 => self.free_slot(d, local),
+            _ => {}
         }
     }
 

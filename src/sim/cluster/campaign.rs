@@ -587,6 +587,21 @@ mod tests {
         );
     }
 
+    /// The seeds that found bugs, kept: 202 (a worker that had handed staging slots to the
+    /// object store counted them as still out when they had come back, and blocked a store
+    /// with no slot to evict forever) and 21365 (a slot a load doomed while it was read out
+    /// for demotion was never freed).
+    #[test]
+    fn seeds_that_found_bugs_pass() {
+        for seed in [202, 21365] {
+            let r = run(seed, 1500).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            assert!(
+                r.cold_runs == 1 && r.cold.demotions > 0,
+                "seed {seed}: {r:?}"
+            );
+        }
+    }
+
     /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib sim::cluster::campaign::tests::
     /// replays_one_seed -- --nocapture` replays a failure.
     #[test]
