@@ -362,6 +362,19 @@ struct Measured {
     get_stats: kvtier::S3Stats,
 }
 
+impl Measured {
+    /// Median GiB/s over the rounds: PUT engine, PUT plain, GET engine, GET plain.
+    fn medians(&self) -> [f64; 4] {
+        [
+            &self.put_engine,
+            &self.put_plain,
+            &self.get_engine,
+            &self.get_plain,
+        ]
+        .map(|v| median(v.iter().copied()))
+    }
+}
+
 /// One cold bench run: its objects' names and contents, and the plain SDK loop beside the
 /// engine.
 struct Cold<'a> {
@@ -619,17 +632,9 @@ impl Cold<'_> {
             self.block_bytes,
         );
         let (info, cpu, alone, busy) = (&m.info, &m.cpu, &m.alone, &m.busy);
-        let (put_engine, put_plain, get_engine, get_plain) =
-            (&m.put_engine, &m.put_plain, &m.get_engine, &m.get_plain);
+        let (put_engine, get_engine) = (&m.put_engine, &m.get_engine);
         let (put_stats, get_stats) = (&m.put_stats, &m.get_stats);
-        let (pe, pp) = (
-            median(put_engine.iter().copied()),
-            median(put_plain.iter().copied()),
-        );
-        let (ge, gp) = (
-            median(get_engine.iter().copied()),
-            median(get_plain.iter().copied()),
-        );
+        let [pe, pp, ge, gp] = m.medians();
         let q = |l: &Latency, x| percentile(&l.nvme_us, x);
         let busy_s3 = output::gib(busy.s3_bytes) / busy.seconds;
         let mut text = String::new();
@@ -710,14 +715,7 @@ impl Cold<'_> {
         let (cpu, alone, busy) = (&m.cpu, &m.alone, &m.busy);
         let (put_engine, put_plain, get_engine, get_plain) =
             (&m.put_engine, &m.put_plain, &m.get_engine, &m.get_plain);
-        let (pe, pp) = (
-            median(put_engine.iter().copied()),
-            median(put_plain.iter().copied()),
-        );
-        let (ge, gp) = (
-            median(get_engine.iter().copied()),
-            median(get_plain.iter().copied()),
-        );
+        let [pe, pp, ge, gp] = m.medians();
         let q = |l: &Latency, x| percentile(&l.nvme_us, x);
         let busy_s3 = output::gib(busy.s3_bytes) / busy.seconds;
         let lat = |l: &Latency| {

@@ -540,16 +540,18 @@ pub fn seeds(first: u64, count: u64, steps: u64) -> Result<Report, String> {
     Ok(total)
 }
 
+/// A campaign setting from the environment (`KVTIER_SIM_SEEDS` and the like), else `default`.
+#[cfg(test)]
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env(name: &str, default: u64) -> u64 {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    }
 
     /// `KVTIER_SIM_SEEDS=1000000 KVTIER_SIM_FIRST=<n> cargo test --release -p kvtier --lib
     /// sim::cluster::campaign -- --nocapture` runs a million.

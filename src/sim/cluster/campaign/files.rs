@@ -135,14 +135,8 @@ pub fn files_seeds(first: u64, count: u64, steps: u64) -> Result<Report, String>
 
 #[cfg(test)]
 mod tests {
+    use super::super::env;
     use super::*;
-
-    fn env(name: &str, default: u64) -> u64 {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    }
 
     /// `KVTIER_SIM_SEEDS=100000 cargo test --release -p kvtier --lib --features sim
     /// sim::cluster::campaign::files -- --nocapture` runs a hundred thousand.
