@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use kvtier_sys::blocks::Lease;
 
-use crate::job::{JobState, MissFallback, Then};
+use crate::job::{Job, JobKind, JobState, MissFallback, Then};
 use crate::key::Key;
 use crate::metrics::S3Stats;
+use crate::route::Router;
 use crate::tier::Lookup;
 use crate::worker::Demotion;
 
@@ -47,4 +48,54 @@ pub(crate) trait ColdTier: Send + Sync {
 
     /// After the workers stopped: waits for the last tasks and stops the tier's threads.
     fn stop(&self);
+}
+
+/// The state of an admitted job: a store that `cold` writes through reports after its upload
+/// (which holds `lease` until it has read the blocks); any other job holds `lease` until it
+/// reports. The engine and the simulator admit jobs through this.
+pub(crate) fn admitted(
+    cold: Option<&dyn ColdTier>,
+    kind: JobKind,
+    job: Job,
+    lease: Arc<Lease>,
+) -> JobState {
+    if let (JobKind::Store, Some(cold)) = (kind, cold) {
+        if let Some(then) = cold.write_through(&job.keys, &job.blocks, &lease) {
+            return JobState::internal(kind, job, then).borrowing_lease(Some(lease));
+        }
+    }
+    JobState::new(kind, job).with_lease(lease)
+}
+
+/// Sends the keys of load `state` that `local` says the NVMe tier does not hold to `cold`,
+/// taking them out of `parts` (the job's items by worker, their queue room reserved) and giving
+/// their queue room back.
+pub(crate) fn load_remote(
+    cold: &dyn ColdTier,
+    router: &Router,
+    state: &Arc<JobState>,
+    parts: &mut [Vec<u32>],
+    local: impl Fn(&Key) -> bool,
+) {
+    let mut remote = Vec::new();
+    for (s, items) in parts.iter_mut().enumerate() {
+        let before = items.len();
+        items.retain(|&i| {
+            let here = local(&state.job.keys[i as usize]);
+            if !here {
+                remote.push(i);
+            }
+            here
+        });
+        let moved = before - items.len();
+        if moved > 0 {
+            router.shards[s]
+                .1
+                .queued_blocks
+                .fetch_sub(moved, std::sync::atomic::Ordering::AcqRel);
+        }
+    }
+    if !remote.is_empty() {
+        cold.load(state, remote);
+    }
 }

@@ -3,6 +3,7 @@
 //! tier), without blocking.
 
 use super::Engine;
+use crate::cold;
 use crate::error::{Error, Result};
 use crate::job::{Job, JobKind, JobState, KeyFailure};
 use crate::key::Key;
@@ -74,27 +75,9 @@ impl Engine {
         }
         if let (JobKind::Load, Some(cold)) = (kind, &self.cold) {
             // Keys not held locally are loaded from the bucket; their queue room is returned.
-            let mut remote = Vec::new();
-            for (s, items) in parts.iter_mut().enumerate() {
-                let before = items.len();
-                items.retain(|&i| {
-                    let local = self.is_local(&state.job.keys[i as usize]);
-                    if !local {
-                        remote.push(i);
-                    }
-                    local
-                });
-                let moved = before - items.len();
-                if moved > 0 {
-                    self.shards[s]
-                        .shared
-                        .queued_blocks
-                        .fetch_sub(moved, Ordering::AcqRel);
-                }
-            }
-            if !remote.is_empty() {
-                cold.load(&state, remote);
-            }
+            cold::load_remote(cold.as_ref(), &self.router, &state, &mut parts, |k| {
+                self.is_local(k)
+            });
         }
         for (s, items) in parts.into_iter().enumerate() {
             if !items.is_empty() {
@@ -152,13 +135,7 @@ impl Engine {
 
     /// The state of an admitted job: write-through stores report after their upload.
     pub(super) fn job_state(&self, kind: JobKind, job: Job, lease: Arc<Lease>) -> JobState {
-        if let (JobKind::Store, Some(cold)) = (kind, &self.cold) {
-            if let Some(then) = cold.write_through(&job.keys, &job.blocks, &lease) {
-                // The upload releases the lease once it has read the blocks.
-                return JobState::internal(kind, job, then).borrowing_lease(Some(lease));
-            }
-        }
-        JobState::new(kind, job).with_lease(lease)
+        cold::admitted(self.cold.as_deref(), kind, job, lease)
     }
 
     /// Whether a load of `key` goes to its NVMe worker (else to the cold tier): stored here, or,

@@ -370,39 +370,19 @@ impl Cluster {
                 "worker {s} has {before} blocks queued, this job adds {n}"
             )));
         }
-        let state = Arc::new(match (kind, &self.cold) {
-            (JobKind::Store, Some(cold)) => {
-                match cold.write_through(&job.keys, &job.blocks, &lease) {
-                    Some(then) => JobState::internal(kind, job, then).borrowing_lease(Some(lease)),
-                    None => JobState::new(kind, job).with_lease(lease),
-                }
-            }
-            _ => JobState::new(kind, job).with_lease(lease),
-        });
+        let cold = self.cold.as_deref().map(|c| c as &dyn ColdTier);
+        let state = Arc::new(crate::cold::admitted(cold, kind, job, lease));
         if state.job.keys.is_empty() {
             state.publish(&self.shared);
             return Ok(());
         }
         let mut parts = parts;
-        if let (JobKind::Load, Some(cold)) = (kind, &self.cold) {
+        if let (JobKind::Load, Some(cold)) = (kind, cold) {
             // Keys no worker holds go to the cold tier; their queue room is returned.
-            let mut remote = Vec::new();
-            for (s, items) in parts.iter_mut().enumerate() {
-                let me = &self.router.shards[s].1;
-                let before = items.len();
-                items.retain(|&i| {
-                    let local = me.published.contains(&state.job.keys[i as usize]);
-                    if !local {
-                        remote.push(i);
-                    }
-                    local
-                });
-                me.queued_blocks
-                    .fetch_sub(before - items.len(), std::sync::atomic::Ordering::AcqRel);
-            }
-            if !remote.is_empty() {
-                cold.load(&state, remote);
-            }
+            let workers = self.workers.len();
+            crate::cold::load_remote(cold, &self.router, &state, &mut parts, |k| {
+                self.router.shards[k.shard(workers)].1.published.contains(k)
+            });
         }
         for (s, items) in parts.into_iter().enumerate() {
             if !items.is_empty() {
