@@ -94,8 +94,8 @@ impl SlabLayout {
         let op = &core.ops[idx as usize];
         let (d, local) = (op.dev as usize, op.slot);
         core.ops.release(idx);
-        let slot = &mut self.devs[d].slots[local as usize];
-        slot.pins -= 1;
+        self.unpin(d, local);
+        let slot = &self.devs[d].slots[local as usize];
         let read_ok = result == core.block_bytes as i32;
         let still_valid = slot.state == SlotState::Valid && slot.pins == 0;
         let demoted = slot
@@ -117,12 +117,8 @@ impl SlabLayout {
             ));
         }
         let slot = self.devs[d].slots[local as usize];
-        match slot.state {
-            SlotState::Valid if slot.pins == 0 => self.evict(core, d, local),
-            // A load found the block corrupt while it was read out for demotion: the last
-            // unpin frees it, and that was this read (found by the simulator, seed 21365).
-            SlotState::Doomed if slot.pins == 0 => self.free_slot(d, local),
-            _ => {}
+        if slot.state == SlotState::Valid && slot.pins == 0 {
+            self.evict(core, d, local);
         }
     }
 
@@ -161,6 +157,17 @@ impl SlabLayout {
     pub(super) fn unindex(&mut self, core: &mut Core<Op>, key: Key) {
         self.index.remove(&key);
         core.publisher.remove(&key);
+    }
+
+    /// Drops one pin of a slot (a load's or a demotion's read of it ended). A slot a load
+    /// doomed meanwhile is freed by its last unpin, whichever read that is (a demotion's read
+    /// once left it doomed for good: found by the simulator, seed 21365).
+    pub(super) fn unpin(&mut self, d: usize, local: u32) {
+        let s = &mut self.devs[d].slots[local as usize];
+        s.pins -= 1;
+        if s.pins == 0 && s.state == SlotState::Doomed {
+            self.free_slot(d, local);
+        }
     }
 
     pub(super) fn free_slot(&mut self, d: usize, local: u32) {

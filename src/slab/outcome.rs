@@ -77,11 +77,7 @@ impl SlabLayout {
                 None => Ok(()),
             }
         };
-        let s = &mut self.devs[d].slots[local];
-        s.pins -= 1;
-        if s.pins == 0 && s.state == SlotState::Doomed {
-            self.free_slot(d, local as u32);
-        }
+        self.unpin(d, local as u32);
         core.ops.release(idx);
         core.report_load(&job, item, d, started, outcome);
     }
