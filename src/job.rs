@@ -122,6 +122,34 @@ pub struct JobResult {
 }
 
 impl JobResult {
+    /// A write-through store's result: its NVMe half's (`self`) with each key's upload outcome
+    /// added (`Ok(bytes)`, or the failure), one failure per key (the NVMe half's, if it failed
+    /// too, comes first). The S3 tier and the simulated object store report through it.
+    pub(crate) fn with_uploads(
+        mut self,
+        uploads: impl IntoIterator<Item = (usize, std::result::Result<u64, (KeyFailure, String)>)>,
+    ) -> JobResult {
+        for (i, r) in uploads {
+            match r {
+                Ok(n) => self.bytes += n,
+                Err((reason, detail)) if !self.failures.iter().any(|f| f.key_index == i) => {
+                    self.failures.push(JobFailure {
+                        key_index: i,
+                        reason,
+                        detail,
+                    });
+                }
+                Err(_) => {}
+            }
+        }
+        self.failures.sort_by_key(|f| f.key_index);
+        self.success = self.failures.is_empty();
+        self.succeeded_prefix = self
+            .failures
+            .first()
+            .map_or(self.keys_total, |f| f.key_index);
+        self
+    }
     /// The first failure by key position, if any.
     pub fn failure(&self) -> Option<&JobFailure> {
         self.failures.first()

@@ -3,7 +3,7 @@
 
 use super::{permits, Class, Failure, Inner, UPLOAD_WARNINGS};
 use crate::config::WriteAck;
-use crate::job::{JobFailure, JobResult, KeyFailure};
+use crate::job::{JobResult, KeyFailure};
 use crate::key::Key;
 use crate::tier::Tier;
 use crate::verdicts::Verdict;
@@ -93,33 +93,16 @@ impl Inner {
                 (i, me.upload_with(permit, key, body).await)
             });
         }
-        let mut failures: Vec<JobFailure> = nvme.failures.clone();
-        let mut bytes = nvme.bytes;
+        let mut uploads = Vec::with_capacity(keys.len());
         while let Some(joined) = set.join_next().await {
-            let Ok((i, r)) = joined else { continue };
-            match r {
-                Ok(n) => bytes += n,
-                // One failure per key: the NVMe half's, if it failed too, comes first.
-                Err((reason, detail)) if !failures.iter().any(|f| f.key_index == i) => {
-                    failures.push(JobFailure {
-                        key_index: i,
-                        reason,
-                        detail,
-                    });
-                }
-                Err(_) => {}
+            if let Ok(done) = joined {
+                uploads.push(done);
             }
         }
-        failures.sort_by_key(|f| f.key_index);
-        let total = keys.len();
         lease.release();
         self.shared.finish(JobResult {
-            success: failures.is_empty(),
-            succeeded_prefix: failures.first().map_or(total, |f| f.key_index),
-            failures,
-            bytes,
             elapsed: submitted.elapsed(),
-            ..nvme
+            ..nvme.with_uploads(uploads)
         });
     }
 

@@ -8,7 +8,7 @@ use kvtier_sys::blocks::Lease;
 
 use crate::cold::{ColdTier, DemoteFn};
 use crate::config::{S3Write, WriteAck};
-use crate::job::{Job, JobFailure, JobKind, JobResult, JobState, KeyFailure, MissFallback};
+use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, MissFallback};
 use crate::key::Key;
 use crate::metrics::S3Stats;
 use crate::tier::{Lookup, Tier};
@@ -137,33 +137,18 @@ impl SimObjectStore {
             lease,
         } = u;
         let conn = self.conn();
-        let mut failures: Vec<JobFailure> = nvme.failures.clone();
-        let mut bytes = nvme.bytes;
-        for (i, (key, block)) in keys.iter().zip(&blocks).enumerate() {
-            let draw = self.lock().draw();
-            let body = self.read_block(*block);
-            match self.put(*key, &body, draw) {
-                Ok(n) => bytes += n,
-                Err((reason, detail)) if !failures.iter().any(|f| f.key_index == i) => {
-                    failures.push(JobFailure {
-                        key_index: i,
-                        reason,
-                        detail,
-                    });
-                }
-                Err(_) => {}
-            }
-        }
-        failures.sort_by_key(|f| f.key_index);
-        let total = keys.len();
+        let uploads: Vec<_> = keys
+            .iter()
+            .zip(&blocks)
+            .enumerate()
+            .map(|(i, (key, block))| {
+                let draw = self.lock().draw();
+                let body = self.read_block(*block);
+                (i, self.put(*key, &body, draw))
+            })
+            .collect();
         lease.release();
-        conn.shared.finish(JobResult {
-            success: failures.is_empty(),
-            succeeded_prefix: failures.first().map_or(total, |f| f.key_index),
-            failures,
-            bytes,
-            ..nvme
-        });
+        conn.shared.finish(nvme.with_uploads(uploads));
     }
 
     pub(super) fn demote(&self, d: Demotion, draw: Draw) {
@@ -299,21 +284,10 @@ impl ColdTier for SimObjectStore {
                     job.fail(&conn.shared, index, KeyFailure::Shutdown, String::new());
                 }
                 Request::UploadJob(u) => {
-                    let total = u.keys.len();
                     u.lease.release();
-                    let failures: Vec<JobFailure> = (0..total)
-                        .map(|key_index| JobFailure {
-                            key_index,
-                            reason: KeyFailure::Shutdown,
-                            detail: String::new(),
-                        })
-                        .collect();
-                    conn.shared.finish(JobResult {
-                        success: false,
-                        succeeded_prefix: 0,
-                        failures,
-                        ..u.nvme
-                    });
+                    let shut =
+                        (0..u.keys.len()).map(|i| (i, Err((KeyFailure::Shutdown, String::new()))));
+                    conn.shared.finish(u.nvme.with_uploads(shut));
                 }
                 Request::Head { .. } | Request::Put { .. } | Request::Demote(_) => {}
             }
