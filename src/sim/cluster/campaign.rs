@@ -527,12 +527,30 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
 
 /// Runs `count` seeds from `first`; the first failure names its seed and how to replay it.
 pub fn seeds(first: u64, count: u64, steps: u64) -> Result<Report, String> {
+    over_seeds(
+        first,
+        count,
+        steps,
+        run,
+        "campaign::tests::replays_one_seed",
+    )
+}
+
+/// Runs `run` for `count` seeds from `first` and adds up their reports; the first failure
+/// names its seed and the command that replays it (`replay_test`, below `sim::cluster::`).
+fn over_seeds(
+    first: u64,
+    count: u64,
+    steps: u64,
+    run: fn(u64, u64) -> Result<Report, String>,
+    replay_test: &str,
+) -> Result<Report, String> {
     let mut total = Report::default();
     for seed in first..first + count {
         let r = run(seed, steps).map_err(|e| {
             format!(
                 "seed {seed}: {e}\nreplay: KVTIER_SIM_SEED={seed} cargo test -p kvtier --lib \
-                 sim::cluster::campaign::tests::replays_one_seed -- --nocapture"
+                 --features sim sim::cluster::{replay_test} -- --nocapture"
             )
         })?;
         total.add(&r);

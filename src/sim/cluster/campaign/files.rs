@@ -120,17 +120,13 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
 /// Runs `count` files-layout seeds from `first`; the first failure names its seed and how to
 /// replay it.
 pub fn files_seeds(first: u64, count: u64, steps: u64) -> Result<Report, String> {
-    let mut total = Report::default();
-    for seed in first..first + count {
-        let r = files_run(seed, steps).map_err(|e| {
-            format!(
-                "files seed {seed}: {e}\nreplay: KVTIER_SIM_SEED={seed} cargo test -p kvtier --lib \
-                 --features sim sim::cluster::campaign::files::tests::replays_one_seed -- --nocapture"
-            )
-        })?;
-        total.add(&r);
-    }
-    Ok(total)
+    super::over_seeds(
+        first,
+        count,
+        steps,
+        files_run,
+        "campaign::files::tests::replays_one_seed",
+    )
 }
 
 #[cfg(test)]
