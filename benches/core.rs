@@ -1,9 +1,9 @@
 //! Criterion micro-benchmarks of kvtier's hot paths, through the public API only.
 //!
 //! Pure functions: key construction (xxh3 of the key bytes) and routing (`Key::shard`,
-//! `Key::device`), slot-table entry encode/decode, slab geometry, and crc32c of a 256 KiB and a
-//! 2 MiB block (what a worker computes for every stored block, and for the first load of a
-//! recovered one). Index, slot allocation, eviction and the caller/worker handoff are reachable
+//! `Key::device`), slot-table entry encode/decode, slab geometry, and crc32c (kvtier's and the
+//! `crc32c` crate's) of a 256 KiB and a 2 MiB block (what a worker computes for every stored
+//! block, and for the first load of a recovered one). Index, slot allocation, eviction and the caller/worker handoff are reachable
 //! only through the engine, so those run on one worker over the simulated device
 //! (`kvtier::sim::SimStorage`, which copies bytes in memory): an empty job (admission and the
 //! result channel, no worker), a load that misses (caller -> worker -> caller, no I/O), a lookup
@@ -31,6 +31,9 @@ const REGION_BLOCKS: u64 = 16;
 const LOOKUP_KEYS: u64 = 1000;
 /// How long one benchmark waits for one job before it declares the engine stuck.
 const JOB_TIMEOUT: Duration = Duration::from_secs(10);
+/// One-block jobs submitted back to back by the admission benchmarks, each on a block of its
+/// own (a load leases its block exclusively): the whole region.
+const ADMIT_BATCH: u64 = REGION_BLOCKS;
 
 /// The 36-byte vLLM-shaped key of number `n`.
 fn key(n: u64) -> Key {
@@ -84,7 +87,13 @@ fn checksums(c: &mut Criterion) {
     for (name, len) in [("256KiB", 256usize << 10), ("2MiB", 2 << 20)] {
         let block: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
         g.throughput(Throughput::Bytes(len as u64));
-        g.bench_function(name, |b| b.iter(|| crc32c::crc32c(black_box(&block))));
+        // kvtier's block checksum, and the `crc32c` crate it replaced (same values).
+        g.bench_function(format!("{name}/kvtier"), |b| {
+            b.iter(|| kvtier::checksum::crc32c(black_box(&block)));
+        });
+        g.bench_function(format!("{name}/crc32c-crate"), |b| {
+            b.iter(|| crc32c::crc32c(black_box(&block)));
+        });
     }
     g.finish();
 }
@@ -124,6 +133,20 @@ impl SimEngine {
         }
     }
 
+    /// Waits for `count` results of jobs already submitted, and drops them.
+    fn collect(&mut self, count: usize) {
+        let deadline = Instant::now() + JOB_TIMEOUT;
+        let mut got = 0;
+        while got < count {
+            self.results.clear();
+            self.engine
+                .wait_finished(&mut self.results, Duration::from_millis(100));
+            got += self.results.len();
+            assert!(Instant::now() < deadline, "jobs did not finish in 10 s");
+        }
+        self.results.clear();
+    }
+
     /// Submits one job and waits for its result.
     fn run(&mut self, store: bool, keys: Vec<Key>, blocks: Vec<u32>) -> JobResult {
         self.next_id += 1;
@@ -161,6 +184,41 @@ fn engine_on_sim(c: &mut Criterion) {
     g.bench_function("handoff_empty_job", |b| {
         b.iter(|| e.run(false, Vec::new(), Vec::new()));
     });
+    // The caller's side of a one-block job alone: `submit_load` / `submit_store` timed, the
+    // results collected outside the timing (issue 12: admission <= 2 us of caller CPU a job).
+    let mut next_key = 1u64 << 40;
+    for store in [false, true] {
+        let name = if store {
+            "admit_one_block_store"
+        } else {
+            "admit_one_block_load"
+        };
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                let mut left = iters;
+                while left > 0 {
+                    let batch = left.min(ADMIT_BATCH);
+                    let started = Instant::now();
+                    for block in 0..batch as u32 {
+                        next_key += 1;
+                        e.next_id += 1;
+                        let job = Job::new(e.next_id, vec![key(next_key)], vec![block]);
+                        let submitted = if store {
+                            e.engine.submit_store(job)
+                        } else {
+                            e.engine.submit_load(job)
+                        };
+                        submitted.expect("a batch fits the queue");
+                    }
+                    timed += started.elapsed();
+                    e.collect(batch as usize);
+                    left -= batch;
+                }
+                timed
+            });
+        });
+    }
     let absent = key(u64::MAX);
     g.bench_function("handoff_load_miss", |b| {
         b.iter(|| {

@@ -19,6 +19,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod checksum;
 mod cold;
 pub mod config;
 pub mod engine;

@@ -266,7 +266,7 @@ impl ObjectClient {
                     .and_then(|m| m.get(CRC_METADATA))
                     .and_then(|v| u32::from_str_radix(v, 16).ok());
                 let mut pos = 0usize;
-                let mut crc = 0u32;
+                let mut crc = crate::checksum::Crc32c::new();
                 loop {
                     match out.body.try_next().await {
                         Ok(Some(chunk)) => {
@@ -278,7 +278,7 @@ impl ObjectClient {
                             }
                             into.write(offset + pos, &chunk);
                             if expected.is_some() {
-                                crc = crc32c::crc32c_append(crc, &chunk);
+                                crc.update(&chunk);
                             }
                             pos += chunk.len();
                         }
@@ -293,7 +293,7 @@ impl ObjectClient {
                 if pos != len {
                     return Attempt::Retry(format!("body ended after {pos} of {len} bytes"));
                 }
-                if expected.is_some_and(|e| e != crc) {
+                if expected.is_some_and(|e| e != crc.value()) {
                     return Attempt::Stop(Failure::Checksum {
                         object: name.to_owned(),
                     });
@@ -307,7 +307,7 @@ impl ObjectClient {
 
     /// PUTs one block (`body` is a copy of it) with its crc32c as user metadata.
     pub async fn put(&self, name: &str, body: Bytes) -> Result<(), Failure> {
-        let crc = format!("{:08x}", crc32c::crc32c(&body));
+        let crc = format!("{:08x}", crate::checksum::crc32c(&body));
         let len = body.len() as u64;
         self.run(&self.metrics.put, "PUT", name, || async {
             match self

@@ -349,7 +349,7 @@ impl ColdTier for S3Tier {
                 d.staging.read(d.offset, &mut buf);
                 let (key, crc) = (d.key, d.crc);
                 drop(d); // the staging slot is the worker's again
-                if crc.is_none_or(|c| crc32c::crc32c(&buf) == c) {
+                if crc.is_none_or(|c| crate::checksum::crc32c(&buf) == c) {
                     match me.upload(key, Bytes::from(buf)).await {
                         Ok(_) => {
                             me.metrics.demotions.fetch_add(1, Ordering::Relaxed);

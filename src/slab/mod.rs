@@ -148,7 +148,7 @@ impl Header {
         put_u64(page, 40, g.table_offset);
         put_u64(page, 48, g.data_offset);
         put_u64(page, 56, self.format_id);
-        let crc = crc32c::crc32c(&page[0..64]);
+        let crc = crate::checksum::crc32c(&page[0..64]);
         put_u32(page, 64, crc);
     }
 
@@ -159,7 +159,7 @@ impl Header {
         if &page[0..8] != HEADER_MAGIC {
             return HeaderRead::Foreign("no kvtier header (the device holds other data)".into());
         }
-        if crc32c::crc32c(&page[0..64]) != get_u32(page, 64) {
+        if crate::checksum::crc32c(&page[0..64]) != get_u32(page, 64) {
             return HeaderRead::Foreign("kvtier header checksum mismatch".into());
         }
         let version = get_u32(page, 8);
@@ -219,7 +219,7 @@ impl Entry {
         let key = self.key.as_bytes();
         out[24..26].copy_from_slice(&(key.len() as u16).to_le_bytes());
         out[32..32 + key.len()].copy_from_slice(key);
-        let crc = crc32c::crc32c(&out[8..]);
+        let crc = crate::checksum::crc32c(&out[8..]);
         put_u32(out, 4, crc);
     }
 
@@ -228,7 +228,7 @@ impl Entry {
         if raw.iter().all(|&b| b == 0) {
             return EntryRead::Empty;
         }
-        if get_u32(raw, 0) != ENTRY_MAGIC || crc32c::crc32c(&raw[8..]) != get_u32(raw, 4) {
+        if get_u32(raw, 0) != ENTRY_MAGIC || crate::checksum::crc32c(&raw[8..]) != get_u32(raw, 4) {
             return EntryRead::Torn;
         }
         let key_len = u16::from_le_bytes([raw[24], raw[25]]) as usize;

@@ -119,7 +119,7 @@ pub(crate) fn submit_or_sleep(
 /// reaches them), else through the region.
 pub(crate) fn block_crc(job: &JobState, region: &Region, offset: usize, len: usize) -> u32 {
     match job.lease() {
-        Some(lease) => lease.with_bytes(offset, len, crc32c::crc32c),
-        None => region.with_bytes(offset, len, crc32c::crc32c),
+        Some(lease) => lease.with_bytes(offset, len, crate::checksum::crc32c),
+        None => region.with_bytes(offset, len, crate::checksum::crc32c),
     }
 }

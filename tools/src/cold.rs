@@ -182,7 +182,7 @@ impl Plain {
                 .await
                 .map_err(|e| format!("plain GET {name}: {e}"))?
                 .into_bytes();
-            if body.len() == len && crc32c::crc32c(&body) == crc {
+            if body.len() == len && kvtier::checksum::crc32c(&body) == crc {
                 Ok(())
             } else {
                 Err(format!(
@@ -287,7 +287,9 @@ impl Jobs for LatencyJobs<'_> {
         let at = block as usize * self.block_bytes;
         if s == 1 {
             let (_, want) = self.s3_keys[idx];
-            let crc = self.region.with_bytes(at, self.block_bytes, crc32c::crc32c);
+            let crc = self
+                .region
+                .with_bytes(at, self.block_bytes, kvtier::checksum::crc32c);
             if crc != want {
                 return Err(CliError::runtime(format!("S3 load {idx}: wrong bytes")));
             }
@@ -540,7 +542,7 @@ impl Cold<'_> {
         let crcs: Vec<Vec<u32>> = (0..self.params.rounds as u64)
             .map(|r| {
                 (0..n_objects)
-                    .map(|i| crc32c::crc32c(&pattern(run, r, i, block_bytes)))
+                    .map(|i| kvtier::checksum::crc32c(&pattern(run, r, i, block_bytes)))
                     .collect()
             })
             .collect();
@@ -556,8 +558,11 @@ impl Cold<'_> {
                 &self.blocks,
                 |_, b| region.fill(b as usize * block_bytes, 4096, 0xee),
                 |i, b| {
-                    let crc =
-                        region.with_bytes(b as usize * block_bytes, block_bytes, crc32c::crc32c);
+                    let crc = region.with_bytes(
+                        b as usize * block_bytes,
+                        block_bytes,
+                        kvtier::checksum::crc32c,
+                    );
                     if crc == want[i] {
                         Ok(())
                     } else {

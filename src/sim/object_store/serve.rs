@@ -157,7 +157,9 @@ impl SimObjectStore {
             .with_bytes(d.offset, d.len, |b| body.copy_from_slice(b));
         let (key, crc) = (d.key, d.crc);
         drop(d); // the staging slot is the worker's again
-        if crc.is_none_or(|c| crc32c::crc32c(&body) == c) && self.put(key, &body, draw).is_ok() {
+        if crc.is_none_or(|c| crate::checksum::crc32c(&body) == c)
+            && self.put(key, &body, draw).is_ok()
+        {
             self.lock().counts.demotions += 1;
         }
     }

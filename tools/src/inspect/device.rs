@@ -331,7 +331,8 @@ pub(super) fn load_all(
             let (key, len) = &targets[index];
             outcomes[index] = Some(if r.success {
                 bytes += r.bytes;
-                let crc = region.with_bytes(block as usize * block_bytes, *len, crc32c::crc32c);
+                let crc =
+                    region.with_bytes(block as usize * block_bytes, *len, kvtier::checksum::crc32c);
                 Loaded::Ok { crc }
             } else {
                 let (reason, detail) = r.failure().map_or_else(
