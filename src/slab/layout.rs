@@ -3,14 +3,17 @@
 //!
 //! ```text
 //! store: alloc slot (free list, else CLOCK victim; demoted first with on_evict)
-//!        ─► Writing ─► data write(s) ─► after submit: crc32c, table entry, index ─► Valid
+//!        ─► Writing ─► data write(s) ─┬─ after submit: crc32c, table entry ─► page write ─┐
+//!                                      └─ data written: index, Valid ─────────────────────┴► ack
 //! load:  index ─► pin ─► read ─► (first load after a restart: check crc) ─► unpin
 //! ```
 //!
 //! Nothing here takes a lock on the data path except the write side of the worker's published
 //! key set (what `Engine::lookup` reads), touched once per stored or removed block. A slot
-//! pinned by a load is never evicted or freed; table pages are written after the data they
-//! describe has completed (see [`super::table`]).
+//! pinned by a load is never evicted or freed. A store's table entry goes to the device beside
+//! its data, not after it: the entry carries the data's crc32c, so an entry that lands before
+//! its data (a crash between the two) names a block whose check fails at its first load, and
+//! is dropped, never served (see [`super::table`]).
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -46,6 +49,19 @@ pub(super) struct SlotMeta {
     /// The data is known to match `crc` (written by this process, or checked once).
     pub verified: bool,
     pub crc: u32,
+    /// Where the table entry of the store writing this slot is.
+    pub entry: EntryState,
+}
+
+/// A store's table entry, while its slot is `Writing`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum EntryState {
+    /// Not computed yet (the crc32c is taken after the data write is submitted).
+    Unwritten,
+    /// In the meta buffer; the store is acknowledged by the page write that carries it.
+    Queued,
+    /// On the device; the store is acknowledged when its data write completes.
+    Durable,
 }
 
 pub(super) const FREE_SLOT: SlotMeta = SlotMeta {
@@ -55,6 +71,7 @@ pub(super) const FREE_SLOT: SlotMeta = SlotMeta {
     referenced: false,
     verified: true,
     crc: 0,
+    entry: EntryState::Unwritten,
 };
 
 pub(super) struct Dev {
@@ -137,7 +154,8 @@ impl LayoutOp for Op {
     }
 }
 
-/// A store whose data is on the device, waiting for `finalize_stores`.
+/// A store just submitted (`entering`, for `write_entries`) or whose data is on the device
+/// (`finalize`, for `finalize_stores`).
 pub(super) struct Finished {
     pub d: usize,
     pub local: u32,
@@ -168,6 +186,9 @@ pub(crate) struct SlabLayout {
     pub(super) table_in_flight: usize,
     /// Store ops started and not finished.
     pub(super) store_ops: usize,
+    /// Stores whose data writes were pushed since the last submit: their entries are written
+    /// after it.
+    pub(super) entering: Vec<Finished>,
     pub(super) finalize: Vec<Finished>,
     pub(super) seq: u64,
     pub(super) scratch_entry: [u8; ENTRY_BYTES],
@@ -220,6 +241,7 @@ impl SlabLayout {
             dirty_pages: VecDeque::new(),
             table_in_flight: 0,
             store_ops: 0,
+            entering: Vec::new(),
             finalize: Vec::new(),
             seq: 1,
             scratch_entry: [0; ENTRY_BYTES],
@@ -330,8 +352,8 @@ impl Layout for SlabLayout {
             self.free_slot(d, local);
             return Start::Blocked;
         };
-        // The crc32c is computed after the write completes (see `finalize_stores`), off the
-        // path from a completion to the next submission.
+        // The crc32c and the table entry are written once the data write is submitted (see
+        // `write_entries`), off the path to the device.
         self.devs[d].slots[local as usize] = SlotMeta {
             state: SlotState::Writing,
             key: Some(key),
@@ -339,6 +361,7 @@ impl Layout for SlabLayout {
             referenced: true,
             verified: true,
             crc: 0,
+            entry: EntryState::Unwritten,
         };
         self.index.insert(key, (d as u16, local));
         let op = &mut core.ops[idx as usize];
@@ -348,6 +371,13 @@ impl Layout for SlabLayout {
         op.slot = local;
         op.block = block;
         self.store_ops += 1;
+        self.entering.push(Finished {
+            d,
+            local,
+            item,
+            block,
+            job: Arc::clone(job),
+        });
         core.begin_writing(idx);
         Start::Started
     }
@@ -390,11 +420,7 @@ impl Layout for SlabLayout {
         if job.is_resolved(item) || core.device_failed(d) {
             // Failed by its deadline already (the caller was told; its region bytes may be the
             // caller's again), or on a device marked failed since: drop the block.
-            let key = self.devs[d].slots[local as usize]
-                .key
-                .expect("writing slot has a key");
-            self.index.remove(&key);
-            self.free_slot(d, local);
+            self.drop_store(d, local);
             let detail = format!("{} was marked failed", self.devs[d].name);
             core.store_failed(&job, item, KeyFailure::Io(Errno::EIO), detail);
             return;
@@ -408,11 +434,7 @@ impl Layout for SlabLayout {
                 job,
             }),
             Some((reason, detail)) => {
-                let key = self.devs[d].slots[local as usize]
-                    .key
-                    .expect("writing slot has a key");
-                self.index.remove(&key);
-                self.free_slot(d, local);
+                self.drop_store(d, local);
                 // The write's error was logged (once per episode) when its chunk completed.
                 core.store_failed(&job, item, reason, detail);
             }
@@ -450,13 +472,16 @@ impl Layout for SlabLayout {
     }
 
     fn after_submit(&mut self, core: &mut Core<Op>) {
+        if !self.entering.is_empty() {
+            self.write_entries(core);
+        }
         if !self.finalize.is_empty() {
             self.finalize_stores(core);
         }
     }
 
     fn idle(&self) -> bool {
-        self.dirty_pages.is_empty() && self.finalize.is_empty()
+        self.dirty_pages.is_empty() && self.entering.is_empty() && self.finalize.is_empty()
     }
 
     fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
@@ -507,11 +532,16 @@ impl Layout for SlabLayout {
 
     #[cfg(any(test, feature = "sim"))]
     fn check_quiet(&self, core: &Core<Op>) -> Result<(), String> {
-        if self.store_ops != 0 || self.table_in_flight != 0 || !self.finalize.is_empty() {
+        if self.store_ops != 0
+            || self.table_in_flight != 0
+            || !self.entering.is_empty()
+            || !self.finalize.is_empty()
+        {
             return Err(format!(
-                "{} stores, {} table writes, {} finalizations left",
+                "{} stores, {} table writes, {} entries, {} finalizations left",
                 self.store_ops,
                 self.table_in_flight,
+                self.entering.len(),
                 self.finalize.len()
             ));
         }

@@ -6,10 +6,11 @@
 //! ```
 //!
 //! A slot table entry records the key, length, crc32c of the data and a sequence number. It is
-//! written only after the slot's data write completed, so a crash loses recent blocks and never
-//! names data that was not written; an entry whose own checksum fails (a torn table write) reads
-//! as empty. Entries that survive a restart are *unverified*: their data checksum is checked on
-//! the first load, because a slot can be overwritten by a later key whose entry never landed.
+//! written beside the slot's data write (both must complete before the store is acknowledged),
+//! so a crash can leave an entry whose data never fully landed, or data whose entry never
+//! landed; an entry whose own checksum fails (a torn table write) reads as empty. Entries that
+//! survive a restart are therefore *unverified*: their data checksum is checked on the first
+//! load, and a block that fails it is dropped, never served.
 //! Table pages are 4 KiB and each is owned by exactly one worker (slot ranges are partitioned on
 //! page boundaries), so no two workers ever write the same page.
 

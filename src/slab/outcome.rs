@@ -1,6 +1,6 @@
 //! What happens when a slab load or store completes: a load's length and checksum checks and
-//! its report, a slot doomed by a failed write, and finished stores' checksums and table
-//! entries (computed after the next submit, so they never delay I/O).
+//! its report, a slot doomed by a failed write; and a store's checksum and table entry,
+//! computed once its data write is submitted (so they never delay I/O) and written beside it.
 
 use super::table::Ack;
 use crate::io::BufRef;
@@ -11,7 +11,7 @@ use crate::worker::{io_outcome, Core, BUF_REGION};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::layout::{Op, SlabLayout, SlotState};
+use super::layout::{EntryState, Finished, Op, SlabLayout, SlotState};
 
 impl SlabLayout {
     pub(super) fn block_buf(core: &Core<Op>, block: u32) -> BufRef {
@@ -121,49 +121,99 @@ impl SlabLayout {
         }
     }
 
-    /// Publishes the stores whose data writes completed: checksum, slot table entry, index; the
-    /// result follows when the entry's table page is written (`on_table_done`). Runs after the
-    /// ring has been refilled and submitted, so the checksum work never delays the next I/O.
+    /// Takes back a store whose write failed or outlived its job: the slot is freed, and its
+    /// table entry cleared if it was written (it names data that never fully landed).
+    pub(super) fn drop_store(&mut self, d: usize, local: u32) {
+        let s = self.devs[d].slots[local as usize];
+        let key = s.key.expect("writing slot has a key");
+        self.index.remove(&key);
+        if s.entry != EntryState::Unwritten {
+            self.clear_entry(d, local);
+        }
+        self.free_slot(d, local);
+    }
+
+    /// Writes the table entries of the stores whose data writes were just submitted: the
+    /// crc32c of the block, the entry in the meta buffer, and the store's acknowledgement
+    /// queued on the entry's page, whose write then runs beside the data write. Runs after the
+    /// ring was submitted, so the checksum never delays the data on its way to the device.
+    pub(super) fn write_entries(&mut self, core: &mut Core<Op>) {
+        let entering = std::mem::take(&mut self.entering);
+        for f in &entering {
+            let s = self.devs[f.d].slots[f.local as usize];
+            // A store that failed before its entry was written (a push error, a deadline) has
+            // been reported and its slot freed, maybe reused by a later store.
+            if f.job.is_resolved(f.item)
+                || s.state != SlotState::Writing
+                || s.entry != EntryState::Unwritten
+                || s.key != Some(f.job.job.keys[f.item])
+            {
+                continue;
+            }
+            self.write_store_entry(core, f);
+        }
+        self.entering = entering;
+        self.entering.clear();
+    }
+
+    fn write_store_entry(&mut self, core: &Core<Op>, f: &Finished) {
+        let block_bytes = core.block_bytes;
+        let crc = block_crc(
+            &f.job,
+            &core.region,
+            f.block as usize * block_bytes as usize,
+            block_bytes as usize,
+        );
+        let s = &mut self.devs[f.d].slots[f.local as usize];
+        s.crc = crc;
+        s.entry = EntryState::Queued;
+        let key = s.key.expect("writing slot has a key");
+        let seq = self.seq;
+        self.seq += 1;
+        self.write_entry(
+            f.d,
+            f.local,
+            Some(crate::slab::Entry {
+                seq,
+                data_len: block_bytes as u32,
+                data_crc: crc,
+                key,
+            }),
+        );
+        self.ack_after_entry(
+            f.d,
+            f.local,
+            Ack {
+                job: Arc::clone(&f.job),
+                item: f.item,
+                local: f.local,
+            },
+        );
+    }
+
+    /// Publishes the stores whose data writes completed: the slot is valid and its key
+    /// indexed. A store is acknowledged here if its table entry is already on the device,
+    /// else by the entry's page write (`on_table_done`).
     pub(super) fn finalize_stores(&mut self, core: &mut Core<Op>) {
         let finished = std::mem::take(&mut self.finalize);
-        let block_bytes = core.block_bytes;
         for f in &finished {
-            let crc = block_crc(
-                &f.job,
-                &core.region,
-                f.block as usize * block_bytes as usize,
-                block_bytes as usize,
-            );
+            if self.devs[f.d].slots[f.local as usize].entry == EntryState::Unwritten {
+                // Completed before `write_entries` ran.
+                self.write_store_entry(core, f);
+            }
             let s = &mut self.devs[f.d].slots[f.local as usize];
             s.state = SlotState::Valid;
-            s.crc = crc;
+            let durable = s.entry == EntryState::Durable;
             let key = s.key.expect("writing slot has a key");
             core.publisher.insert(&key);
-            let seq = self.seq;
-            self.seq += 1;
-            self.write_entry(
-                f.d,
-                f.local,
-                Some(crate::slab::Entry {
-                    seq,
-                    data_len: block_bytes as u32,
-                    data_crc: crc,
-                    key,
-                }),
-            );
             core.me
                 .metrics
                 .dev(f.d)
                 .blocks_stored
                 .fetch_add(1, Ordering::Relaxed);
-            self.ack_after_entry(
-                f.d,
-                f.local,
-                Ack {
-                    job: Arc::clone(&f.job),
-                    item: f.item,
-                },
-            );
+            if durable {
+                core.store_succeeded(&f.job, f.item, core.block_bytes);
+            }
         }
         self.finalize = finished;
         self.finalize.clear();

@@ -1,5 +1,5 @@
 //! The slot table as one worker keeps it: an in-memory copy of its table pages (the meta
-//! buffer, registered with the ring), written back page by page after the data they describe,
+//! buffer, registered with the ring), written back page by page beside the data they describe,
 //! and read at open to rebuild the index (recovery).
 
 use std::sync::atomic::Ordering;
@@ -12,7 +12,9 @@ use crate::slab::{Entry, EntryRead, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BY
 use crate::worker::{Core, BUF_META};
 use crate::Errno;
 
-use super::layout::{DeviceSpec, Op, OpKind, SlabLayout, SlotMeta, SlotState, FREE_SLOT};
+use super::layout::{
+    DeviceSpec, EntryState, Op, OpKind, SlabLayout, SlotMeta, SlotState, FREE_SLOT,
+};
 
 #[derive(Clone, Default)]
 pub(crate) struct PageState {
@@ -27,18 +29,22 @@ pub(crate) struct PageState {
     pub committing: Vec<Ack>,
 }
 
-/// A store to acknowledge once the table page holding its entry is on the device.
+/// A store to acknowledge once the table page holding its entry is on the device (and its data
+/// write has completed: the two run side by side).
 #[derive(Clone)]
 pub(crate) struct Ack {
     pub job: Arc<JobState>,
     pub item: usize,
+    /// The slot the store writes.
+    pub local: u32,
 }
 
 /// A dirty table page with no store waiting on it (evictions, removals) is written once this
 /// many of its entries changed, or as soon as the worker runs out of work. A page that holds a
-/// new store's entry is written at once, unless a write of it is in flight: then the entries
-/// that arrive meanwhile share the next write (group commit). A store is acknowledged only once
-/// its entry is on the device, so a crash of the process never forgets an acknowledged block.
+/// new store's entry is written at once, beside the store's data write, unless a write of it is
+/// in flight: then the entries that arrive meanwhile share the next write (group commit). A
+/// store is acknowledged only once both its data and its entry are on the device, so a crash of
+/// the process never forgets an acknowledged block.
 const TABLE_BATCH_ENTRIES: u16 = (ENTRIES_PER_PAGE / 2) as u16;
 
 /// Largest single read used while recovering the slot table.
@@ -153,7 +159,17 @@ impl SlabLayout {
         let acks = std::mem::take(&mut p.committing);
         if usize::try_from(result).ok() == Some(TABLE_PAGE_BYTES) {
             for a in &acks {
-                core.store_succeeded(&a.job, a.item, core.block_bytes);
+                if a.job.is_resolved(a.item) {
+                    continue;
+                }
+                let s = &mut self.devs[d as usize].slots[a.local as usize];
+                if s.state == SlotState::Writing && s.key == Some(a.job.job.keys[a.item]) {
+                    // The data write is still in flight: it acknowledges the store.
+                    s.entry = EntryState::Durable;
+                } else {
+                    // The data is written (the slot may have been evicted since).
+                    core.store_succeeded(&a.job, a.item, core.block_bytes);
+                }
             }
         } else {
             // The entries of this page may not survive a restart: their stores fail (the data
@@ -298,6 +314,7 @@ impl SlabLayout {
                         referenced: false,
                         verified: false,
                         crc: e.data_crc,
+                        entry: EntryState::Durable,
                     };
                     self.index.insert(e.key, (d as u16, local as u32));
                     keep.push((e.key, local as u32, e.seq));
