@@ -488,12 +488,22 @@ impl Layout for SlabLayout {
         let op = &core.ops[idx as usize];
         match op.kind {
             OpKind::Load | OpKind::Store => own_key(op.job.as_ref(), op.item),
-            // The stores acknowledged by this page write (it reads only the meta buffer).
-            OpKind::Table { page } => self.devs[op.dev as usize].pages[page as usize]
-                .committing
-                .iter()
-                .map(|a| (Arc::clone(&a.job), a.item, false))
-                .collect(),
+            // The stores acknowledged by this page write whose data is written (the page write
+            // reads only the meta buffer). A store whose data write is still in flight is left
+            // to that write's own deadline, which keeps the job's lease while the device may
+            // still read the block.
+            OpKind::Table { page } => {
+                let dev = &self.devs[op.dev as usize];
+                dev.pages[page as usize]
+                    .committing
+                    .iter()
+                    .filter(|a| {
+                        let s = &dev.slots[a.local as usize];
+                        !(s.state == SlotState::Writing && s.key == Some(a.job.job.keys[a.item]))
+                    })
+                    .map(|a| (Arc::clone(&a.job), a.item, false))
+                    .collect()
+            }
             OpKind::Recover | OpKind::Demote { .. } => Vec::new(),
         }
     }
@@ -519,7 +529,11 @@ impl Layout for SlabLayout {
         let what = match op.kind {
             OpKind::Load => format!("load (read of slot {})", op.slot),
             OpKind::Store => format!("store (write of slot {})", op.slot),
-            OpKind::Table { page } => format!("slot table write (page {page})"),
+            // A timeout of a page write fails the stores it acknowledges: say so.
+            OpKind::Table { page } => match dev.pages[page as usize].committing.len() {
+                0 => format!("slot table write (page {page})"),
+                n => format!("slot table write (page {page}) acknowledging {n} store(s)"),
+            },
             OpKind::Recover => "recovery read of the slot table".to_owned(),
             OpKind::Demote { .. } => format!("demotion read of slot {}", op.slot),
         };
