@@ -44,15 +44,8 @@ mod tests {
 
     /// Bytes that are not a repeating pattern the folding could get right by accident.
     fn noise(len: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
+        let mut rng = crate::sim::Rng::new(seed);
+        (0..len).map(|_| rng.next_u64() as u8).collect()
     }
 
     #[test]
