@@ -51,6 +51,9 @@ pub(super) struct SlotMeta {
     pub crc: u32,
     /// Where the table entry of the store writing this slot is.
     pub entry: EntryState,
+    /// The sequence number of the store that wrote (or writes) this slot, and of its table
+    /// entry: what tells that store from a later store of the same key into the same slot.
+    pub seq: u64,
 }
 
 /// A store's table entry, while its slot is `Writing`.
@@ -72,6 +75,7 @@ pub(super) const FREE_SLOT: SlotMeta = SlotMeta {
     verified: true,
     crc: 0,
     entry: EntryState::Unwritten,
+    seq: 0,
 };
 
 pub(super) struct Dev {
@@ -162,6 +166,8 @@ pub(super) struct Finished {
     pub item: usize,
     pub block: u32,
     pub job: Arc<JobState>,
+    /// The store's sequence number (`SlotMeta::seq`).
+    pub seq: u64,
 }
 
 /// A device as one worker sees it.
@@ -362,7 +368,10 @@ impl Layout for SlabLayout {
             verified: true,
             crc: 0,
             entry: EntryState::Unwritten,
+            seq: self.seq,
         };
+        let seq = self.seq;
+        self.seq += 1;
         self.index.insert(key, (d as u16, local));
         let op = &mut core.ops[idx as usize];
         op.job = Some(Arc::clone(job));
@@ -377,6 +386,7 @@ impl Layout for SlabLayout {
             item,
             block,
             job: Arc::clone(job),
+            seq,
         });
         core.begin_writing(idx);
         Start::Started
@@ -432,6 +442,7 @@ impl Layout for SlabLayout {
                 item,
                 block,
                 job,
+                seq: self.devs[d].slots[local as usize].seq,
             }),
             Some((reason, detail)) => {
                 self.drop_store(d, local);
@@ -499,7 +510,7 @@ impl Layout for SlabLayout {
                     .iter()
                     .filter(|a| {
                         let s = &dev.slots[a.local as usize];
-                        !(s.state == SlotState::Writing && s.key == Some(a.job.job.keys[a.item]))
+                        !(s.state == SlotState::Writing && s.seq == a.seq)
                     })
                     .map(|a| (Arc::clone(&a.job), a.item, false))
                     .collect()

@@ -145,8 +145,8 @@ impl SlabLayout {
             // been reported and its slot freed, maybe reused by a later store.
             if f.job.is_resolved(f.item)
                 || s.state != SlotState::Writing
+                || s.seq != f.seq
                 || s.entry != EntryState::Unwritten
-                || s.key != Some(f.job.job.keys[f.item])
             {
                 continue;
             }
@@ -168,8 +168,7 @@ impl SlabLayout {
         s.crc = crc;
         s.entry = EntryState::Queued;
         let key = s.key.expect("writing slot has a key");
-        let seq = self.seq;
-        self.seq += 1;
+        let seq = f.seq;
         self.write_entry(
             f.d,
             f.local,
@@ -187,6 +186,7 @@ impl SlabLayout {
                 job: Arc::clone(&f.job),
                 item: f.item,
                 local: f.local,
+                seq: f.seq,
             },
         );
     }

@@ -35,8 +35,10 @@ pub(crate) struct PageState {
 pub(crate) struct Ack {
     pub job: Arc<JobState>,
     pub item: usize,
-    /// The slot the store writes.
+    /// The slot the store writes, and the store's sequence number there (a later store of the
+    /// same key may reuse the slot once this one's block was evicted).
     pub local: u32,
+    pub seq: u64,
 }
 
 /// A dirty table page with no store waiting on it (evictions, removals) is written once this
@@ -163,7 +165,7 @@ impl SlabLayout {
                     continue;
                 }
                 let s = &mut self.devs[d as usize].slots[a.local as usize];
-                if s.state == SlotState::Writing && s.key == Some(a.job.job.keys[a.item]) {
+                if s.state == SlotState::Writing && s.seq == a.seq {
                     // The data write is still in flight: it acknowledges the store.
                     s.entry = EntryState::Durable;
                 } else {
@@ -315,6 +317,7 @@ impl SlabLayout {
                         verified: false,
                         crc: e.data_crc,
                         entry: EntryState::Durable,
+                        seq: e.seq,
                     };
                     self.index.insert(e.key, (d as u16, local as u32));
                     keep.push((e.key, local as u32, e.seq));
