@@ -67,6 +67,14 @@ pub(super) enum EntryState {
     Durable,
 }
 
+impl SlotMeta {
+    /// Whether store `seq` is still writing this slot (not failed, and the slot not reused by
+    /// a later store of the same key after this one's block was evicted).
+    pub fn written_by(&self, seq: u64) -> bool {
+        self.state == SlotState::Writing && self.seq == seq
+    }
+}
+
 pub(super) const FREE_SLOT: SlotMeta = SlotMeta {
     state: SlotState::Free,
     key: None,
@@ -508,10 +516,7 @@ impl Layout for SlabLayout {
                 dev.pages[page as usize]
                     .committing
                     .iter()
-                    .filter(|a| {
-                        let s = &dev.slots[a.local as usize];
-                        !(s.state == SlotState::Writing && s.seq == a.seq)
-                    })
+                    .filter(|a| !dev.slots[a.local as usize].written_by(a.seq))
                     .map(|a| (Arc::clone(&a.job), a.item, false))
                     .collect()
             }

@@ -143,10 +143,7 @@ impl SlabLayout {
             let s = self.devs[f.d].slots[f.local as usize];
             // A store that failed before its entry was written (a push error, a deadline) has
             // been reported and its slot freed, maybe reused by a later store.
-            if f.job.is_resolved(f.item)
-                || s.state != SlotState::Writing
-                || s.seq != f.seq
-                || s.entry != EntryState::Unwritten
+            if f.job.is_resolved(f.item) || !s.written_by(f.seq) || s.entry != EntryState::Unwritten
             {
                 continue;
             }

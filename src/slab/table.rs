@@ -165,7 +165,7 @@ impl SlabLayout {
                     continue;
                 }
                 let s = &mut self.devs[d as usize].slots[a.local as usize];
-                if s.state == SlotState::Writing && s.seq == a.seq {
+                if s.written_by(a.seq) {
                     // The data write is still in flight: it acknowledges the store.
                     s.entry = EntryState::Durable;
                 } else {
