@@ -216,3 +216,67 @@ fn bench_files_layout_runs_and_verifies() {
         "{config}"
     );
 }
+
+/// `kvtier bench --workload store --lookup-threads 1 --lookup-keys KEYS` on `layout`, with JSON
+/// on stdout; returns the `lookups` object.
+fn bench_lookups(keys: &str, layout: &str) -> serde_json::Value {
+    let dir = scratch();
+    let out = kvtier(&[
+        "bench",
+        "--workload",
+        "store",
+        "--layout",
+        layout,
+        "--blocks",
+        "512",
+        "--block-size",
+        "64KiB",
+        "--queue-depth",
+        "4",
+        "--lookup-threads",
+        "1",
+        "--lookup-keys",
+        keys,
+        "--json",
+        "-",
+        "--dir",
+        path_str(dir.path()),
+    ]);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains(&format!("{keys} keys:")),
+        "the lookup line names the keys asked for:\n{}",
+        stderr(&out)
+    );
+    let lookups = json_stdout(&out)["lookups"].clone();
+    assert_eq!(lookups["keys"], keys, "{lookups}");
+    assert_eq!(lookups["threads"], 1, "{lookups}");
+    let count = |field: &str| lookups[field].as_u64().expect("a count");
+    let asked = count("hits") + count("misses") + count("pending");
+    assert_eq!(asked % 64, 0, "whole calls of 64 keys: {lookups}");
+    assert!(
+        lookups["keys_per_second"].as_f64().expect("a rate") > 0.0,
+        "{lookups}"
+    );
+    lookups
+}
+
+// `--lookup-keys stored` asks only for keys whose store has finished: on either layout, with
+// nothing evicted and no store failing, every answer is a hit. `mixed` (the default) asks for
+// keys half of which are never stored: some answers are misses.
+#[test]
+fn bench_lookups_of_stored_keys_all_hit() {
+    for layout in ["slab", "files"] {
+        let lookups = bench_lookups("stored", layout);
+        assert!(lookups["hits"].as_u64() > Some(0), "{layout}: {lookups}");
+        assert_eq!(lookups["misses"], 0, "{layout}: {lookups}");
+        assert_eq!(lookups["pending"], 0, "{layout}: {lookups}");
+    }
+    let lookups = bench_lookups("mixed", "slab");
+    assert!(lookups["misses"].as_u64() > Some(0), "{lookups}");
+}

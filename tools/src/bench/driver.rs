@@ -3,6 +3,8 @@
 
 use super::*;
 use crate::jobs::{self, Driver, Jobs};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stream {
     Load = 0,
@@ -129,6 +131,10 @@ struct State<'e> {
     /// Bound on `pool`: more keys than slots cannot all be stored.
     pool_max: usize,
     next_store_key: u64,
+    /// Store keys submitted and not finished.
+    stores_in_flight: BTreeSet<u64>,
+    /// Every key below this one has finished its store (lookup threads read it).
+    finished_below: Arc<AtomicU64>,
     /// The key the load stream offered last.
     last_pick: u64,
     show_progress: bool,
@@ -182,10 +188,18 @@ impl<'e> Bench<'e> {
                 pool: VecDeque::with_capacity(slots_total.min(1 << 20)),
                 pool_max: slots_total.max(1),
                 next_store_key: 0,
+                stores_in_flight: BTreeSet::new(),
+                finished_below: Arc::new(AtomicU64::new(0)),
                 last_pick: 0,
                 show_progress: std::io::stderr().is_terminal(),
             },
         }
+    }
+
+    /// Every key below the value has finished its store (succeeded or failed): lookups of
+    /// those keys are hits unless the store failed or the block was evicted.
+    pub(super) fn finished_below(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.state.finished_below)
     }
 
     pub(super) fn run_phase(&mut self, phase: &Phase) -> CliResult<PhaseOutcome> {
@@ -259,6 +273,7 @@ impl Jobs for PhaseJobs<'_, '_> {
             // The key `next_key` just picked: `pick_load_key` left it in `last_pick`.
             st.last_pick
         } else {
+            st.stores_in_flight.insert(st.next_store_key);
             st.next_store_key += 1;
             st.next_store_key - 1
         };
@@ -319,6 +334,15 @@ impl State<'_> {
     fn complete(&mut self, kind: JobKind, block: u32, r: &JobResult, tally: &mut Tally) {
         let key = self.key_on_block[block as usize];
         tally.in_flight -= 1;
+        if kind == JobKind::Store {
+            self.stores_in_flight.remove(&key);
+            let below = self
+                .stores_in_flight
+                .first()
+                .copied()
+                .unwrap_or(self.next_store_key);
+            self.finished_below.store(below, Ordering::Release);
+        }
         let offset = self.offset(block);
         if r.success {
             tally.ok_blocks += 1;

@@ -93,6 +93,16 @@ enum Workload {
     Cold,
 }
 
+/// Which keys the lookup threads ask for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum LookupKeys {
+    /// Half among the keys the store phase writes (stored yet or not), half never stored.
+    Mixed,
+    /// Only keys whose store has finished: hits, unless a store failed or was evicted.
+    Stored,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum LayoutArg {
     Slab,
@@ -165,10 +175,14 @@ pub struct BenchArgs {
     /// [default: 16, or the config's max_concurrency].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     s3_concurrency: Option<u32>,
-    /// Threads that call `lookup` in a loop (64 keys a call, hits and misses) during the store
-    /// phase, to show that lookups do not slow stores; their rate is printed.
+    /// Threads that call `lookup` in a loop (64 keys a call) during the store phase, to show
+    /// that lookups do not slow stores; their rate and hit fraction are printed (and in the
+    /// JSON's `lookups`).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
     lookup_threads: u32,
+    /// Which keys the lookup threads ask for.
+    #[arg(long, value_enum, default_value_t = LookupKeys::Mixed)]
+    lookup_keys: LookupKeys,
     /// --workload cold: rounds of PUT and GET (engine and plain loop alternate).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
@@ -399,7 +413,7 @@ fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCo
         usize::try_from(slots_total).unwrap_or(usize::MAX),
         Check::Full,
     );
-    let results = run_phases(&mut bench, args, config, blocks)?;
+    let (results, lookups) = run_phases(&mut bench, args, config, blocks)?;
     engine.drain();
     let final_stats = engine.stats();
     engine.shutdown();
@@ -426,6 +440,7 @@ fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCo
             "results": results,
             "engine": output::engine_json(&info, &cores, Some(&final_stats)),
             "config": config.to_toml_string(),
+            "lookups": lookups,
             "run": {
                 "blocks": blocks,
                 "slots_total": slots_total,
@@ -459,7 +474,7 @@ fn run_phases(
     args: &BenchArgs,
     config: &Config,
     blocks: u64,
-) -> CliResult<Vec<WorkloadRow>> {
+) -> CliResult<(Vec<WorkloadRow>, Option<LookupRun>)> {
     let duration = Duration::from_secs_f64(args.duration);
     let mut results = Vec::new();
 
@@ -469,39 +484,12 @@ fn run_phases(
         store: Some(StoreUntil::Key(blocks)),
         duration: None,
     };
-    let store = if args.lookup_threads == 0 {
-        bench.run_phase(&store_phase)?
+    let (store, lookups) = if args.lookup_threads == 0 {
+        (bench.run_phase(&store_phase)?, None)
     } else {
-        let engine = bench.engine;
-        let stop = std::sync::atomic::AtomicBool::new(false);
-        let looked = std::sync::atomic::AtomicU64::new(0);
-        let started = Instant::now();
-        let store = std::thread::scope(|s| {
-            for t in 0..args.lookup_threads {
-                let (stop, looked) = (&stop, &looked);
-                s.spawn(move || {
-                    let mut rng = Rng::new(SEED ^ u64::from(t));
-                    let mut keys = Vec::with_capacity(64);
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        keys.clear();
-                        // Half of them among the keys the phase stores, half never stored.
-                        keys.extend((0..64).map(|_| key_of(rng.below(2 * blocks))));
-                        std::hint::black_box(engine.lookup(&keys));
-                        looked.fetch_add(64, std::sync::atomic::Ordering::Relaxed);
-                    }
-                });
-            }
-            let r = bench.run_phase(&store_phase);
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
-            r
-        })?;
-        let n = looked.load(std::sync::atomic::Ordering::Relaxed);
-        eprintln!(
-            "lookups during the store phase: {} thread(s), {:.2} M keys/s",
-            args.lookup_threads,
-            n as f64 / started.elapsed().as_secs_f64() / 1e6
-        );
-        store
+        let (store, lookups) = lookups_during(bench, args, &store_phase, blocks)?;
+        eprintln!("{lookups}");
+        (store, Some(lookups))
     };
     tracing::info!(
         blocks,
@@ -529,7 +517,7 @@ fn run_phases(
         })?;
         results.push(alone.row("load_alone", Stream::Load, config, args.queue_depth, false));
         if interrupt::requested() {
-            return Ok(results);
+            return Ok((results, lookups));
         }
         let mixed = bench.run_phase(&Phase {
             label: "mixed",
@@ -540,7 +528,134 @@ fn run_phases(
         results.push(mixed.row("mixed_load", Stream::Load, config, args.queue_depth, true));
         results.push(mixed.row("mixed_store", Stream::Store, config, args.queue_depth, true));
     }
-    Ok(results)
+    Ok((results, lookups))
+}
+
+/// What the lookup threads of the store phase did.
+#[derive(Debug, Serialize)]
+struct LookupRun {
+    threads: u32,
+    keys: LookupKeys,
+    keys_per_call: usize,
+    /// Keys looked up per second: each thread's keys over its time from its first call to
+    /// the end of the store phase, summed over threads.
+    keys_per_second: f64,
+    hits: u64,
+    misses: u64,
+    /// Answers neither hit nor miss (a tier that answers later).
+    pending: u64,
+}
+
+impl std::fmt::Display for LookupRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let all = (self.hits + self.misses + self.pending).max(1) as f64;
+        write!(
+            f,
+            "lookups during the store phase: {} thread(s), {} keys a call, {} keys: {:.2} M keys/s, \
+             {:.2} % hits, {:.2} % misses",
+            self.threads,
+            self.keys_per_call,
+            match self.keys {
+                LookupKeys::Mixed => "mixed",
+                LookupKeys::Stored => "stored",
+            },
+            self.keys_per_second / 1e6,
+            100.0 * self.hits as f64 / all,
+            100.0 * self.misses as f64 / all,
+        )
+    }
+}
+
+const LOOKUP_KEYS_PER_CALL: usize = 64;
+
+/// Runs the store phase with `--lookup-threads` threads calling `lookup` beside it.
+fn lookups_during(
+    bench: &mut Bench<'_>,
+    args: &BenchArgs,
+    store_phase: &Phase,
+    blocks: u64,
+) -> CliResult<(driver::PhaseOutcome, LookupRun)> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let engine = bench.engine;
+    let finished_below = bench.finished_below();
+    let stop = AtomicBool::new(false);
+    // The store phase starts once every lookup thread runs.
+    let ready = std::sync::Barrier::new(args.lookup_threads as usize + 1);
+    let (store, per_thread) = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..args.lookup_threads)
+            .map(|t| {
+                let (stop, finished_below, ready) = (&stop, &finished_below, &ready);
+                s.spawn(move || {
+                    let mut rng = Rng::new(SEED ^ u64::from(t));
+                    let mut keys = Vec::with_capacity(LOOKUP_KEYS_PER_CALL);
+                    let mut seen = [0_u64; 3];
+                    // From the first call: `stored` keys wait for the first store to finish.
+                    let mut first_call = None;
+                    ready.wait();
+                    while !stop.load(Ordering::Relaxed) {
+                        keys.clear();
+                        match args.lookup_keys {
+                            LookupKeys::Mixed => keys.extend(
+                                (0..LOOKUP_KEYS_PER_CALL).map(|_| key_of(rng.below(2 * blocks))),
+                            ),
+                            LookupKeys::Stored => {
+                                let below = finished_below.load(Ordering::Acquire);
+                                if below == 0 {
+                                    std::thread::yield_now();
+                                    continue;
+                                }
+                                keys.extend(
+                                    (0..LOOKUP_KEYS_PER_CALL).map(|_| key_of(rng.below(below))),
+                                );
+                            }
+                        }
+                        first_call.get_or_insert_with(Instant::now);
+                        for answer in engine.lookup(&keys) {
+                            let i = match answer {
+                                Lookup::Hit(_) => 0,
+                                Lookup::Miss => 1,
+                                Lookup::Pending => 2,
+                            };
+                            seen[i] += 1;
+                        }
+                    }
+                    (seen, first_call.map_or(0.0, |t| t.elapsed().as_secs_f64()))
+                })
+            })
+            .collect();
+        ready.wait();
+        let r = bench.run_phase(store_phase);
+        stop.store(true, Ordering::Relaxed);
+        let per_thread: Vec<([u64; 3], f64)> = threads
+            .into_iter()
+            .map(|t| t.join().expect("a lookup thread panicked"))
+            .collect();
+        (r, per_thread)
+    });
+    let store = store?;
+    let mut seen = [0_u64; 3];
+    let mut keys_per_second = 0.0;
+    for (counts, seconds) in &per_thread {
+        for (total, n) in seen.iter_mut().zip(counts) {
+            *total += n;
+        }
+        if *seconds > 0.0 {
+            keys_per_second += counts.iter().sum::<u64>() as f64 / seconds;
+        }
+    }
+    let [hits, misses, pending] = seen;
+    Ok((
+        store,
+        LookupRun {
+            threads: args.lookup_threads,
+            keys: args.lookup_keys,
+            keys_per_call: LOOKUP_KEYS_PER_CALL,
+            keys_per_second,
+            hits,
+            misses,
+            pending,
+        },
+    ))
 }
 
 /// What one engine run of `kvtier fio-compare` measures.
