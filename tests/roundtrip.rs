@@ -187,6 +187,37 @@ fn a_caller_owned_region_works_like_an_allocated_one() {
 }
 
 #[test]
+fn the_engine_reports_how_much_of_the_region_is_in_huge_pages() {
+    // `hugepages = "off"` maps 4 KiB pages (advised MADV_NOHUGEPAGE, so even where THP is
+    // `always`): the engine reads /proc/self/smaps at open and says none of it is huge, for the
+    // region it was given and for the same bytes given as a caller's ("foreign") region.
+    let owner = region(8);
+    assert_eq!(owner.backing(), kvtier::Backing::Pages4K);
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[32 << 20]);
+    let engine = open_sim(&sim_config(1, 1), &owner, &sim);
+    assert_eq!(engine.info().region_huge_percent, Some(0.0));
+    drop(engine);
+    // SAFETY: `owner` maps these bytes for the whole test and outlives `foreign` and the engine.
+    let foreign = unsafe { kvtier::Region::from_raw_parts(owner.addr() as *mut u8, owner.len()) }
+        .expect("page aligned");
+    let foreign = std::sync::Arc::new(foreign);
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[32 << 20]);
+    let engine = open_sim(&sim_config(1, 1), &foreign, &sim);
+    assert_eq!(engine.info().region_huge_percent, Some(0.0));
+    drop(engine);
+    // hugetlb pages, where some are reserved, are huge whole.
+    if let Ok(huge) =
+        kvtier::region::allocate_blocks(2 << 20, 2, kvtier::config::HugePages::Required)
+    {
+        let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[64 << 20]);
+        let mut cfg = sim_config(1, 1);
+        cfg.block_size = 2 << 20;
+        let engine = open_sim(&cfg, &huge, &sim);
+        assert_eq!(engine.info().region_huge_percent, Some(100.0));
+    }
+}
+
+#[test]
 fn hugepages_required_gives_hugetlb_or_says_how_to_reserve() {
     // With reserved hugetlb pages the region is backed by them and the engine round-trips
     // through it; without, the error names the command that reserves them.

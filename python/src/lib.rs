@@ -534,6 +534,7 @@ impl PyEngine {
         d.set_item("block_size", info.block_bytes)?;
         d.set_item("num_blocks", info.region_blocks)?;
         d.set_item("region_backing", info.region_backing)?;
+        d.set_item("region_huge_percent", info.region_huge_percent)?;
         d.set_item("open_seconds", info.open_seconds)?;
         let devices = PyList::empty(py);
         for dev in &info.devices {

@@ -368,6 +368,7 @@ def test_info_and_stats_shapes(tmp_path):
         info = e.info()
         assert info["block_size"] == BLOCK and info["num_blocks"] == BLOCKS
         assert info["region_backing"] == "foreign" and info["s3"] is None
+        assert 0.0 <= info["region_huge_percent"] <= 100.0
         (dev,) = info["devices"]
         assert dev["kind"] == "directory" and dev["path"].endswith("_r0")
         assert len(info["workers"]) == 1 and info["workers"][0]["core"] == 0

@@ -64,6 +64,9 @@ pub struct EngineInfo {
     pub block_bytes: u64,
     pub region_blocks: u64,
     pub region_backing: &'static str,
+    /// Percent of the region mapped by huge pages at open (from `/proc/self/smaps`; `None` if
+    /// it could not be read).
+    pub region_huge_percent: Option<f64>,
     pub devices: Vec<DeviceSummary>,
     pub workers: Vec<WorkerSummary>,
     /// The S3 tier, when configured.

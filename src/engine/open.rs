@@ -16,6 +16,7 @@ use crate::slab::layout::DeviceSpec;
 use crate::slab::prepare::prepare_slab;
 use crate::slab::Geometry;
 use crate::worker::{self, Scheduler, WorkerShared};
+use kvtier_sys::mem::Backing;
 
 use super::start::{worker_main, WorkerCtx};
 use super::stats::StatsSource;
@@ -51,6 +52,7 @@ impl Engine {
         let started = std::time::Instant::now();
         let derived = config.validate()?;
         let region_blocks = check_region(&region, derived.block_bytes, storage.as_ref())?;
+        let region_huge_percent = region_pages(&region, derived.block_bytes);
         let devices = open_devices(config, &derived, storage.as_ref())?;
         let cores = worker_cores(&config.cores);
         let (shared, results) = Shared::new(EventSink::new(
@@ -114,6 +116,7 @@ impl Engine {
                 block_bytes: derived.block_bytes,
                 region_blocks,
                 region_backing: region.backing().as_str(),
+                region_huge_percent,
                 devices: devices.summaries,
                 workers: workers.summaries,
                 #[cfg(feature = "s3")]
@@ -215,6 +218,35 @@ impl Engine {
             );
         }
     }
+}
+
+/// The share of the region mapped by huge pages (`None` if `/proc/self/smaps` cannot be read).
+/// Warns when a region that was meant to have them, or that the caller gave, is mostly 4 KiB
+/// pages: every block then moves as one segment per 4 KiB page.
+fn region_pages(region: &Region, block_bytes: u64) -> Option<f64> {
+    let mapped = match kvtier_sys::smaps::huge_mapped(region.addr(), region.len()) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read /proc/self/smaps: the region's pages are not reported");
+            return None;
+        }
+    };
+    let percent = mapped.percent();
+    let backing = region.backing();
+    let meant_huge = matches!(backing, Backing::Foreign | Backing::Thp);
+    if meant_huge && percent < 50.0 && block_bytes > 4096 {
+        tracing::warn!(
+            backing = backing.as_str(),
+            huge_percent = format!("{percent:.0}"),
+            region_bytes = region.len(),
+            "the primary region is mostly 4 KiB pages: each block moves as one segment per 4 KiB \
+             page (on the test machine's disk, stores ran at about half the rate of stores from \
+             huge pages). For vLLM's region in /dev/shm: `mount -o remount,huge=within_size \
+             /dev/shm` before vLLM starts; for memory you map: MAP_HUGETLB or \
+             madvise(MADV_HUGEPAGE) before first touch (README, \"Huge pages\")"
+        );
+    }
+    Some(percent)
 }
 
 /// The region's block count, after checking it fits the engine and guarding its blocks.

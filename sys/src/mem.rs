@@ -460,12 +460,20 @@ fn map_hugetlb(len: usize) -> Result<Region, Errno> {
 }
 
 /// Maps `len` bytes of ordinary anonymous memory; with `thp`, 2 MiB aligned and rounded and
-/// advised `MADV_HUGEPAGE` (falling back to 4 KiB pages if THP is off or unsupported).
+/// advised `MADV_HUGEPAGE` (falling back to 4 KiB pages if THP is off or unsupported); without,
+/// advised `MADV_NOHUGEPAGE`, so that 4 KiB pages are what backs it even where THP is `always`.
 fn map_anonymous(len: usize, thp: bool) -> Result<Region, Errno> {
+    let asked_small = !thp;
     let thp = thp && thp_enabled();
     if !thp {
         let map_len = round_up(len, PAGE_4K).ok_or(Errno::ENOMEM)?;
         let ptr = mmap_anonymous(map_len, 0)?;
+        if asked_small {
+            // SAFETY: madvise on the mapping just created; MADV_NOHUGEPAGE only changes how
+            // the kernel backs the range, not its contents. A kernel without THP refuses it
+            // (EINVAL), which leaves 4 KiB pages anyway.
+            let _ = unsafe { libc::madvise(ptr.as_ptr().cast(), map_len, libc::MADV_NOHUGEPAGE) };
+        }
         if let Err(errno) = populate(ptr, map_len, PAGE_4K) {
             munmap_unused(ptr.as_ptr(), map_len);
             return Err(errno);

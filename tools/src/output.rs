@@ -210,11 +210,13 @@ pub fn engine_text(info: &kvtier::EngineInfo, cores: &[usize]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "region: {} blocks of {} ({}), backing {}; engine opened in {:.2} s",
+        "region: {} blocks of {} ({}), backing {}{}; engine opened in {:.2} s",
         info.region_blocks,
         size(info.block_bytes),
         size(info.region_blocks * info.block_bytes),
         info.region_backing,
+        info.region_huge_percent
+            .map_or_else(String::new, |p| format!(" ({p:.0} % in huge pages)")),
         info.open_seconds
     );
     for (i, d) in info.devices.iter().enumerate() {
@@ -308,6 +310,7 @@ pub fn engine_json(
         "block_bytes": info.block_bytes,
         "region_blocks": info.region_blocks,
         "region_backing": info.region_backing,
+        "region_huge_percent": info.region_huge_percent,
         "open_seconds": info.open_seconds,
         "cores_available": cores,
         "devices": devices,
