@@ -243,7 +243,7 @@ fn region_pages(region: &Region, block_bytes: u64) -> Option<f64> {
              page (on the test machine's disk, stores ran at about half the rate of stores from \
              huge pages). For vLLM's region in /dev/shm: `mount -o remount,huge=within_size \
              /dev/shm` before vLLM starts; for memory you map: MAP_HUGETLB or \
-             madvise(MADV_HUGEPAGE) before first touch (README, \"Huge pages\")"
+             madvise(MADV_HUGEPAGE) before first touch (README, \"Huge pages for vLLM's CPU buffer\")"
         );
     }
     Some(percent)
