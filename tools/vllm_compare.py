@@ -19,6 +19,7 @@ CPU seconds (every thread: vLLM's pool, kvtier's workers), medians over rounds, 
 kvtier/vLLM ratios of the medians.
 
     python tools/vllm_compare.py --dir /var/tmp --rounds 5
+    python tools/vllm_compare.py --primary-dir /mnt/shm-huge   # a tmpfs mounted huge=within_size
     python tools/vllm_compare.py --block-size 256KiB --shape one --layout files slab --json out.json
 
 Needs: the kvtier package installed (pip install ./python), numpy, typing_extensions, and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -68,8 +70,42 @@ def show_size(n: int) -> str:
     return f"{n >> 20}MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}KiB"
 
 
+def shm_primary(directory: str, num_blocks: int, block_bytes: int) -> H.Primary:
+    """A primary buffer made as vLLM's CPU tier makes it: a file in ``directory`` (vLLM: /dev/shm)
+    sized with ftruncate and mapped shared, then unlinked (the mapping keeps it). On a tmpfs
+    mounted with huge=within_size it is mapped with 2 MiB pages."""
+    fd, path = tempfile.mkstemp(dir=directory, prefix="vllm-compare-primary-")
+    try:
+        os.ftruncate(fd, num_blocks * block_bytes)
+        mm = mmap.mmap(fd, num_blocks * block_bytes, mmap.MAP_SHARED,
+                       mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    array = np.frombuffer(mm, dtype=np.uint8).reshape(num_blocks, block_bytes)
+    return H.Primary(array, memoryview(array))
+
+
+def huge_percent(array: np.ndarray) -> float:
+    """How much of the buffer is mapped with huge pages (as the engine reports it)."""
+    lo, hi = array.ctypes.data, array.ctypes.data + array.nbytes
+    total = huge = 0
+    vma = None
+    for line in open("/proc/self/smaps"):
+        word = line.split()
+        if "-" in word[0] and not word[0].endswith(":"):
+            start, end = (int(x, 16) for x in word[0].split("-"))
+            vma = (start, end) if start < hi and end > lo else None
+            if vma:
+                total += min(hi, end) - max(lo, start)
+        elif vma and word[0] in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+            huge += int(word[1]) * 1024 * (min(hi, vma[1]) - max(lo, vma[0])) // (vma[1] - vma[0])
+    return 100.0 * huge / total if total else 0.0
+
+
 class Cell:
-    def __init__(self, vllm, block: int, blocks: int, jobs: int, base: str):
+    def __init__(self, vllm, block: int, blocks: int, jobs: int, base: str,
+                 primary_dir: str | None = None):
         self.vllm = vllm
         self.block = block
         self.blocks = blocks
@@ -77,11 +113,13 @@ class Cell:
         self.base = base
         self.roots: dict[str, str] = {}
         # Rows [0, blocks) are the store source, [blocks, 2*blocks) the load target.
-        self.primary = H.make_primary(2 * blocks, block)
+        self.primary = (H.make_primary(2 * blocks, block) if primary_dir is None
+                        else shm_primary(primary_dir, 2 * blocks, block))
         self.spec = H.make_spec(vllm, num_blocks=2 * blocks, block_bytes=block)
         rng = np.random.default_rng(block + blocks + jobs)
         self.primary.array[:blocks] = rng.integers(0, 256, size=(blocks, block), dtype=np.uint8)
         self.expect = self.primary.array[:blocks].copy()
+        self.huge_percent = huge_percent(self.primary.array)
 
     def tier(self, name: str, root: str):
         if name == "vllm-fs":
@@ -168,6 +206,10 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the results as JSON here ('-': stdout)")
     ap.add_argument("--vllm-io", choices=["c", "python"], default="c",
                     help="vLLM fs tier's I/O: its C extension (production) or Python fallback")
+    ap.add_argument("--primary-dir", default=None,
+                    help="make the primary buffer as vLLM does, a file mapped from this "
+                    "directory (/dev/shm, or a tmpfs mounted huge=within_size for 2 MiB pages); "
+                    "default: an anonymous shared mapping (4 KiB pages)")
     args = ap.parse_args()
 
     os.environ["KVTIER_VLLM_FS_IO_C"] = "1" if args.vllm_io == "c" else "0"
@@ -184,7 +226,7 @@ def main() -> int:
         blocks = max(16, total // block)
         for shape in args.shape:
             jobs = 1 if shape == "one" else int(shape)
-            cell = Cell(vllm, block, blocks, jobs, args.dir)
+            cell = Cell(vllm, block, blocks, jobs, args.dir, args.primary_dir)
             runs: dict[str, list[dict]] = {n: [] for n in names}
             try:
                 for r in range(args.rounds):
@@ -200,8 +242,10 @@ def main() -> int:
             med = {n: {k: statistics.median(x[k] for x in runs[n]) for k in runs[n][0]}
                    for n in names}
             cells.append({"block_bytes": block, "blocks": blocks, "jobs": jobs,
-                          "rounds": runs, "median": med})
-            print(f"done {show_size(block)} x {blocks} blocks, {jobs} job(s)", file=sys.stderr)
+                          "primary_huge_percent": cell.huge_percent, "rounds": runs,
+                          "median": med})
+            print(f"done {show_size(block)} x {blocks} blocks, {jobs} job(s), primary "
+                  f"{cell.huge_percent:.0f} % in huge pages", file=sys.stderr)
 
     header = ("| block | jobs | tier | store MiB/s | store CPU s | load MiB/s | load CPU s | "
               "store × | load × | store CPU × | load CPU × |")
@@ -220,7 +264,8 @@ def main() -> int:
                   f"| {m['store_cpu_s']:.2f} | {m['load_mib_s']:.0f} | {m['load_cpu_s']:.2f} | "
                   + " | ".join(ratios) + " |")
     print(f"vLLM fs tier I/O: {'C extension (fs_io_C)' if vllm.fs_io_C_available else 'Python'}")
-    report = {"dir": args.dir, "rounds": args.rounds, "bytes_per_cell": total,
+    report = {"dir": args.dir, "primary_dir": args.primary_dir, "rounds": args.rounds,
+              "bytes_per_cell": total,
               "vllm_version": vllm.version, "fs_io_C": vllm.fs_io_C_available, "cells": cells}
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)
