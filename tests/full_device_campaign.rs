@@ -304,6 +304,7 @@ fn files_config(root: &Path) -> Config {
         first_lookup: FirstLookup::Miss,
         lookup_cache_max: FilesConfig::DEFAULT_LOOKUP_CACHE_MAX,
         lookup_ttl_ms: FilesConfig::DEFAULT_LOOKUP_TTL_MS,
+        io_wq_workers: FilesConfig::DEFAULT_IO_WQ_WORKERS,
     });
     c.events.enabled = true;
     c.events.max = 1 << 16;

@@ -55,6 +55,10 @@ pub struct FilesConfig {
     /// How long such an answer is served before it is asked again; an older "absent" is still
     /// answered while the new `statx` runs.
     pub lookup_ttl_ms: u64,
+    /// Most of io_uring's kernel worker threads per worker ring that run file-extending block
+    /// writes at once. ext4 and xfs run such an `O_DIRECT` write to completion in that thread,
+    /// so this bounds the layout's writes in flight per worker.
+    pub io_wq_workers: u32,
 }
 
 impl FilesConfig {
@@ -66,6 +70,11 @@ impl FilesConfig {
     pub const DEFAULT_LOOKUP_CACHE_MAX: usize = 65536;
     /// Default age at which such an answer is asked again.
     pub const DEFAULT_LOOKUP_TTL_MS: u64 = 1000;
+    /// Default bound of the kernel's io_uring workers per ring (the kernel's own default is 4
+    /// per CPU, 8 on a 2-CPU machine).
+    pub const DEFAULT_IO_WQ_WORKERS: u32 = 32;
+    /// Largest accepted `io_wq_workers`.
+    pub const IO_WQ_WORKERS_MAX: u32 = 1024;
 
     /// The `[files]` section for `namespace` with every other field at its default.
     pub fn new(namespace: crate::config::Namespace) -> FilesConfig {
@@ -79,6 +88,7 @@ impl FilesConfig {
             first_lookup: FirstLookup::Miss,
             lookup_cache_max: Self::DEFAULT_LOOKUP_CACHE_MAX,
             lookup_ttl_ms: Self::DEFAULT_LOOKUP_TTL_MS,
+            io_wq_workers: Self::DEFAULT_IO_WQ_WORKERS,
         }
     }
 }

@@ -213,6 +213,7 @@ pub(super) struct RawFiles {
     first_lookup: Option<Value>,
     lookup_cache_max: Option<Value>,
     lookup_ttl_ms: Option<Value>,
+    io_wq_workers: Option<Value>,
 }
 
 impl TryFrom<RawFiles> for FilesConfig {
@@ -269,9 +270,17 @@ impl TryFrom<RawFiles> for FilesConfig {
                 FilesConfig::DEFAULT_LOOKUP_TTL_MS,
                 "an integer number of milliseconds",
             )?,
+            io_wq_workers: int_or(
+                "files.io_wq_workers",
+                raw.io_wq_workers,
+                FilesConfig::DEFAULT_IO_WQ_WORKERS,
+                IO_WQ_WORKERS_FORMS,
+            )?,
         })
     }
 }
+
+const IO_WQ_WORKERS_FORMS: &str = "an integer from 1 to 1024";
 
 /// A permission mode: an octal TOML integer (`0o640`) or an octal string (`"0640"`,
 /// `"0o640"`), at most 0777, including the bits `needs` (kvtier must use what it creates).

@@ -411,6 +411,7 @@ fn toml_round_trip() {
         first_lookup: FirstLookup::Pending,
         lookup_cache_max: 100,
         lookup_ttl_ms: 250,
+        io_wq_workers: 4,
     });
     config.validate().expect("valid");
     let text = config.to_toml_string();
@@ -653,10 +654,24 @@ fn files_lookup_cache_parses_and_errors_name_field() {
         &["files.first_lookup", "retry", "\"miss\"", "\"pending\""],
     );
     assert_eq!(cache("lookup_cache_max = 8\nlookup_ttl_ms = 0"), (8, 0));
+    let workers = |lines: &str| {
+        Config::from_toml_str(&files(lines))
+            .expect("valid [files]")
+            .files
+            .expect("files")
+            .io_wq_workers
+    };
+    assert_eq!(workers(""), 32);
+    assert_eq!(workers("io_wq_workers = 1"), 1);
+    assert_eq!(workers("io_wq_workers = 1024"), 1024);
     for (line, field, value) in [
         ("lookup_cache_max = 0", "files.lookup_cache_max", "0"),
         ("lookup_cache_max = -1", "files.lookup_cache_max", "-1"),
         ("lookup_ttl_ms = \"1s\"", "files.lookup_ttl_ms", "1s"),
+        ("io_wq_workers = 0", "files.io_wq_workers", "0"),
+        ("io_wq_workers = 1025", "files.io_wq_workers", "1025"),
+        ("io_wq_workers = -3", "files.io_wq_workers", "-3"),
+        ("io_wq_workers = \"many\"", "files.io_wq_workers", "many"),
     ] {
         assert_mentions(&error_of(&files(line)), &[field, value]);
     }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use super::{
     ensure, invalid, show_path, show_size, store_chunk_bytes, validate_cores, Config, ConfigError,
-    Derived, DeviceConfig, DeviceKind, Layout, Named, RawConfig, S3Write, ALIGN_BYTES,
+    Derived, DeviceConfig, DeviceKind, FilesConfig, Layout, Named, RawConfig, S3Write, ALIGN_BYTES,
     AT_LEAST_ONE, BLOCK_SIZE_FORMS, BLOCK_SIZE_MAX, DEMOTION_STAGING_BLOCKS, DEVICE_CAPACITY_MIN,
     GIB, PATH_FORMS, REGION_BYTES_MAX, REGISTERED_PIECE_MAX, RING_ENTRIES_FORMS, RING_ENTRIES_MAX,
     RING_ENTRIES_MIN,
@@ -131,6 +131,12 @@ impl Config {
             "files.lookup_cache_max",
             files.lookup_cache_max,
             AT_LEAST_ONE,
+        )?;
+        ensure(
+            (1..=FilesConfig::IO_WQ_WORKERS_MAX).contains(&files.io_wq_workers),
+            "files.io_wq_workers",
+            files.io_wq_workers,
+            "an integer from 1 to 1024",
         )
     }
 

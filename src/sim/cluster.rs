@@ -251,6 +251,7 @@ impl Cluster {
             ioprio: config.scheduler.ioprio,
             piece_bytes: derived.piece_bytes,
             files_layout: matches!(devices, Devices::Files(..)),
+            io_wq_workers: crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS,
             wait_limit: std::time::Duration::from_secs(1),
         };
         let mut senders = Vec::new();

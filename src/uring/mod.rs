@@ -381,6 +381,19 @@ impl Storage for KernelStorage {
                     .into(),
             ));
         }
+        if settings.files_layout {
+            // A block write that creates a file's data runs to completion in one of the ring's
+            // kernel workers: their number bounds the stores in flight (docs/perf.md).
+            match ring.set_io_wq_bounded(settings.io_wq_workers) {
+                Ok(was) => tracing::debug!(was, now = settings.io_wq_workers, "io-wq workers"),
+                Err(e) => tracing::warn!(
+                    errno = %e,
+                    "[files] io_wq_workers = {}: the kernel refused the bound; its default \
+                     (4 per CPU) applies",
+                    settings.io_wq_workers
+                ),
+            }
+        }
         if ring.features().iopoll && !iopoll_reads_work(&mut ring, &opened) {
             // Some devices accept an IOPOLL ring but fail every polled read (EOPNOTSUPP, no
             // poll queues): fall back rather than fail every load.

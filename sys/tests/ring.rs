@@ -230,6 +230,24 @@ fn drop_with_io_in_flight_drains_first() {
     region.read(4096, &mut b);
 }
 
+// The bound on the ring's kernel workers is recorded: setting it returns the previous one, so
+// a second call returns the first call's value; the unbounded workers' limit is untouched.
+#[test]
+fn io_wq_bound_is_set_and_reported() {
+    let Some(mut ring) = ring_or_skip() else {
+        return;
+    };
+    match ring.set_io_wq_bounded(32) {
+        Ok(default) => assert!(default >= 1, "the kernel's default bound is {default}"),
+        Err(e) => {
+            println!("SKIP: IORING_REGISTER_IOWQ_MAX_WORKERS refused: {e}");
+            return;
+        }
+    }
+    assert_eq!(ring.set_io_wq_bounded(5), Ok(32));
+    assert_eq!(ring.set_io_wq_bounded(5), Ok(5));
+}
+
 #[test]
 fn ioprio_values() {
     assert_eq!(ioprio(IoprioClass::None, 0), 0);

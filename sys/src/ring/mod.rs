@@ -426,6 +426,19 @@ impl Ring {
         }
     }
 
+    /// Bounds io_uring's kernel worker threads of this ring that run *bounded* work (reads and
+    /// writes of regular files the kernel could not issue without blocking, such as writes that
+    /// extend a file) to `bounded` at once; the unbounded ones (opens, renames, xattrs) keep
+    /// their limit. Returns the previous bound. Linux 5.15 or later.
+    pub fn set_io_wq_bounded(&mut self, bounded: u32) -> Result<u32, Errno> {
+        let mut limits = [bounded, 0];
+        self.uring
+            .submitter()
+            .register_iowq_max_workers(&mut limits)
+            .map_err(|e| errno_of(&e))?;
+        Ok(limits[0])
+    }
+
     /// Operations pushed (queued or submitted) whose completion has not been popped.
     pub fn in_flight(&self) -> usize {
         self.in_flight
