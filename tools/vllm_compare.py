@@ -126,6 +126,12 @@ class Cell:
             entry = {"type": "fs", "root_dir": root}
         elif name == "kvtier-files":
             entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm", "root_dir": root}
+        elif name.startswith("kvtier-files-wq"):
+            # The files layout with [files] io_wq_workers set (the config form of the entry).
+            entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm",
+                     "config": {"cores": "auto", "direct_io": "auto",
+                                "devices": [{"path": root, "layout": "files"}],
+                                "files": {"io_wq_workers": int(name[len("kvtier-files-wq"):])}}}
         elif name == "kvtier-slab":
             entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm", "root_dir": root,
                      "layout": "slab",
@@ -206,6 +212,9 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the results as JSON here ('-': stdout)")
     ap.add_argument("--vllm-io", choices=["c", "python"], default="c",
                     help="vLLM fs tier's I/O: its C extension (production) or Python fallback")
+    ap.add_argument("--files-io-wq-workers", type=int, nargs="*", default=[],
+                    help="also run the files layout with [files] io_wq_workers = N (tier "
+                    "kvtier-files-wqN), for each N given")
     ap.add_argument("--primary-dir", default=None,
                     help="make the primary buffer as vLLM does, a file mapped from this "
                     "directory (/dev/shm, or a tmpfs mounted huge=within_size for 2 MiB pages); "
@@ -219,7 +228,8 @@ def main() -> int:
     import kvtier.vllm  # noqa: F401  (after the harness put vLLM's modules in place)
 
     total = kvtier.parse_size(args.bytes)
-    names = ["vllm-fs"] + [f"kvtier-{layout}" for layout in args.layout]
+    names = (["vllm-fs"] + [f"kvtier-{layout}" for layout in args.layout]
+             + [f"kvtier-files-wq{n}" for n in args.files_io_wq_workers])
     cells = []
     for bs_text in args.block_size:
         block = kvtier.parse_size(bs_text)
