@@ -32,6 +32,18 @@ fn json_stdout(out: &Output) -> serde_json::Value {
     })
 }
 
+/// Runs `kvtier` with `args` and checks that it succeeded (else fails with its stderr).
+fn kvtier_ok(args: &[&str]) -> Output {
+    let out = kvtier(args);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    out
+}
+
 fn path_str(path: &Path) -> &str {
     path.to_str().expect("temporary paths are UTF-8")
 }
@@ -61,13 +73,7 @@ fn bench_all(dir: &Path, blocks: u64, extra: &[&str]) -> (serde_json::Value, Out
         "--dir",
         path_str(dir),
     ]);
-    let out = kvtier(&args);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{}",
-        out.status,
-        stderr(&out)
-    );
+    let out = kvtier_ok(&args);
     let doc = json_stdout(&out);
     let results = doc["results"].as_array().expect("results array");
     let names: Vec<&str> = results
@@ -128,7 +134,7 @@ fn bench_all_small_verifies_and_reports_five_workloads() {
 #[test]
 fn kept_bench_store_is_inspectable() {
     let dir = scratch();
-    let out = kvtier(&[
+    kvtier_ok(&[
         "bench",
         "--workload",
         "store",
@@ -142,25 +148,13 @@ fn kept_bench_store_is_inspectable() {
         "--dir",
         path_str(dir.path()),
     ]);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{}",
-        out.status,
-        stderr(&out)
-    );
     let kept = std::fs::read_dir(dir.path())
         .expect("read scratch parent")
         .map(|e| e.expect("entry").path())
         .find(|p| p.join("kvtier-bench.toml").exists())
         .expect("--keep leaves the scratch directory with its config");
     let config = kept.join("kvtier-bench.toml");
-    let out = kvtier(&["inspect", "--config", path_str(&config), "--json"]);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{}",
-        out.status,
-        stderr(&out)
-    );
+    let out = kvtier_ok(&["inspect", "--config", path_str(&config), "--json"]);
     let doc = json_stdout(&out);
     assert_eq!(doc["devices"][0]["blocks_stored"], 32, "{doc}");
     assert_eq!(doc["verify"]["keys"], 32, "{doc}");
@@ -171,13 +165,7 @@ fn kept_bench_store_is_inspectable() {
 // The probe must always answer, in JSON, with an io_uring section.
 #[test]
 fn probe_json_has_io_uring_section() {
-    let out = kvtier(&["probe", "--json", "--dir", "/var/tmp"]);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{}",
-        out.status,
-        stderr(&out)
-    );
+    let out = kvtier_ok(&["probe", "--json", "--dir", "/var/tmp"]);
     let doc = json_stdout(&out);
     assert!(doc["io_uring"]["available"].is_boolean(), "{doc}");
     assert!(doc["io_uring"]["opcodes"].is_object(), "{doc}");
@@ -221,7 +209,7 @@ fn bench_files_layout_runs_and_verifies() {
 /// on stdout; returns the `lookups` object.
 fn bench_lookups(keys: &str, layout: &str) -> serde_json::Value {
     let dir = scratch();
-    let out = kvtier(&[
+    let out = kvtier_ok(&[
         "bench",
         "--workload",
         "store",
@@ -242,12 +230,6 @@ fn bench_lookups(keys: &str, layout: &str) -> serde_json::Value {
         "--dir",
         path_str(dir.path()),
     ]);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{}",
-        out.status,
-        stderr(&out)
-    );
     assert!(
         stderr(&out).contains(&format!("{keys} keys:")),
         "the lookup line names the keys asked for:\n{}",
