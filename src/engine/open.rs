@@ -52,7 +52,6 @@ impl Engine {
         let started = std::time::Instant::now();
         let derived = config.validate()?;
         let region_blocks = check_region(&region, derived.block_bytes, storage.as_ref())?;
-        let region_huge_percent = region_pages(&region, derived.block_bytes);
         let devices = open_devices(config, &derived, storage.as_ref())?;
         let cores = worker_cores(&config.cores);
         let (shared, results) = Shared::new(EventSink::new(
@@ -76,6 +75,9 @@ impl Engine {
             &shared,
             demote_sink.as_ref(),
         )?;
+        // After the workers registered the region with their rings, which faulted in (and
+        // pinned) every page: what backs it now is what every block's I/O will use.
+        let region_huge_percent = region_pages(&region, derived.block_bytes);
         let router = Arc::new(Router {
             shards: workers
                 .shards
@@ -220,7 +222,8 @@ impl Engine {
     }
 }
 
-/// The share of the region mapped by huge pages (`None` if `/proc/self/smaps` cannot be read).
+/// The share of the region's resident bytes mapped by huge pages (`None` if
+/// `/proc/self/smaps` cannot be read or none of the region is resident).
 /// Warns when a region that was meant to have them, or that the caller gave, is mostly 4 KiB
 /// pages: every block then moves as one segment per 4 KiB page.
 fn region_pages(region: &Region, block_bytes: u64) -> Option<f64> {
@@ -231,7 +234,7 @@ fn region_pages(region: &Region, block_bytes: u64) -> Option<f64> {
             return None;
         }
     };
-    let percent = mapped.percent();
+    let percent = mapped.percent()?;
     let backing = region.backing();
     let meant_huge = matches!(backing, Backing::Foreign | Backing::Thp);
     if meant_huge && percent < 50.0 && block_bytes > 4096 {

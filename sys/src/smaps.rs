@@ -10,25 +10,26 @@
 
 use std::io;
 
-/// Bytes of a span and how many of them are mapped by huge pages.
+/// Bytes of a span, how many are resident, and how many of those are mapped by huge pages.
+/// Counts of a mapping the span covers in part are taken pro rata.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HugeMapped {
     /// Bytes of the span inside mappings (the span's length unless part of it is unmapped).
     pub bytes: u64,
-    /// Of those, bytes mapped by huge pages: whole hugetlb mappings; in other mappings the
-    /// PMD-mapped transparent huge pages (`AnonHugePages`, `ShmemPmdMapped`, `FilePmdMapped`),
-    /// pro rata when the span covers part of a mapping.
+    /// Of those, resident bytes (`Rss`; hugetlb mappings count whole). Pages not yet touched
+    /// are not resident, and their page size is not known yet.
+    pub resident_bytes: u64,
+    /// Of the resident bytes, those mapped by huge pages: whole hugetlb mappings; in other
+    /// mappings the PMD-mapped transparent huge pages (`AnonHugePages`, `ShmemPmdMapped`,
+    /// `FilePmdMapped`).
     pub huge_bytes: u64,
 }
 
 impl HugeMapped {
-    /// The huge share in percent (0 for an empty span).
-    pub fn percent(&self) -> f64 {
-        if self.bytes == 0 {
-            0.0
-        } else {
-            100.0 * self.huge_bytes as f64 / self.bytes as f64
-        }
+    /// The huge share of the resident bytes, in percent; `None` when none is resident.
+    pub fn percent(&self) -> Option<f64> {
+        (self.resident_bytes > 0)
+            .then(|| 100.0 * self.huge_bytes as f64 / self.resident_bytes as f64)
     }
 }
 
@@ -44,6 +45,7 @@ struct Vma {
     start: u64,
     end: u64,
     kernel_page_kib: u64,
+    rss_kib: u64,
     pmd_kib: u64,
 }
 
@@ -55,14 +57,20 @@ impl Vma {
             return;
         }
         out.bytes += overlap;
-        let huge = if self.kernel_page_kib >= 2048 {
-            overlap
-        } else {
-            let len = self.end - self.start;
-            let pmd = (self.pmd_kib * 1024).min(len);
-            (u128::from(pmd) * u128::from(overlap) / u128::from(len)) as u64
+        if self.kernel_page_kib >= 2048 {
+            // hugetlb: always resident once mapped (reserved), never counted in Rss.
+            out.resident_bytes += overlap;
+            out.huge_bytes += overlap;
+            return;
+        }
+        let len = self.end - self.start;
+        let share = |kib: u64| {
+            let bytes = (kib * 1024).min(len);
+            (u128::from(bytes) * u128::from(overlap) / u128::from(len)) as u64
         };
-        out.huge_bytes += huge;
+        let resident = share(self.rss_kib);
+        out.resident_bytes += resident;
+        out.huge_bytes += share(self.pmd_kib).min(resident);
     }
 }
 
@@ -92,6 +100,7 @@ fn parse(text: &str, addr: u64, len: u64) -> HugeMapped {
         };
         match first {
             "KernelPageSize:" => v.kernel_page_kib = kib,
+            "Rss:" => v.rss_kib = kib,
             "AnonHugePages:" | "ShmemPmdMapped:" | "FilePmdMapped:" => v.pmd_kib += kib,
             _ => {}
         }
@@ -111,107 +120,92 @@ fn mapping_range(word: &str) -> Option<(u64, u64)> {
 }
 
 #[cfg(test)]
-#[allow(clippy::float_cmp)] // the percents compared are exactly 0 and 100
+#[allow(clippy::float_cmp)] // the percents compared are exact: 0, 50 and 100
 mod tests {
     use super::*;
 
-    fn vma(range: &str, kernel_page: u64, anon: u64, shmem: u64) -> String {
+    fn vma(range: &str, kernel_page: u64, rss: u64, anon: u64, shmem: u64) -> String {
         format!(
             "{range} rw-s 00000000 00:28 5    /dev/shm/x\nSize: 65536 kB\n\
              KernelPageSize:     {kernel_page} kB\nMMUPageSize: {kernel_page} kB\n\
-             Rss: 65536 kB\nAnonHugePages: {anon} kB\nShmemPmdMapped: {shmem} kB\n\
+             Rss: {rss} kB\nAnonHugePages: {anon} kB\nShmemPmdMapped: {shmem} kB\n\
              FilePmdMapped: 0 kB\nVmFlags: rd wr sh mr mw me ms\n"
         )
     }
 
-    // 64 MiB mappings: one of 4 KiB pages, one PMD-mapped shmem, one half anonymous THP, one
-    // hugetlb.
+    // 64 MiB mappings, all resident unless said: 4 KiB pages; PMD-mapped shmem; half
+    // anonymous THP; hugetlb (Rss 0, as the kernel shows it); half resident, none huge.
     fn listing() -> String {
         [
-            vma("100000000-104000000", 4, 0, 0),
-            vma("200000000-204000000", 4, 0, 65536),
-            vma("300000000-304000000", 4, 32768, 0),
-            vma("400000000-404000000", 2048, 0, 0),
+            vma("100000000-104000000", 4, 65536, 0, 0),
+            vma("200000000-204000000", 4, 65536, 0, 65536),
+            vma("300000000-304000000", 4, 65536, 32768, 0),
+            vma("400000000-404000000", 2048, 0, 0, 0),
+            vma("500000000-504000000", 4, 32768, 0, 0),
         ]
         .concat()
     }
 
     const MIB: u64 = 1 << 20;
 
+    fn mapped(bytes: u64, resident: u64, huge: u64) -> HugeMapped {
+        HugeMapped {
+            bytes: bytes * MIB,
+            resident_bytes: resident * MIB,
+            huge_bytes: huge * MIB,
+        }
+    }
+
     #[test]
     fn whole_mappings() {
         let text = listing();
         let at = |a: u64| parse(&text, a, 64 * MIB);
-        assert_eq!(
-            at(0x1_0000_0000),
-            HugeMapped {
-                bytes: 64 * MIB,
-                huge_bytes: 0
-            }
-        );
-        assert_eq!(
-            at(0x2_0000_0000),
-            HugeMapped {
-                bytes: 64 * MIB,
-                huge_bytes: 64 * MIB
-            }
-        );
-        assert_eq!(
-            at(0x3_0000_0000),
-            HugeMapped {
-                bytes: 64 * MIB,
-                huge_bytes: 32 * MIB
-            }
-        );
-        assert_eq!(
-            at(0x4_0000_0000),
-            HugeMapped {
-                bytes: 64 * MIB,
-                huge_bytes: 64 * MIB
-            }
-        );
-        assert_eq!(at(0x4_0000_0000).percent(), 100.0);
-        assert_eq!(at(0x1_0000_0000).percent(), 0.0);
+        assert_eq!(at(0x1_0000_0000), mapped(64, 64, 0));
+        assert_eq!(at(0x2_0000_0000), mapped(64, 64, 64));
+        assert_eq!(at(0x3_0000_0000), mapped(64, 64, 32));
+        assert_eq!(at(0x4_0000_0000), mapped(64, 64, 64));
+        assert_eq!(at(0x5_0000_0000), mapped(64, 32, 0));
+        assert_eq!(at(0x1_0000_0000).percent(), Some(0.0));
+        assert_eq!(at(0x3_0000_0000).percent(), Some(50.0));
+        assert_eq!(at(0x4_0000_0000).percent(), Some(100.0));
     }
 
     #[test]
     fn part_of_a_mapping_counts_pro_rata() {
         let text = listing();
         let got = parse(&text, 0x3_0000_0000 + 16 * MIB, 16 * MIB);
-        assert_eq!(
-            got,
-            HugeMapped {
-                bytes: 16 * MIB,
-                huge_bytes: 8 * MIB
-            }
-        );
+        assert_eq!(got, mapped(16, 16, 8));
     }
 
     #[test]
     fn a_span_across_mappings_and_holes() {
-        // The last 32 MiB of the shmem mapping, the 0x2_04.. hole up to 0x3_00.., not counted,
-        // and nothing else: the span ends inside the hole.
+        // The last 32 MiB of the shmem mapping, then the hole up to 0x3_00.. (not counted):
+        // the span ends inside the hole.
         let text = listing();
-        let got = parse(&text, 0x2_0000_0000 + 32 * MIB, 64 * MIB);
         assert_eq!(
-            got,
-            HugeMapped {
-                bytes: 32 * MIB,
-                huge_bytes: 32 * MIB
-            }
+            parse(&text, 0x2_0000_0000 + 32 * MIB, 64 * MIB),
+            mapped(32, 32, 32)
+        );
+        // All five mappings and the holes between them.
+        assert_eq!(
+            parse(&text, 0x1_0000_0000, 0x4_0400_0000 + 64 * MIB),
+            mapped(320, 288, 160)
         );
         assert_eq!(parse(&text, 0x9_0000_0000, MIB), HugeMapped::default());
-        assert_eq!(HugeMapped::default().percent(), 0.0);
+        assert_eq!(HugeMapped::default().percent(), None);
     }
 
     #[test]
     fn this_process() {
-        // A 4 KiB-page mapping of this process: found, whole, and not huge.
-        let len = 16 * 4096;
-        let v = vec![1u8; len + 4096];
+        // Touched heap memory of this process: found, whole, resident.
+        let v = vec![1u8; 17 * 4096];
         let addr = (v.as_ptr() as usize).next_multiple_of(4096);
         let got = huge_mapped(addr, 4096).expect("/proc/self/smaps");
         assert_eq!(got.bytes, 4096);
-        assert!(got.huge_bytes <= got.bytes);
+        assert!(
+            got.resident_bytes > 0 && got.huge_bytes <= got.resident_bytes,
+            "{got:?}"
+        );
+        std::hint::black_box(&v);
     }
 }
