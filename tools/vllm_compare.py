@@ -29,6 +29,7 @@ vLLM's wheel (pip download vllm==0.33.0 --no-deps -d DIR; --wheel or KVTIER_VLLM
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import mmap
 import os
@@ -76,7 +77,9 @@ def shm_primary(directory: str, num_blocks: int, block_bytes: int) -> H.Primary:
     mounted with huge=within_size it is mapped with 2 MiB pages."""
     fd, path = tempfile.mkstemp(dir=directory, prefix="vllm-compare-primary-")
     try:
-        os.ftruncate(fd, num_blocks * block_bytes)
+        # Allocated now, so that a full tmpfs is an error here and not a SIGBUS at first touch
+        # (vLLM checks the free space of /dev/shm first).
+        os.posix_fallocate(fd, 0, num_blocks * block_bytes)
         mm = mmap.mmap(fd, num_blocks * block_bytes, mmap.MAP_SHARED,
                        mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -126,12 +129,16 @@ class Cell:
             entry = {"type": "fs", "root_dir": root}
         elif name == "kvtier-files":
             entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm", "root_dir": root}
-        elif name.startswith("kvtier-files-wq"):
-            # The files layout with [files] io_wq_workers set (the config form of the entry).
-            entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm",
-                     "config": {"cores": "auto", "direct_io": "auto",
-                                "devices": [{"path": root, "layout": "files"}],
-                                "files": {"io_wq_workers": int(name[len("kvtier-files-wq"):])}}}
+        elif name.startswith("kvtier-files["):
+            # The files layout with settings changed (the config form of the entry).
+            config = {"cores": "auto", "direct_io": "auto",
+                      "devices": [{"path": root, "layout": "files"}], "files": {}}
+            for setting in name[len("kvtier-files["):-1].split(","):
+                key, value = setting.split("=", 1)
+                section, _, field = key.rpartition(".")
+                table = config[section] if section else config
+                table[field] = json.loads(value)
+            entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm", "config": config}
         elif name == "kvtier-slab":
             entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm", "root_dir": root,
                      "layout": "slab",
@@ -212,9 +219,10 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the results as JSON here ('-': stdout)")
     ap.add_argument("--vllm-io", choices=["c", "python"], default="c",
                     help="vLLM fs tier's I/O: its C extension (production) or Python fallback")
-    ap.add_argument("--files-io-wq-workers", type=int, nargs="*", default=[],
-                    help="also run the files layout with [files] io_wq_workers = N (tier "
-                    "kvtier-files-wqN), for each N given")
+    ap.add_argument("--files-variant", nargs="*", default=[],
+                    help="also run the files layout with these settings, each a comma-separated "
+                    "list of KEY=JSON (KEY: a top-level field or files.FIELD), e.g. "
+                    "files.io_wq_workers=8 or 'cores=[0],files.checksums=false'")
     ap.add_argument("--primary-dir", default=None,
                     help="make the primary buffer as vLLM does, a file mapped from this "
                     "directory (/dev/shm, or a tmpfs mounted huge=within_size for 2 MiB pages); "
@@ -229,7 +237,7 @@ def main() -> int:
 
     total = kvtier.parse_size(args.bytes)
     names = (["vllm-fs"] + [f"kvtier-{layout}" for layout in args.layout]
-             + [f"kvtier-files-wq{n}" for n in args.files_io_wq_workers])
+             + [f"kvtier-files[{v}]" for v in args.files_variant])
     cells = []
     for bs_text in args.block_size:
         block = kvtier.parse_size(bs_text)
@@ -238,6 +246,7 @@ def main() -> int:
             jobs = 1 if shape == "one" else int(shape)
             cell = Cell(vllm, block, blocks, jobs, args.dir, args.primary_dir)
             runs: dict[str, list[dict]] = {n: [] for n in names}
+            huge = cell.huge_percent
             try:
                 for r in range(args.rounds):
                     # Rotate, so every tier follows every other one as often (a fast writer's
@@ -249,13 +258,17 @@ def main() -> int:
                         runs[n].append(cell.round(n, r))
             finally:
                 cell.cleanup()
+                # Free this cell's primary buffer before the next one is made (the tiers that
+                # held views of it may sit in reference cycles).
+                del cell
+                gc.collect()
             med = {n: {k: statistics.median(x[k] for x in runs[n]) for k in runs[n][0]}
                    for n in names}
             cells.append({"block_bytes": block, "blocks": blocks, "jobs": jobs,
-                          "primary_huge_percent": cell.huge_percent, "rounds": runs,
+                          "primary_huge_percent": huge, "rounds": runs,
                           "median": med})
             print(f"done {show_size(block)} x {blocks} blocks, {jobs} job(s), primary "
-                  f"{cell.huge_percent:.0f} % in huge pages", file=sys.stderr)
+                  f"{huge:.0f} % in huge pages", file=sys.stderr)
 
     header = ("| block | jobs | tier | store MiB/s | store CPU s | load MiB/s | load CPU s | "
               "store × | load × | store CPU × | load CPU × |")
