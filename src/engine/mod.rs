@@ -64,8 +64,8 @@ pub struct EngineInfo {
     pub block_bytes: u64,
     pub region_blocks: u64,
     pub region_backing: &'static str,
-    /// Percent of the region mapped by huge pages at open (from `/proc/self/smaps`; `None` if
-    /// it could not be read).
+    /// Percent of the region's resident bytes mapped by huge pages once registered (sampled by
+    /// `kvtier_sys::smaps::huge_mapped`; `None` if that failed or nothing was resident).
     pub region_huge_percent: Option<f64>,
     pub devices: Vec<DeviceSummary>,
     pub workers: Vec<WorkerSummary>,

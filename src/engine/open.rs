@@ -222,15 +222,15 @@ impl Engine {
     }
 }
 
-/// The share of the region's resident bytes mapped by huge pages (`None` if
-/// `/proc/self/smaps` cannot be read or none of the region is resident).
+/// The share of the region's resident bytes mapped by huge pages (`None` if it cannot be read
+/// or none of the region is resident).
 /// Warns when a region that was meant to have them, or that the caller gave, is mostly 4 KiB
 /// pages: every block then moves as one segment per 4 KiB page.
 fn region_pages(region: &Region, block_bytes: u64) -> Option<f64> {
     let mapped = match kvtier_sys::smaps::huge_mapped(region.addr(), region.len()) {
         Ok(m) => m,
         Err(e) => {
-            tracing::debug!(error = %e, "cannot read /proc/self/smaps: the region's pages are not reported");
+            tracing::debug!(error = %e, "cannot tell the region's page sizes: not reported");
             return None;
         }
     };

@@ -29,6 +29,7 @@ pub mod fd;
 pub mod file;
 pub mod mem;
 pub mod nvme;
+pub mod pagemap;
 pub mod probe;
 pub mod ring;
 pub mod shared;
