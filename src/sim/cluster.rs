@@ -262,10 +262,16 @@ impl Cluster {
             );
             let mut me = WorkerShared::new(Arc::clone(&wake), devices.len());
             if let Some(files) = &config.files {
-                me = me.with_lookup_cache(
-                    files.lookup_cache_max,
-                    std::time::Duration::from_millis(files.lookup_ttl_ms),
-                );
+                // Answers age on the wall clock: a run slowed down by a loaded machine would
+                // see them expire where a fast one did not, and a seed would not replay (found
+                // by `files::tests::replays_one_seed` under CI load). A nonzero age is out of
+                // reach, as deadlines are; 0 (ask every time) is kept.
+                let ttl = if files.lookup_ttl_ms == 0 {
+                    std::time::Duration::ZERO
+                } else {
+                    std::time::Duration::from_secs(3600)
+                };
+                me = me.with_lookup_cache(files.lookup_cache_max, ttl);
             }
             let me = Arc::new(me);
             let (tx, rx) = crossbeam_channel::unbounded();
