@@ -115,6 +115,7 @@ class Cell:
         self.jobs = jobs
         self.base = base
         self.roots: dict[str, str] = {}
+        self.marks = False
         # Rows [0, blocks) are the store source, [blocks, 2*blocks) the load target.
         self.primary = (H.make_primary(2 * blocks, block) if primary_dir is None
                         else shm_primary(primary_dir, 2 * blocks, block))
@@ -175,6 +176,14 @@ class Cell:
             raise RuntimeError(f"{len(results)} results for {len(jobs)} jobs, failed: {bad[:3]}")
         return t1 - t0, c1 - c0
 
+    def mark(self, name: str, phase: str, start: float) -> None:
+        """With --marks: the phase's window on CLOCK_MONOTONIC (perf record -k CLOCK_MONOTONIC
+        timestamps; tools/io_trace.py --marks reads these lines)."""
+        if self.marks:
+            end = time.clock_gettime(time.CLOCK_MONOTONIC)
+            print(f"phase {name.replace(' ', '')} {phase} {self.block} {self.jobs} {start:.6f} "
+                  f"{end:.6f}", file=sys.stderr, flush=True)
+
     def root(self, name: str) -> str:
         """One directory per tier for the whole cell: a cache directory lives on, so its
         fan-out directories fill in over time (deleting them between rounds would instead
@@ -192,10 +201,14 @@ class Cell:
         tier = self.tier(name, self.root(name))
         try:
             keys = [H.make_key(f"{name}-{round_no}-{i}") for i in range(self.blocks)]
+            t0 = time.clock_gettime(time.CLOCK_MONOTONIC)
             st, sc = self.run_phase(tier, self.jobs_of(keys, 0, False, 1_000_000), load=False)
+            self.mark(name, "store", t0)
             self.primary.array[self.blocks:] = 0
+            t0 = time.clock_gettime(time.CLOCK_MONOTONIC)
             lt, lc = self.run_phase(tier, self.jobs_of(keys, self.blocks, True, 2_000_000),
                                     load=True)
+            self.mark(name, "load", t0)
             if not np.array_equal(self.primary.array[self.blocks:], self.expect):
                 raise RuntimeError(f"{name}: loaded bytes differ from the stored ones")
         finally:
@@ -227,6 +240,9 @@ def main() -> int:
                     help="make the primary buffer as vLLM does, a file mapped from this "
                     "directory (/dev/shm, or a tmpfs mounted huge=within_size for 2 MiB pages); "
                     "default: an anonymous shared mapping (4 KiB pages)")
+    ap.add_argument("--marks", action="store_true",
+                    help="print each phase's window (CLOCK_MONOTONIC) to stderr, for "
+                    "tools/io_trace.py")
     args = ap.parse_args()
 
     os.environ["KVTIER_VLLM_FS_IO_C"] = "1" if args.vllm_io == "c" else "0"
@@ -245,6 +261,7 @@ def main() -> int:
         for shape in args.shape:
             jobs = 1 if shape == "one" else int(shape)
             cell = Cell(vllm, block, blocks, jobs, args.dir, args.primary_dir)
+            cell.marks = args.marks
             runs: dict[str, list[dict]] = {n: [] for n in names}
             huge = cell.huge_percent
             try:
