@@ -44,6 +44,7 @@ fn files_config(root: &Path, capacity: Option<u64>) -> Config {
         lookup_cache_max: FilesConfig::DEFAULT_LOOKUP_CACHE_MAX,
         lookup_ttl_ms: FilesConfig::DEFAULT_LOOKUP_TTL_MS,
         io_wq_workers: FilesConfig::DEFAULT_IO_WQ_WORKERS,
+        stores_opening: FilesConfig::DEFAULT_STORES_OPENING,
     });
     c.events.enabled = true;
     c
@@ -352,6 +353,37 @@ fn the_capacity_bound_holds_under_a_long_store_stream() {
         vec![Lookup::Miss],
         "the oldest was evicted"
     );
+}
+
+/// `stores_opening = 1`: one store per worker prepares (opens its temp file, makes its
+/// directories, sets its checksum) at a time, the others wait their turn; every block still
+/// lands whole, through the ENOENT-then-mkdir path of new directories as much as through
+/// existing ones, and no temp file is left.
+#[test]
+fn stores_prepared_one_at_a_time_all_land() {
+    let dir = scratch_dir();
+    let mut cfg = files_config(dir.path(), None);
+    cfg.files.as_mut().expect("files").stores_opening = 1;
+    let region = region(32);
+    let Some(engine) = open(&cfg, &region) else {
+        return;
+    };
+    let ids: Vec<u64> = (0..32).collect();
+    let r = store(&engine, &region, 1, &ids);
+    assert!(r.success && r.bytes == 32 * BLOCK, "{r:?}");
+    for &id in &ids {
+        let bytes = std::fs::read(path_of(dir.path(), id)).expect("block file");
+        assert_eq!(bytes, content(id, BLOCK as usize), "block {id}");
+    }
+    assert_eq!(disk_bytes(dir.path()).1, 0, "no temp files left");
+    // Reloaded over other contents: the bytes come from the files.
+    let again: Vec<u64> = (100..132).collect();
+    assert!(store(&engine, &region, 2, &again).success);
+    let r = load(&engine, &region, 3, &ids);
+    assert!(r.success, "{r:?}");
+    for (b, &id) in ids.iter().enumerate() {
+        assert!(holds(&region, b as u32, id), "block {id}");
+    }
 }
 
 #[test]

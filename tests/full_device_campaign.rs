@@ -305,6 +305,7 @@ fn files_config(root: &Path) -> Config {
         lookup_cache_max: FilesConfig::DEFAULT_LOOKUP_CACHE_MAX,
         lookup_ttl_ms: FilesConfig::DEFAULT_LOOKUP_TTL_MS,
         io_wq_workers: FilesConfig::DEFAULT_IO_WQ_WORKERS,
+        stores_opening: FilesConfig::DEFAULT_STORES_OPENING,
     });
     c.events.enabled = true;
     c.events.max = 1 << 16;

@@ -59,6 +59,12 @@ pub struct FilesConfig {
     /// writes at once. ext4 and xfs run such an `O_DIRECT` write to completion in that thread,
     /// so this bounds the layout's writes in flight per worker.
     pub io_wq_workers: u32,
+    /// Most stores per worker preparing at once: opening the temp file, making its directories
+    /// and setting its checksum, the steps before the block's write (a store's write and what
+    /// follows it are not counted). Every step runs in io_uring's kernel workers in submission
+    /// order: with every queued store preparing, the first block writes would wait behind all
+    /// of their opens and directory creations.
+    pub stores_opening: u32,
 }
 
 impl FilesConfig {
@@ -75,6 +81,10 @@ impl FilesConfig {
     pub const DEFAULT_IO_WQ_WORKERS: u32 = 32;
     /// Largest accepted `io_wq_workers`.
     pub const IO_WQ_WORKERS_MAX: u32 = 1024;
+    /// Default bound of the stores preparing per worker.
+    pub const DEFAULT_STORES_OPENING: u32 = 32;
+    /// Largest accepted `stores_opening`.
+    pub const STORES_OPENING_MAX: u32 = 4096;
 
     /// The `[files]` section for `namespace` with every other field at its default.
     pub fn new(namespace: crate::config::Namespace) -> FilesConfig {
@@ -89,6 +99,7 @@ impl FilesConfig {
             lookup_cache_max: Self::DEFAULT_LOOKUP_CACHE_MAX,
             lookup_ttl_ms: Self::DEFAULT_LOOKUP_TTL_MS,
             io_wq_workers: Self::DEFAULT_IO_WQ_WORKERS,
+            stores_opening: Self::DEFAULT_STORES_OPENING,
         }
     }
 }

@@ -214,6 +214,7 @@ pub(super) struct RawFiles {
     lookup_cache_max: Option<Value>,
     lookup_ttl_ms: Option<Value>,
     io_wq_workers: Option<Value>,
+    stores_opening: Option<Value>,
 }
 
 impl TryFrom<RawFiles> for FilesConfig {
@@ -276,11 +277,18 @@ impl TryFrom<RawFiles> for FilesConfig {
                 FilesConfig::DEFAULT_IO_WQ_WORKERS,
                 IO_WQ_WORKERS_FORMS,
             )?,
+            stores_opening: int_or(
+                "files.stores_opening",
+                raw.stores_opening,
+                FilesConfig::DEFAULT_STORES_OPENING,
+                STORES_OPENING_FORMS,
+            )?,
         })
     }
 }
 
 const IO_WQ_WORKERS_FORMS: &str = "an integer from 1 to 1024";
+pub(super) const STORES_OPENING_FORMS: &str = "an integer from 1 to 4096";
 
 /// A permission mode: an octal TOML integer (`0o640`) or an octal string (`"0640"`,
 /// `"0o640"`), at most 0777, including the bits `needs` (kvtier must use what it creates).

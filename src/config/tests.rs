@@ -412,6 +412,7 @@ fn toml_round_trip() {
         lookup_cache_max: 100,
         lookup_ttl_ms: 250,
         io_wq_workers: 4,
+        stores_opening: 3,
     });
     config.validate().expect("valid");
     let text = config.to_toml_string();
@@ -654,16 +655,21 @@ fn files_lookup_cache_parses_and_errors_name_field() {
         &["files.first_lookup", "retry", "\"miss\"", "\"pending\""],
     );
     assert_eq!(cache("lookup_cache_max = 8\nlookup_ttl_ms = 0"), (8, 0));
-    let workers = |lines: &str| {
+    let parsed = |lines: &str| {
         Config::from_toml_str(&files(lines))
             .expect("valid [files]")
             .files
             .expect("files")
-            .io_wq_workers
     };
-    assert_eq!(workers(""), 32);
-    assert_eq!(workers("io_wq_workers = 1"), 1);
-    assert_eq!(workers("io_wq_workers = 1024"), 1024);
+    assert_eq!(parsed("").io_wq_workers, 32);
+    assert_eq!(parsed("io_wq_workers = 1").io_wq_workers, 1);
+    assert_eq!(parsed("io_wq_workers = 1024").io_wq_workers, 1024);
+    assert_eq!(
+        parsed("").stores_opening,
+        FilesConfig::DEFAULT_STORES_OPENING
+    );
+    assert_eq!(parsed("stores_opening = 1").stores_opening, 1);
+    assert_eq!(parsed("stores_opening = 4096").stores_opening, 4096);
     for (line, field, value) in [
         ("lookup_cache_max = 0", "files.lookup_cache_max", "0"),
         ("lookup_cache_max = -1", "files.lookup_cache_max", "-1"),
@@ -672,6 +678,9 @@ fn files_lookup_cache_parses_and_errors_name_field() {
         ("io_wq_workers = 1025", "files.io_wq_workers", "1025"),
         ("io_wq_workers = -3", "files.io_wq_workers", "-3"),
         ("io_wq_workers = \"many\"", "files.io_wq_workers", "many"),
+        ("stores_opening = 0", "files.stores_opening", "0"),
+        ("stores_opening = 4097", "files.stores_opening", "4097"),
+        ("stores_opening = 2.5", "files.stores_opening", "2.5"),
     ] {
         assert_mentions(&error_of(&files(line)), &[field, value]);
     }

@@ -137,6 +137,12 @@ impl Config {
             "files.io_wq_workers",
             files.io_wq_workers,
             "an integer from 1 to 1024",
+        )?;
+        ensure(
+            (1..=FilesConfig::STORES_OPENING_MAX).contains(&files.stores_opening),
+            "files.stores_opening",
+            files.stores_opening,
+            super::raw::STORES_OPENING_FORMS,
         )
     }
 

@@ -423,6 +423,10 @@ fn start_workers(
             region: Arc::clone(region),
             devices: Arc::clone(&devices),
             files_devices: Arc::clone(files_devices),
+            files_stores_opening: config.files.as_ref().map_or(
+                crate::config::FilesConfig::DEFAULT_STORES_OPENING as usize,
+                |f| f.stores_opening as usize,
+            ),
             scanned: std::mem::take(&mut scanned_per_worker[id]),
             shared: Arc::clone(shared),
             me,

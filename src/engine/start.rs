@@ -22,6 +22,8 @@ pub(super) struct WorkerCtx {
     pub(super) region: Arc<Region>,
     pub(super) devices: Arc<Vec<DeviceSpec>>,
     pub(super) files_devices: Arc<Vec<Arc<FilesDevice>>>,
+    /// `[files] stores_opening` (files layout only).
+    pub(super) files_stores_opening: usize,
     pub(super) scanned: Vec<ScannedFile>,
     pub(super) shared: Arc<Shared>,
     pub(super) me: Arc<WorkerShared>,
@@ -97,6 +99,7 @@ pub(super) fn worker_main(ctx: WorkerCtx) {
             id,
             ctx.files_devices.iter().cloned().collect(),
             ctx.scanned,
+            ctx.files_stores_opening,
             &ctx.me,
         );
         let indexed = layout.indexed();

@@ -154,6 +154,6 @@ impl FilesLayout {
             core.log_error(&msg);
         }
         self.removals_in_flight -= 1;
-        Self::release(core, idx);
+        self.release(core, idx);
     }
 }

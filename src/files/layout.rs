@@ -73,6 +73,10 @@ pub(crate) struct FilesLayout {
     /// Ops whose next step could not be pushed (SQ full).
     pub(super) stalled: VecDeque<u32>,
     pub(super) removals_in_flight: usize,
+    /// Stores preparing (begun, block write not yet issued), and their bound (`[files]
+    /// stores_opening`).
+    pub(super) stores_opening: usize,
+    pub(super) stores_opening_max: usize,
     pub(super) rng: u64,
     /// Lookups' questions not started yet (key, generation), and probe ops in flight.
     pub(super) probes: VecDeque<(Key, u64)>,
@@ -80,11 +84,13 @@ pub(crate) struct FilesLayout {
 }
 
 impl FilesLayout {
-    /// Worker `id`'s layout over `devices`, indexing the files the scan at open found for it.
+    /// Worker `id`'s layout over `devices`, indexing the files the scan at open found for it;
+    /// at most `stores_opening` stores preparing at once.
     pub fn new(
         id: usize,
         devices: Vec<Arc<FilesDevice>>,
         scanned: Vec<ScannedFile>,
+        stores_opening: usize,
         me: &crate::worker::WorkerShared,
     ) -> FilesLayout {
         let mut w = FilesLayout {
@@ -95,6 +101,8 @@ impl FilesLayout {
             tick: 0,
             stalled: VecDeque::new(),
             removals_in_flight: 0,
+            stores_opening: 0,
+            stores_opening_max: stores_opening.max(1),
             probes: VecDeque::new(),
             probes_in_flight: 0,
             rng: (u64::from(std::process::id()) << 32)
@@ -155,8 +163,19 @@ impl FilesLayout {
         })
     }
 
-    pub(super) fn release(core: &mut Core<Op>, idx: u32) {
+    pub(super) fn release(&mut self, core: &mut Core<Op>, idx: u32) {
+        if core.ops[idx as usize].opening {
+            self.stores_opening -= 1;
+        }
         core.ops.release(idx);
+    }
+
+    /// Store `idx` is done preparing: its block write is issued next.
+    pub(super) fn prepared(&mut self, core: &mut Core<Op>, idx: u32) {
+        let op = &mut core.ops[idx as usize];
+        if std::mem::replace(&mut op.opening, false) {
+            self.stores_opening -= 1;
+        }
     }
 
     fn touch_key(&mut self, key: Key) {
@@ -250,7 +269,7 @@ impl Layout for FilesLayout {
         op.block = job.job.blocks[item];
         op.dest = dest;
         if !self.try_push_step(core, idx) {
-            Self::release(core, idx);
+            self.release(core, idx);
             return Start::Blocked;
         }
         if let Some(e) = self.index.get_mut(&key) {
@@ -309,7 +328,7 @@ impl Layout for FilesLayout {
             Step::Sync => self.on_sync(core, idx, result),
             Step::CloseTmp => self.on_close_tmp(core, idx, result),
             Step::Rename => self.on_rename(core, idx, result),
-            Step::UnlinkTmp => Self::release(core, idx),
+            Step::UnlinkTmp => self.release(core, idx),
             Step::Unlink => self.on_unlink(core, idx, result),
             Step::OpenDir | Step::SyncDir | Step::CloseDir => self.on_dir_step(core, idx, result),
             Step::Stat => self.on_stat(core, idx, result),

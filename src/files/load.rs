@@ -277,7 +277,7 @@ impl FilesLayout {
             e.pins = e.pins.saturating_sub(1);
         }
         core.sched.load_ended();
-        Self::release(core, idx);
+        self.release(core, idx);
     }
 }
 

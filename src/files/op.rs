@@ -77,6 +77,8 @@ pub(crate) struct Op {
     /// The key's outcome has been reported; the op only cleans up now.
     pub resolved: bool,
     pub mkdir_tried: bool,
+    /// A store preparing (before its write): counted in `FilesLayout::stores_opening`.
+    pub opening: bool,
     /// The leaf's parent `<hhh>` was made once already: a second ENOENT on the leaf (a
     /// dangling symlink at `<hhh>`, or a cleaner racing) fails the store instead of looping.
     pub mkdir_parent_tried: bool,
@@ -142,6 +144,7 @@ impl Op {
             bytes: 0,
             resolved: false,
             mkdir_tried: false,
+            opening: false,
             mkdir_parent_tried: false,
             retried: false,
             tmp_exists: false,

@@ -67,7 +67,7 @@ impl FilesLayout {
                     op.dest = dest;
                     op.generation = generation;
                     if !self.try_push_step(core, idx) {
-                        Self::release(core, idx);
+                        self.release(core, idx);
                         break;
                     }
                     self.probes_in_flight += 1;
@@ -93,7 +93,7 @@ impl FilesLayout {
         let (key, dev, generation) = (op.key.expect("a probe has a key"), op.dev, op.generation);
         let found =
             result == 0 && info.is_some_and(|i| i.is_regular() && i.size == core.block_bytes);
-        Self::release(core, idx);
+        self.release(core, idx);
         self.probes_in_flight -= 1;
         let m = core.me.metrics.dev(dev as usize);
         if found {

@@ -68,6 +68,10 @@ impl FilesLayout {
             );
             return Start::Resolved;
         };
+        if self.stores_opening >= self.stores_opening_max {
+            // The stores preparing get their writes out first.
+            return Start::Blocked;
+        }
         // Reserve the bytes before the temp file exists, so the bound holds across processes.
         if let Some(cap) = dev.capacity_bytes {
             let before = dev.usage.fetch_add(core.block_bytes);
@@ -97,6 +101,9 @@ impl FilesLayout {
             dev.usage.sub_saturating(reserved);
             return Start::Blocked;
         };
+        self.stores_opening += 1;
+        debug_assert!(self.stores_opening <= self.stores_opening_max);
+        core.ops[idx as usize].opening = true;
         let block = job.job.blocks[item];
         let crc = dev.checksums.then(|| {
             block_crc(
@@ -183,6 +190,7 @@ impl FilesLayout {
             self.crc_not_set(core, idx, e);
         }
         core.ops[idx as usize].step = Step::Write;
+        self.prepared(core, idx);
         core.begin_writing(idx);
     }
 
@@ -206,6 +214,7 @@ impl FilesLayout {
             self.crc_not_set(core, idx, Errno::from_raw(-result));
         }
         core.ops[idx as usize].step = Step::Write;
+        self.prepared(core, idx);
         core.begin_writing(idx);
     }
 
@@ -376,7 +385,7 @@ impl FilesLayout {
             return;
         }
         Self::succeed_store(core, idx, core.block_bytes);
-        Self::release(core, idx);
+        self.release(core, idx);
     }
 
     /// The directory steps of a `sync = "data"` store: open, fsync (then the store reports),
@@ -416,7 +425,7 @@ impl FilesLayout {
                     Self::succeed_store(core, idx, core.block_bytes);
                 }
                 core.ops[idx as usize].fd = -1;
-                Self::release(core, idx);
+                self.release(core, idx);
             }
         }
     }
@@ -495,7 +504,7 @@ impl FilesLayout {
             op.step = Step::UnlinkTmp;
             self.push_step(core, idx);
         } else {
-            Self::release(core, idx);
+            self.release(core, idx);
         }
     }
 }

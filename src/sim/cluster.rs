@@ -56,15 +56,15 @@ impl<L: Layout> Stepped for Worker<L> {
 /// The devices a cluster's workers run on.
 enum Devices {
     Slab(Vec<DeviceSpec>),
-    /// Directories, and what their scan found, per worker.
-    Files(Vec<Arc<FilesDevice>>, Vec<Vec<ScannedFile>>),
+    /// Directories, what their scan found per worker, and `[files] stores_opening`.
+    Files(Vec<Arc<FilesDevice>>, Vec<Vec<ScannedFile>>, usize),
 }
 
 impl Devices {
     fn len(&self) -> usize {
         match self {
             Devices::Slab(d) => d.len(),
-            Devices::Files(d, _) => d.len(),
+            Devices::Files(d, ..) => d.len(),
         }
     }
 
@@ -84,9 +84,14 @@ impl Devices {
                     .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;
                 Ok(Box::new(worker))
             }
-            Devices::Files(devices, scanned) => {
-                let layout =
-                    FilesLayout::new(id, devices.clone(), std::mem::take(&mut scanned[id]), me);
+            Devices::Files(devices, scanned, stores_opening) => {
+                let layout = FilesLayout::new(
+                    id,
+                    devices.clone(),
+                    std::mem::take(&mut scanned[id]),
+                    *stores_opening,
+                    me,
+                );
                 let mut worker = Worker::new(params, layout, FilesOp::empty);
                 let (layout, core) = worker.parts();
                 layout.publish_scanned(core);
@@ -213,7 +218,7 @@ impl Cluster {
             &derived,
             region,
             files.as_ref(),
-            Devices::Files(devices, scanned),
+            Devices::Files(devices, scanned, files_cfg.stores_opening as usize),
             seed,
             cold,
         )
