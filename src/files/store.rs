@@ -8,6 +8,10 @@
 //!   ─► [sync = "data": openat dir ─► fsync ─► (report) ─► close]
 //! ```
 //!
+//! At most `[files] stores_opening` stores per worker are between their start and their write
+//! (the steps up to the xattr); the kernel runs those steps in io-wq in submission order, so
+//! the bound keeps a store's next step from waiting behind every other store's first one.
+//!
 //! A store's bytes are reserved in the shared usage counter before its temp file exists and
 //! released if it fails; every temp file is closed and removed on every failure path; ENOSPC
 //! gets one retry after evicting.
