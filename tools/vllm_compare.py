@@ -137,7 +137,7 @@ class Cell:
             for setting in name[len("kvtier-files["):-1].split(","):
                 key, value = setting.split("=", 1)
                 section, _, field = key.rpartition(".")
-                table = config[section] if section else config
+                table = config.setdefault(section, {}) if section else config
                 table[field] = json.loads(value)
             entry = {"type": "KvtierTierManager", "module_path": "kvtier.vllm", "config": config}
         elif name == "kvtier-slab":
@@ -234,7 +234,7 @@ def main() -> int:
                     help="vLLM fs tier's I/O: its C extension (production) or Python fallback")
     ap.add_argument("--files-variant", nargs="*", default=[],
                     help="also run the files layout with these settings, each a comma-separated "
-                    "list of KEY=JSON (KEY: a top-level field or files.FIELD), e.g. "
+                    "list of KEY=JSON (KEY: a top-level field or SECTION.FIELD), e.g. "
                     "files.io_wq_workers=8 or 'cores=[0],files.checksums=false'")
     ap.add_argument("--primary-dir", default=None,
                     help="make the primary buffer as vLLM does, a file mapped from this "
