@@ -101,11 +101,9 @@ pub struct BackendSettings {
     pub ioprio: bool,
     /// Largest registered piece of a buffer; a multiple of the block size, at most 1 GiB.
     pub piece_bytes: usize,
-    /// The devices use the `files` layout (file operations on the ring).
-    pub files_layout: bool,
-    /// With the files layout: the bound on io_uring's kernel workers per ring
-    /// (`[files] io_wq_workers`).
-    pub io_wq_workers: u32,
+    /// Set when the devices use the `files` layout (file operations on the ring): the bound on
+    /// io_uring's kernel workers per ring (`[files] io_wq_workers`).
+    pub files_io_wq_workers: Option<u32>,
     /// The longest a backend sleeps waiting for completions while I/O is in flight, so the
     /// worker notices I/O past its deadline.
     pub wait_limit: std::time::Duration,

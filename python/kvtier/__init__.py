@@ -91,6 +91,11 @@ def allocate_region(num_blocks: int, block_size: int) -> mmap.mmap:
 
     Any writable C-contiguous page-aligned buffer works as a region (a numpy array over an mmap,
     a shared-memory mapping, a CPU torch tensor); this is the simplest one.
+
+    The mapping is private (transparent huge pages need that): a child process forked after
+    this call gets a copy-on-write copy, not the same bytes. To share a region between
+    processes, map a shared-memory file (``/dev/shm``, mounted ``huge=within_size`` for huge
+    pages) and pass that.
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError(

@@ -386,13 +386,14 @@ fn start_workers(
         iopoll: config.iopoll,
         ioprio: config.scheduler.ioprio,
         piece_bytes: derived.piece_bytes,
-        files_layout: derived.layout == Layout::Files,
-        io_wq_workers: config
-            .files
-            .as_ref()
-            .map_or(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS, |f| {
-                f.io_wq_workers
-            }),
+        files_io_wq_workers: (derived.layout == Layout::Files).then(|| {
+            config
+                .files
+                .as_ref()
+                .map_or(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS, |f| {
+                    f.io_wq_workers
+                })
+        }),
         wait_limit: worker::overdue_check_interval(io_timeout(config)),
     };
     let mut shards = Vec::with_capacity(workers);

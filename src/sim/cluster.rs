@@ -255,8 +255,8 @@ impl Cluster {
             iopoll: false,
             ioprio: config.scheduler.ioprio,
             piece_bytes: derived.piece_bytes,
-            files_layout: matches!(devices, Devices::Files(..)),
-            io_wq_workers: crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS,
+            files_io_wq_workers: matches!(devices, Devices::Files(..))
+                .then_some(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS),
             wait_limit: std::time::Duration::from_secs(1),
         };
         let mut senders = Vec::new();

@@ -374,23 +374,22 @@ impl Storage for KernelStorage {
             big_entries: passthrough.any(),
         };
         let mut ring = build_ring(&ring_config, &buffers, &files, settings.piece_bytes)?;
-        if settings.files_layout && !ring.supports_file_ops() {
+        if settings.files_io_wq_workers.is_some() && !ring.supports_file_ops() {
             return Err(Error::Ring(
                 "the files layout needs io_uring openat, close, renameat, unlinkat and fsync \
                  (Linux 5.15 or later)"
                     .into(),
             ));
         }
-        if settings.files_layout {
+        if let Some(bound) = settings.files_io_wq_workers {
             // A block write that creates a file's data runs to completion in one of the ring's
             // kernel workers: their number bounds the stores in flight (docs/perf.md).
-            match ring.set_io_wq_bounded(settings.io_wq_workers) {
-                Ok(was) => tracing::debug!(was, now = settings.io_wq_workers, "io-wq workers"),
+            match ring.set_io_wq_bounded(bound) {
+                Ok(was) => tracing::debug!(was, now = bound, "io-wq workers"),
                 Err(e) => tracing::warn!(
                     errno = %e,
-                    "[files] io_wq_workers = {}: the kernel refused the bound; its default \
-                     (4 per CPU) applies",
-                    settings.io_wq_workers
+                    "[files] io_wq_workers = {bound}: the kernel refused the bound; its default \
+                     (4 per CPU) applies"
                 ),
             }
         }
