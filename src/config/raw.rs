@@ -287,7 +287,7 @@ impl TryFrom<RawFiles> for FilesConfig {
     }
 }
 
-const IO_WQ_WORKERS_FORMS: &str = "an integer from 1 to 1024";
+pub(super) const IO_WQ_WORKERS_FORMS: &str = "an integer from 1 to 1024";
 pub(super) const STORES_OPENING_FORMS: &str = "an integer from 1 to 4096";
 
 /// A permission mode: an octal TOML integer (`0o640`) or an octal string (`"0640"`,

@@ -136,7 +136,7 @@ impl Config {
             (1..=FilesConfig::IO_WQ_WORKERS_MAX).contains(&files.io_wq_workers),
             "files.io_wq_workers",
             files.io_wq_workers,
-            "an integer from 1 to 1024",
+            super::raw::IO_WQ_WORKERS_FORMS,
         )?;
         ensure(
             (1..=FilesConfig::STORES_OPENING_MAX).contains(&files.stores_opening),
