@@ -3,12 +3,13 @@
 //! Pure functions: key construction (xxh3 of the key bytes) and routing (`Key::shard`,
 //! `Key::device`), slot-table entry encode/decode, slab geometry, and crc32c (kvtier's and the
 //! `crc32c` crate's) of a 256 KiB and a 2 MiB block (what a worker computes for every stored
-//! block, and for the first load of a recovered one). Index, slot allocation, eviction and the caller/worker handoff are reachable
-//! only through the engine, so those run on one worker over the simulated device
-//! (`kvtier::sim::SimStorage`, which copies bytes in memory): an empty job (admission and the
-//! result channel, no worker), a load that misses (caller -> worker -> caller, no I/O), a lookup
-//! of 1000 stored keys, a store + load of one 64 KiB block, and stores into a full device (each
-//! one evicts).
+//! block, and for the first load of a recovered one), both over a block in cache and over blocks
+//! from a pool past the cache, beside a plain read of those bytes. Index, slot allocation,
+//! eviction and the caller/worker handoff are reachable only through the engine, so those run on
+//! one worker over the simulated device (`kvtier::sim::SimStorage`, which copies bytes in
+//! memory): an empty job (admission and the result channel, no worker), a load that misses
+//! (caller -> worker -> caller, no I/O), a lookup of 1000 stored keys, a store + load of one
+//! 64 KiB block, and stores into a full device (each one evicts).
 //!
 //! `cargo bench --bench core` measures (about 2 s per benchmark); `cargo test --all-targets`
 //! runs each benchmark once, in criterion's test mode, so they keep building and working.
@@ -96,6 +97,38 @@ fn checksums(c: &mut Criterion) {
         });
     }
     g.finish();
+}
+
+/// Bytes of the pool the cold benchmarks walk: well past any last-level cache, so every block
+/// comes from memory, as a block the device just wrote or read does.
+const COLD_POOL_BYTES: usize = 256 << 20;
+
+/// The checksum over blocks not in cache, beside a plain read of the same bytes (one load per
+/// 64-byte line, the least a pass over memory costs). Each iteration takes the next block of the
+/// pool, so the walk wraps only after the whole pool.
+fn checksums_cold(c: &mut Criterion) {
+    let pool: Vec<u8> = (0..COLD_POOL_BYTES).map(|i| (i * 31 % 251) as u8).collect();
+    let mut g = c.benchmark_group("crc32c_cold");
+    for (name, len) in [("256KiB", 256usize << 10), ("2MiB", 2 << 20)] {
+        g.throughput(Throughput::Bytes(len as u64));
+        let mut next = 0;
+        g.bench_function(format!("{name}/kvtier"), |b| {
+            b.iter(|| kvtier::checksum::crc32c(black_box(cold_block(&pool, &mut next, len))));
+        });
+        g.bench_function(format!("{name}/read_lines"), |b| {
+            b.iter(|| {
+                let bytes = cold_block(&pool, &mut next, len);
+                (0..bytes.len()).step_by(64).fold(0u8, |x, i| x ^ bytes[i])
+            });
+        });
+    }
+    g.finish();
+}
+
+/// The block of `len` bytes after the one `next` names, wrapping at the pool's end.
+fn cold_block<'a>(pool: &'a [u8], next: &mut usize, len: usize) -> &'a [u8] {
+    *next = (*next + 1) % (pool.len() / len);
+    &pool[*next * len..][..len]
 }
 
 /// One engine with one worker on a simulated device of `device_bytes`.
@@ -284,6 +317,6 @@ criterion_group! {
         .measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_millis(500))
         .sample_size(30);
-    targets = keys_and_routing, slot_table, checksums, engine_on_sim
+    targets = keys_and_routing, slot_table, checksums, checksums_cold, engine_on_sim
 }
 criterion_main!(benches);
