@@ -68,10 +68,13 @@ impl WorkerShared {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Wakes the worker if it is (about to be) asleep. Pairs with the fence in `Worker::run`.
+    /// Wakes the worker if it is (about to be) asleep. Pairs with the fence in
+    /// [`submit_or_sleep`]. The first nudge of a sleep clears the flag and writes the eventfd;
+    /// the ones after it, before the worker is up again, see the flag clear and skip the system
+    /// call: the worker drains its whole queue when it wakes, so their work is not missed.
     pub fn nudge(&self) {
         std::sync::atomic::fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) {
+        if self.sleeping.load(Ordering::SeqCst) && self.sleeping.swap(false, Ordering::SeqCst) {
             self.wake.notify();
         }
     }
