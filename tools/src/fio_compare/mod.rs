@@ -75,7 +75,7 @@ mod report;
 mod target;
 
 use fio::{fill_job, max_command_bytes, CellPlan, Fio, FioEngine, Prepared};
-use report::{fio_result, kvtier_result, render, Cell, CellSummary, Pair};
+use report::{fio_result, kvtier_result, render, Cell, CellSummary, MixAgainstAlone, Pair};
 use target::Target;
 
 const FILL_JOB: &str = include_str!("../../fio/fill.fio");
@@ -446,6 +446,10 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
     if let Some(json_target) = &args.json {
         let value = json!({
             "cells": summaries.iter().map(CellSummary::to_json).collect::<Vec<Value>>(),
+            "mixed_against_alone": MixAgainstAlone::of(&summaries)
+                .into_iter()
+                .map(MixAgainstAlone::to_json)
+                .collect::<Vec<Value>>(),
             "target": {
                 "path": target.path.display().to_string(),
                 "kind": first.info.devices[0].kind,
@@ -603,6 +607,76 @@ mod tests {
         );
         assert!(fill_template("a=${NOPE}", &prep_vars).is_err());
         assert!(fill_template("a=${BS", &prep_vars).is_err());
+    }
+
+    /// A cell whose medians are the given loads (or stores) stream, and stores stream for mixed.
+    fn cell(kind: Kind, block: u64, main: (f64, f64), store: Option<f64>, fio: f64) -> CellSummary {
+        let run = |gib: f64, p99: f64, store: Option<f64>| report::Run {
+            main: report::Stream {
+                gib_per_s: gib,
+                p50_us: p99 / 2.0,
+                p99_us: p99,
+            },
+            store: store.map(|g| report::Stream {
+                gib_per_s: g,
+                p50_us: 1.0,
+                p99_us: 2.0,
+            }),
+            cpu_seconds: 1.0,
+            gib_moved: 1.0,
+            seconds: 1.0,
+        };
+        let one = report::Spread::of([1.0]);
+        CellSummary {
+            kind,
+            block_bytes: block,
+            queue_depth: 8,
+            numjobs: 2,
+            iodepth: 4,
+            fio: run(fio, 100.0, store.map(|_| fio / 2.0)),
+            kvtier: run(main.0, main.1, store),
+            fio_cpu_s_per_gib: 1.0,
+            kvtier_cpu_s_per_gib: 1.0,
+            ratio: one,
+            store_ratio: None,
+            cpu_ratio: one,
+            job: String::new(),
+            pairs: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn mixed_cells_against_their_own_load_and_store_cells() {
+        let mib2 = 2 << 20;
+        let cells = [
+            cell(Kind::Load, mib2, (2.0, 1000.0), None, 2.0),
+            cell(Kind::Store, mib2, (5.0, 500.0), None, 4.0),
+            cell(Kind::Mixed, mib2, (1.7, 2500.0), Some(1.0), 1.0),
+            // A mixed cell of another block size has no alone cells: left out.
+            cell(Kind::Mixed, 256 << 10, (1.0, 100.0), Some(1.0), 1.0),
+        ];
+        let mix = MixAgainstAlone::of(&cells);
+        assert_eq!(mix.len(), 1, "{mix:?}");
+        let m = mix[0];
+        assert_eq!((m.block_bytes, m.queue_depth), (mib2, 8));
+        assert!((m.kvtier.loads - 0.85).abs() < 1e-9, "{m:?}");
+        assert!((m.kvtier.load_p99 - 2.5).abs() < 1e-9, "{m:?}");
+        assert!((m.kvtier.stores - 0.2).abs() < 1e-9, "{m:?}");
+        // fio: loads 1.0 of 2.0 alone, p99 100 of 100, stores 0.5 of 4.0.
+        assert!((m.fio.loads - 0.5).abs() < 1e-9, "{m:?}");
+        assert!((m.fio.load_p99 - 1.0).abs() < 1e-9, "{m:?}");
+        assert!((m.fio.stores - 0.125).abs() < 1e-9, "{m:?}");
+        // p99 2.5x and stores 0.2 miss the goals; within them every goal is met.
+        assert!(!m.met());
+        let good = MixAgainstAlone::of(&[
+            cell(Kind::Load, mib2, (2.0, 1000.0), None, 2.0),
+            cell(Kind::Store, mib2, (5.0, 500.0), None, 4.0),
+            cell(Kind::Mixed, mib2, (1.7, 2000.0), Some(1.6), 1.0),
+        ]);
+        assert!(good[0].met(), "{good:?}");
+        let json = good[0].to_json();
+        assert_eq!(json["kvtier_met_goals"], true);
+        assert!((json["kvtier"]["stores"].as_f64().expect("a number") - 0.32).abs() < 1e-9);
     }
 
     #[test]

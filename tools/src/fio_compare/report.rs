@@ -338,6 +338,128 @@ impl CellSummary {
     }
 }
 
+/// Goals for a mixed cell against the same run's load and store cells: the loads keep at least
+/// this share of their rate alone, their p99 at most this multiple of alone, and the stores at
+/// least this share of theirs (loads go ahead of stores, but stores must not starve).
+const MIX_LOADS_GOAL: f64 = 0.8;
+const MIX_LOAD_P99_GOAL: f64 = 2.0;
+const MIX_STORES_GOAL: f64 = 0.3;
+
+/// What one tool kept in a mixed cell of its own rates alone (medians over the pairs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Kept {
+    /// Loads in the mix / loads alone (GiB/s).
+    pub(super) loads: f64,
+    /// Loads' p99 in the mix / alone.
+    pub(super) load_p99: f64,
+    /// Stores in the mix / stores alone (GiB/s).
+    pub(super) stores: f64,
+}
+
+impl Kept {
+    fn of(mixed: &Run, load: &Run, store: &Run) -> Option<Kept> {
+        let ratio = |a: f64, b: f64| (b > 0.0).then(|| a / b);
+        Some(Kept {
+            loads: ratio(mixed.main.gib_per_s, load.main.gib_per_s)?,
+            load_p99: ratio(mixed.main.p99_us, load.main.p99_us)?,
+            stores: ratio(mixed.store?.gib_per_s, store.main.gib_per_s)?,
+        })
+    }
+
+    fn to_json(self) -> Value {
+        json!({"loads": self.loads, "load_p99": self.load_p99, "stores": self.stores})
+    }
+}
+
+/// A mixed cell against the load and the store cell of the same block size and queue depth in
+/// the same run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct MixAgainstAlone {
+    pub(super) block_bytes: u64,
+    pub(super) queue_depth: u32,
+    pub(super) kvtier: Kept,
+    pub(super) fio: Kept,
+}
+
+impl MixAgainstAlone {
+    /// One per mixed cell that has both its load and its store cell among `cells`.
+    pub(super) fn of(cells: &[CellSummary]) -> Vec<MixAgainstAlone> {
+        let find = |kind: Kind, c: &CellSummary| {
+            cells.iter().find(|o| {
+                o.kind == kind && o.block_bytes == c.block_bytes && o.queue_depth == c.queue_depth
+            })
+        };
+        cells
+            .iter()
+            .filter(|c| c.kind == Kind::Mixed)
+            .filter_map(|c| {
+                let (load, store) = (find(Kind::Load, c)?, find(Kind::Store, c)?);
+                Some(MixAgainstAlone {
+                    block_bytes: c.block_bytes,
+                    queue_depth: c.queue_depth,
+                    kvtier: Kept::of(&c.kvtier, &load.kvtier, &store.kvtier)?,
+                    fio: Kept::of(&c.fio, &load.fio, &store.fio)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether kvtier met the three goals in this cell.
+    pub(super) fn met(&self) -> bool {
+        let k = &self.kvtier;
+        k.loads >= MIX_LOADS_GOAL && k.load_p99 <= MIX_LOAD_P99_GOAL && k.stores >= MIX_STORES_GOAL
+    }
+
+    pub(super) fn to_json(self) -> Value {
+        json!({
+            "block_size": self.block_bytes,
+            "queue_depth": self.queue_depth,
+            "kvtier": self.kvtier.to_json(),
+            "fio": self.fio.to_json(),
+            "kvtier_met_goals": self.met(),
+        })
+    }
+}
+
+/// The mixed cells against alone, as a table (empty without a mixed cell that has both).
+fn render_mix(mix: &[MixAgainstAlone]) -> String {
+    if mix.is_empty() {
+        return String::new();
+    }
+    let mut table = Table::new(&[
+        "mixed against alone",
+        "QD",
+        "kvtier loads",
+        "kvtier load p99",
+        "kvtier stores",
+        "fio loads",
+        "fio load p99",
+        "fio stores",
+    ]);
+    let flag = |bad: bool| if bad { " <" } else { "" };
+    for m in mix {
+        let (k, f) = (&m.kvtier, &m.fio);
+        table.row(vec![
+            output::size(m.block_bytes),
+            m.queue_depth.to_string(),
+            format!("{:.2}{}", k.loads, flag(k.loads < MIX_LOADS_GOAL)),
+            format!("{:.2}x{}", k.load_p99, flag(k.load_p99 > MIX_LOAD_P99_GOAL)),
+            format!("{:.2}{}", k.stores, flag(k.stores < MIX_STORES_GOAL)),
+            format!("{:.2}", f.loads),
+            format!("{:.2}x", f.load_p99),
+            format!("{:.2}", f.stores),
+        ]);
+    }
+    let mut text = format!("\n{table}");
+    let _ = writeln!(
+        text,
+        "mixed against alone: each tool's mixed cell over its own load and store cells of \
+         this run (medians); kvtier's goals: loads >= {MIX_LOADS_GOAL}, load p99 <= \
+         {MIX_LOAD_P99_GOAL}x, stores >= {MIX_STORES_GOAL} (`<` marks a miss)."
+    );
+    text
+}
+
 pub(super) fn render(cells: &[CellSummary], first: &Prepared) -> String {
     let mut table = Table::new(&[
         "workload",
@@ -411,6 +533,7 @@ pub(super) fn render(cells: &[CellSummary], first: &Prepared) -> String {
             first.numjobs
         );
     }
+    text.push_str(&render_mix(&MixAgainstAlone::of(cells)));
     let below: Vec<String> = cells
         .iter()
         .filter(|c| c.ratio.median < RATIO_GOAL)
