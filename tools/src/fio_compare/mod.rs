@@ -609,7 +609,8 @@ mod tests {
         assert!(fill_template("a=${BS", &prep_vars).is_err());
     }
 
-    /// A cell whose medians are the given loads (or stores) stream, and stores stream for mixed.
+    /// A cell with these medians: kvtier's main stream (GiB/s, p99 µs) and, for mixed, its
+    /// stores (GiB/s); fio's main stream at `fio` GiB/s and p99 100 µs, its stores at half that.
     fn cell(kind: Kind, block: u64, main: (f64, f64), store: Option<f64>, fio: f64) -> CellSummary {
         let run = |gib: f64, p99: f64, store: Option<f64>| report::Run {
             main: report::Stream {
