@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod checksum;
+mod clock;
 mod cold;
 pub mod config;
 pub mod engine;

@@ -8,6 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use crate::clock::Clock;
 use crate::key::Key;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +31,8 @@ pub(crate) struct Verdicts {
     next_generation: u64,
     max: usize,
     ttl: Duration,
+    /// What answers age on.
+    clock: Clock,
 }
 
 impl Verdicts {
@@ -41,7 +44,16 @@ impl Verdicts {
             next_generation: 1,
             max: max.max(1),
             ttl,
+            clock: Clock::default(),
         }
+    }
+
+    /// The same cache with answers aging on `clock` (the simulator's).
+    #[cfg(any(test, feature = "sim"))]
+    #[must_use]
+    pub fn with_clock(mut self, clock: Clock) -> Verdicts {
+        self.clock = clock;
+        self
     }
 
     /// Starts asking about `key`: records it pending and returns the question's generation.
@@ -66,7 +78,7 @@ impl Verdicts {
             Entry {
                 generation,
                 verdict,
-                at: Instant::now(),
+                at: self.clock.now(),
             },
         );
         self.order.push_back((key, generation));
@@ -92,7 +104,7 @@ impl Verdicts {
         if let Some(e) = self.map.get_mut(&key) {
             if e.generation == generation {
                 e.verdict = verdict;
-                e.at = Instant::now();
+                e.at = self.clock.now();
             }
         }
     }
@@ -127,8 +139,9 @@ impl Verdicts {
     /// The verdict for `key` however old, and whether it is fresh (pending, or younger than
     /// the TTL).
     pub fn peek(&self, key: &Key) -> Option<(Verdict, bool)> {
+        let now = self.clock.now();
         self.map.get(key).map(|e| {
-            let fresh = e.verdict == Verdict::Pending || e.at.elapsed() < self.ttl;
+            let fresh = e.verdict == Verdict::Pending || now.duration_since(e.at) < self.ttl;
             (e.verdict, fresh)
         })
     }
@@ -187,6 +200,31 @@ mod tests {
             v.set(key(i % 7), Verdict::Absent);
         }
         assert!(v.order.len() <= 2 * 3 + 16, "the order queue stays bounded");
+    }
+
+    #[test]
+    fn answers_age_on_the_given_clock() {
+        let clock = Clock::manual();
+        let mut v = Verdicts::new(8, Duration::from_secs(1)).with_clock(clock.clone());
+        let g = v.begin(key(1));
+        clock.advance(Duration::from_secs(5));
+        assert_eq!(
+            v.get(&key(1)),
+            Some(Verdict::Pending),
+            "a question never goes stale"
+        );
+        v.resolve(key(1), g, Verdict::Present);
+        clock.advance(Duration::from_millis(999));
+        assert_eq!(v.get(&key(1)), Some(Verdict::Present));
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(v.get(&key(1)), None, "stale at the TTL");
+        assert_eq!(v.peek(&key(1)), Some((Verdict::Present, false)));
+        v.renew(key(1));
+        assert_eq!(
+            v.get(&key(1)),
+            Some(Verdict::Present),
+            "renewed: fresh again"
+        );
     }
 
     #[test]

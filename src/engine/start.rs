@@ -87,6 +87,7 @@ pub(super) fn worker_main(ctx: WorkerCtx) {
         ring_entries: ctx.ring_entries,
         demote,
         io_timeout: ctx.io_timeout,
+        clock: crate::clock::Clock::default(),
     };
     let summary = |backend: String, recovered_blocks: u64| WorkerSummary {
         core: ctx.core,

@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use crossbeam_channel::Receiver;
 
+use crate::clock::Clock;
 use crate::cold::ColdTier;
 use crate::config::{Config, Cores, Derived};
 use crate::error::{Error, Result};
@@ -111,6 +112,26 @@ pub struct Cluster {
     region_blocks: u64,
     cold: Option<Arc<SimObjectStore>>,
     rng: Rng,
+    /// The workers' clock: it moves [`STEP_TIME`] a turn, never with the wall clock, so a seed
+    /// replays however loaded the machine is.
+    clock: Clock,
+}
+
+/// How far the cluster's clock moves for each worker turn (or each round of [`Cluster::settle`]).
+pub const STEP_TIME: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// The simulated backends' settings (no polling: nothing runs on a real ring).
+fn backend_settings(config: &Config, derived: &Derived, files: bool) -> BackendSettings {
+    BackendSettings {
+        ring_entries: config.ring_entries,
+        sqpoll: false,
+        sqpoll_idle_ms: 0,
+        iopoll: false,
+        ioprio: config.scheduler.ioprio,
+        piece_bytes: derived.piece_bytes,
+        files_io_wq_workers: files.then_some(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS),
+        wait_limit: std::time::Duration::from_secs(1),
+    }
 }
 
 /// Opens (formats or recovers) every device of `config` on `storage`.
@@ -248,17 +269,8 @@ impl Cluster {
         if let Some(c) = &cold {
             let _ = shared.miss_fallback.set(c.miss_fallback());
         }
-        let settings = BackendSettings {
-            ring_entries: config.ring_entries,
-            sqpoll: false,
-            sqpoll_idle_ms: 0,
-            iopoll: false,
-            ioprio: config.scheduler.ioprio,
-            piece_bytes: derived.piece_bytes,
-            files_io_wq_workers: matches!(devices, Devices::Files(..))
-                .then_some(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS),
-            wait_limit: std::time::Duration::from_secs(1),
-        };
+        let settings = backend_settings(config, derived, matches!(devices, Devices::Files(..)));
+        let clock = Clock::manual();
         let mut senders = Vec::new();
         let mut list: Vec<Box<dyn Stepped>> = Vec::new();
         for id in 0..workers {
@@ -267,16 +279,14 @@ impl Cluster {
             );
             let mut me = WorkerShared::new(Arc::clone(&wake), devices.len());
             if let Some(files) = &config.files {
-                // Answers age on the wall clock: a run slowed down by a loaded machine would
-                // see them expire where a fast one did not, and a seed would not replay (found
-                // by `files::tests::replays_one_seed` under CI load). A nonzero age is out of
-                // reach, as deadlines are; 0 (ask every time) is kept.
-                let ttl = if files.lookup_ttl_ms == 0 {
-                    std::time::Duration::ZERO
-                } else {
-                    std::time::Duration::from_secs(3600)
-                };
-                me = me.with_lookup_cache(files.lookup_cache_max, ttl);
+                // Answers age on the cluster's clock: on the wall clock a seed did not replay
+                // under load (`files::tests::replays_one_seed` in CI).
+                me = me
+                    .with_lookup_cache(
+                        files.lookup_cache_max,
+                        std::time::Duration::from_millis(files.lookup_ttl_ms),
+                    )
+                    .with_lookup_clock(clock.clone());
             }
             let me = Arc::new(me);
             let (tx, rx) = crossbeam_channel::unbounded();
@@ -310,8 +320,9 @@ impl Cluster {
                 sched: Scheduler::new(&config.scheduler, block_bytes, derived.store_chunk_bytes),
                 ring_entries: config.ring_entries as usize,
                 demote,
-                // Deadlines run on the wall clock: far out of reach, so a seed replays.
-                io_timeout: std::time::Duration::from_secs(3600),
+                // Deadlines also run on the cluster's clock, so a seed replays.
+                io_timeout: std::time::Duration::from_millis(config.io_timeout_ms.into()),
+                clock: clock.clone(),
             };
             list.push(devices.worker(params, workers, meta, &me)?);
         }
@@ -336,6 +347,7 @@ impl Cluster {
             region_blocks: region.len() as u64 / block_bytes,
             cold,
             rng: Rng::new(seed),
+            clock,
         })
     }
 
@@ -433,6 +445,7 @@ impl Cluster {
     /// Runs one turn of one worker, or one step of the cold tier, drawn from the seed; true if
     /// it did anything.
     pub fn step(&mut self) -> bool {
+        self.clock.advance(STEP_TIME);
         let n = self.workers.len() + usize::from(self.cold.is_some());
         let w = self.rng.below(n as u64) as usize;
         match self.workers.get_mut(w) {
@@ -445,6 +458,7 @@ impl Cluster {
     /// `max_steps` turns; false if work was left.
     pub fn settle(&mut self, max_steps: usize) -> bool {
         for _ in 0..max_steps {
+            self.clock.advance(STEP_TIME);
             let mut any = false;
             for w in &mut self.workers {
                 any |= w.step();

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
+use crate::clock::Clock;
 use crate::io::{Completion, IoBackend, Region};
 use crate::job::{JobKind, JobState, KeyFailure, Shared};
 use crate::key::Key;
@@ -184,6 +185,8 @@ pub(crate) struct WorkerParams {
     pub ring_entries: usize,
     pub demote: Option<Demote>,
     pub io_timeout: Duration,
+    /// What deadlines run on: the monotonic clock, or the simulator's.
+    pub clock: Clock,
 }
 
 pub(crate) struct Worker<L: Layout> {
@@ -221,7 +224,7 @@ impl<L: Layout> Worker<L> {
                 region: p.region,
                 shared: p.shared,
                 me: p.me,
-                ops: OpTable::new(capacity, make),
+                ops: OpTable::new(capacity, p.clock.clone(), make),
                 block_bytes: p.sched.block_bytes(),
                 sched: p.sched,
                 loads: WorkQueue::default(),
@@ -234,12 +237,13 @@ impl<L: Layout> Worker<L> {
                 io_timeout: p.io_timeout,
                 failed: 0,
                 timeouts: Vec::new(),
+                clock: p.clock.clone(),
                 error_log: crate::logs::RateLimit::new(10, Duration::from_secs(10)),
             },
             layout,
             rx: p.rx,
             completions: Vec::with_capacity(p.ring_entries * 2),
-            next_overdue_check: Instant::now(),
+            next_overdue_check: p.clock.now(),
             stop_at: None,
         }
     }
@@ -344,15 +348,17 @@ impl<L: Layout> Worker<L> {
     /// Stopping for longer than the deadline with I/O still in flight: every op left started
     /// before the stop, so all of them are past their deadline.
     fn hung_at_stop(&self) -> bool {
+        let now = self.core.clock.now();
         self.stop_at.is_some_and(|at| {
-            at.elapsed() > self.core.io_timeout + overdue_check_interval(self.core.io_timeout)
+            now.duration_since(at)
+                > self.core.io_timeout + overdue_check_interval(self.core.io_timeout)
         }) && self.core.backend.in_flight() > 0
     }
 
     /// Fails the keys of ops past their deadline (`KeyFailure::Timeout`); each such op keeps
     /// its job's lease until it completes. True if any key failed.
     fn expire_overdue(&mut self) -> bool {
-        let now = Instant::now();
+        let now = self.core.clock.now();
         if now < self.next_overdue_check {
             return false;
         }
@@ -450,7 +456,8 @@ impl<L: Layout> Worker<L> {
     /// Fails everything queued and not yet started; stores stop issuing chunks (and fail once
     /// the issued ones complete); I/O in flight runs to completion.
     fn stop(&mut self) {
-        self.stop_at.get_or_insert_with(Instant::now);
+        let now = self.core.clock.now();
+        self.stop_at.get_or_insert(now);
         let issuing = self.core.cancel_queued();
         for idx in issuing {
             let chunks = self.core.ops[idx as usize]

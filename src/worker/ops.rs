@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::clock::Clock;
 use crate::job::JobState;
 
 /// What a worker's op must offer its [`OpTable`].
@@ -26,18 +27,21 @@ pub(crate) struct OpTable<T> {
     overdue: Vec<bool>,
     /// The jobs whose leases an overdue op holds until it completes.
     holds: Vec<Vec<Arc<JobState>>>,
+    /// What `born` is read from.
+    clock: Clock,
 }
 
 impl<T: TableOp> OpTable<T> {
-    pub fn new(capacity: usize, make: impl FnMut() -> T) -> OpTable<T> {
+    pub fn new(capacity: usize, clock: Clock, make: impl FnMut() -> T) -> OpTable<T> {
         OpTable {
             ops: std::iter::repeat_with(make).take(capacity).collect(),
             gens: vec![0; capacity],
             live: vec![false; capacity],
             free: (0..capacity as u32).rev().collect(),
-            born: vec![Instant::now(); capacity],
+            born: vec![clock.now(); capacity],
             overdue: vec![false; capacity],
             holds: std::iter::repeat_with(Vec::new).take(capacity).collect(),
+            clock,
         }
     }
 
@@ -49,7 +53,7 @@ impl<T: TableOp> OpTable<T> {
         self.live[i] = true;
         self.gens[i] = self.gens[i].wrapping_add(1);
         self.ops[i] = op;
-        self.born[i] = Instant::now();
+        self.born[i] = self.clock.now();
         self.overdue[i] = false;
         Some(idx)
     }

@@ -61,6 +61,18 @@ impl WorkerShared {
         self
     }
 
+    /// The same, with the answers for keys not indexed aging on `clock` (the simulator's).
+    #[cfg(any(test, feature = "sim"))]
+    #[must_use]
+    pub(crate) fn with_lookup_clock(mut self, clock: crate::clock::Clock) -> WorkerShared {
+        let verdicts = self
+            .unindexed
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.unindexed = Mutex::new(verdicts.with_clock(clock));
+        self
+    }
+
     /// The answers for keys not indexed (see `unindexed`).
     pub fn unindexed(&self) -> MutexGuard<'_, Verdicts> {
         self.unindexed

@@ -639,3 +639,77 @@ mod tests {
         assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
     }
 }
+
+#[cfg(test)]
+mod clock_tests {
+    use super::*;
+    use crate::job::KeyFailure;
+    use crate::sim::cluster::STEP_TIME;
+
+    /// A load from a hung device fails by its deadline on the cluster's clock: not before
+    /// `io_timeout_ms` of cluster time and soon after (on the wall clock it would take 200 ms of
+    /// real time, tens of thousands of steps); once the device answers again its late
+    /// completion is absorbed and nothing is left behind.
+    #[test]
+    fn a_hung_load_times_out_on_the_cluster_clock() {
+        let mut rng = Rng::new(5);
+        let mut config = config(&mut rng, 1, 1);
+        config.io_timeout_ms = 200;
+        let storage = SimStorage::new(5, &[(1 << 20) + 32 * BLOCK]);
+        let region = crate::region::allocate_blocks(
+            BLOCK,
+            u64::from(REGION_BLOCKS),
+            crate::config::HugePages::Off,
+        )
+        .expect("region");
+        let mut cluster = Cluster::open(&config, &region, &storage, 5).expect("opens");
+        let key = Key::new(b"hung").expect("key");
+        cluster
+            .submit(JobKind::Store, Job::new(1, vec![key], vec![0]))
+            .expect("store admitted");
+        assert!(cluster.settle(10_000), "the store settles");
+        let mut results = Vec::new();
+        cluster.poll(&mut results);
+        assert!(results[0].failures.is_empty(), "{:?}", results[0]);
+
+        storage.hang_device(0, true);
+        cluster
+            .submit(JobKind::Load, Job::new(2, vec![key], vec![1]))
+            .expect("load admitted");
+        let limit = std::time::Duration::from_millis(config.io_timeout_ms.into());
+        let mut steps = 0u32;
+        results.clear();
+        while results.is_empty() {
+            cluster.step();
+            steps += 1;
+            cluster.poll(&mut results);
+            assert!(
+                steps < 20 * (limit.as_micros() / STEP_TIME.as_micros()) as u32,
+                "no deadline"
+            );
+        }
+        let cluster_time = STEP_TIME * steps;
+        assert!(
+            cluster_time > limit,
+            "failed after {cluster_time:?} of cluster time"
+        );
+        assert!(
+            cluster_time < limit * 3,
+            "{cluster_time:?}: the deadline is checked an eighth of it (or 5 ms) apart"
+        );
+        let f = &results[0].failures;
+        assert_eq!(f.len(), 1, "{:?}", results[0]);
+        assert_eq!(f[0].reason, KeyFailure::Timeout, "{:?}", f[0]);
+        assert!(
+            f[0].detail.contains("io_timeout_ms = 200"),
+            "{}",
+            f[0].detail
+        );
+
+        storage.hang_device(0, false);
+        assert!(cluster.settle(10_000), "the late completion is absorbed");
+        cluster.poll(&mut results);
+        assert_eq!(results.len(), 1, "no job reported twice: {results:?}");
+        cluster.check_quiet().expect("nothing left behind");
+    }
+}
