@@ -48,8 +48,7 @@ impl Verdicts {
         }
     }
 
-    /// The same cache with answers aging on `clock` (the simulator's).
-    #[cfg(any(test, feature = "sim"))]
+    /// The same cache with answers aging on `clock` (the simulator's, or the monotonic one).
     #[must_use]
     pub fn with_clock(mut self, clock: Clock) -> Verdicts {
         self.clock = clock;

@@ -407,6 +407,7 @@ fn start_workers(
             me = me.with_lookup_cache(
                 files.lookup_cache_max,
                 std::time::Duration::from_millis(files.lookup_ttl_ms),
+                crate::clock::Clock::default(),
             );
         }
         let me = Arc::new(me);

@@ -281,12 +281,11 @@ impl Cluster {
             if let Some(files) = &config.files {
                 // Answers age on the cluster's clock: on the wall clock a seed did not replay
                 // under load (`files::tests::replays_one_seed` in CI).
-                me = me
-                    .with_lookup_cache(
-                        files.lookup_cache_max,
-                        std::time::Duration::from_millis(files.lookup_ttl_ms),
-                    )
-                    .with_lookup_clock(clock.clone());
+                me = me.with_lookup_cache(
+                    files.lookup_cache_max,
+                    std::time::Duration::from_millis(files.lookup_ttl_ms),
+                    clock.clone(),
+                );
             }
             let me = Arc::new(me);
             let (tx, rx) = crossbeam_channel::unbounded();

@@ -7,7 +7,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::clock::Clock;
 use crate::io::{IoBackend, Region};
 use crate::job::{JobState, KeyFailure, Shared};
 use crate::Errno;
@@ -40,8 +39,6 @@ pub(crate) struct Core<O> {
     pub(super) failed: u64,
     /// Recent timeouts per device, oldest first (for marking a device failed).
     pub(super) timeouts: Vec<VecDeque<Instant>>,
-    /// What deadlines and the timeout window run on.
-    pub clock: Clock,
     pub(super) error_log: crate::logs::RateLimit,
 }
 
@@ -153,7 +150,7 @@ impl<O: LayoutOp> Core<O> {
         if self.timeouts.len() <= d {
             self.timeouts.resize_with(d + 1, VecDeque::new);
         }
-        let now = self.clock.now();
+        let now = self.ops.now();
         let window = self.io_timeout * FAILURE_WINDOW_DEADLINES;
         let recent = &mut self.timeouts[d];
         recent.push_back(now);

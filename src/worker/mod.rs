@@ -217,6 +217,7 @@ impl<L: Layout> Worker<L> {
     pub fn new(p: WorkerParams, layout: L, make: impl FnMut() -> L::Op) -> Worker<L> {
         let capacity = p.sched.ops_capacity(p.ring_entries);
         let publisher = Publisher::new(Arc::clone(&p.me.published));
+        let now = p.clock.now();
         Worker {
             core: Core {
                 id: p.id,
@@ -224,7 +225,7 @@ impl<L: Layout> Worker<L> {
                 region: p.region,
                 shared: p.shared,
                 me: p.me,
-                ops: OpTable::new(capacity, p.clock.clone(), make),
+                ops: OpTable::new(capacity, p.clock, make),
                 block_bytes: p.sched.block_bytes(),
                 sched: p.sched,
                 loads: WorkQueue::default(),
@@ -237,13 +238,12 @@ impl<L: Layout> Worker<L> {
                 io_timeout: p.io_timeout,
                 failed: 0,
                 timeouts: Vec::new(),
-                clock: p.clock.clone(),
                 error_log: crate::logs::RateLimit::new(10, Duration::from_secs(10)),
             },
             layout,
             rx: p.rx,
             completions: Vec::with_capacity(p.ring_entries * 2),
-            next_overdue_check: p.clock.now(),
+            next_overdue_check: now,
             stop_at: None,
         }
     }
@@ -348,7 +348,7 @@ impl<L: Layout> Worker<L> {
     /// Stopping for longer than the deadline with I/O still in flight: every op left started
     /// before the stop, so all of them are past their deadline.
     fn hung_at_stop(&self) -> bool {
-        let now = self.core.clock.now();
+        let now = self.core.ops.now();
         self.stop_at.is_some_and(|at| {
             now.duration_since(at)
                 > self.core.io_timeout + overdue_check_interval(self.core.io_timeout)
@@ -358,7 +358,7 @@ impl<L: Layout> Worker<L> {
     /// Fails the keys of ops past their deadline (`KeyFailure::Timeout`); each such op keeps
     /// its job's lease until it completes. True if any key failed.
     fn expire_overdue(&mut self) -> bool {
-        let now = self.core.clock.now();
+        let now = self.core.ops.now();
         if now < self.next_overdue_check {
             return false;
         }
@@ -456,8 +456,7 @@ impl<L: Layout> Worker<L> {
     /// Fails everything queued and not yet started; stores stop issuing chunks (and fail once
     /// the issued ones complete); I/O in flight runs to completion.
     fn stop(&mut self) {
-        let now = self.core.clock.now();
-        self.stop_at.get_or_insert(now);
+        self.stop_at.get_or_insert_with(|| self.core.ops.now());
         let issuing = self.core.cancel_queued();
         for idx in issuing {
             let chunks = self.core.ops[idx as usize]

@@ -27,7 +27,7 @@ pub(crate) struct OpTable<T> {
     overdue: Vec<bool>,
     /// The jobs whose leases an overdue op holds until it completes.
     holds: Vec<Vec<Arc<JobState>>>,
-    /// What `born` is read from.
+    /// What `born` is read from: the worker's clock (its deadlines and timeout window too).
     clock: Clock,
 }
 
@@ -68,6 +68,11 @@ impl<T: TableOp> OpTable<T> {
             job.release_lease_ref();
         }
         self.free.push(idx);
+    }
+
+    /// The worker's time, on the clock the ops' deadlines run on.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
     }
 
     /// Marks and returns the live ops older than `limit` at `now` that were not overdue yet.

@@ -54,22 +54,16 @@ impl WorkerShared {
         }
     }
 
-    /// Bounds the answers kept for keys not indexed: at most `max`, asked again after `ttl`.
+    /// Bounds the answers kept for keys not indexed: at most `max`, asked again after `ttl` on
+    /// `clock` (the monotonic clock; the simulator's own).
     #[must_use]
-    pub fn with_lookup_cache(mut self, max: usize, ttl: Duration) -> WorkerShared {
-        self.unindexed = Mutex::new(Verdicts::new(max, ttl));
-        self
-    }
-
-    /// The same, with the answers for keys not indexed aging on `clock` (the simulator's).
-    #[cfg(any(test, feature = "sim"))]
-    #[must_use]
-    pub(crate) fn with_lookup_clock(mut self, clock: crate::clock::Clock) -> WorkerShared {
-        let verdicts = self
-            .unindexed
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        self.unindexed = Mutex::new(verdicts.with_clock(clock));
+    pub fn with_lookup_cache(
+        mut self,
+        max: usize,
+        ttl: Duration,
+        clock: crate::clock::Clock,
+    ) -> WorkerShared {
+        self.unindexed = Mutex::new(Verdicts::new(max, ttl).with_clock(clock));
         self
     }
 
