@@ -5,11 +5,11 @@
 //! resolution publishes exactly one [`JobResult`]. A failed load reports how many keys *in job
 //! order* loaded before the first failure (vLLM's `successful_keys` prefix semantics).
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtier_sys::blocks::Lease;
+use kvtier_sys::blocks::{Lease, LeaseHold};
 
 use crate::events::EventSink;
 use crate::key::Key;
@@ -279,12 +279,10 @@ pub(crate) struct JobState {
     bytes: AtomicU64,
     /// The region blocks this job holds (`Region::lease`): released when the job publishes its
     /// result, unless borrowed from the caller's job this one serves (a promotion).
+    /// An I/O that may still move the blocks' bytes after the result (past its deadline, or a
+    /// store's write whose key failed) keeps them with [`JobState::hold_lease`], borrowed or not.
     lease: Option<Arc<Lease>>,
     owns_lease: bool,
-    /// References on the lease: one for the publication of the result, one per I/O that
-    /// passed its deadline and may still move bytes of the job's blocks
-    /// ([`JobState::hold_lease`]). The last one gone releases the lease.
-    lease_refs: AtomicU32,
     /// Which keys are resolved: the first outcome of a key counts, a later one (an I/O that
     /// completed after its deadline failed the key) is ignored.
     resolved: Box<[AtomicBool]>,
@@ -306,7 +304,6 @@ impl JobState {
             bytes: AtomicU64::new(0),
             lease: None,
             owns_lease: false,
-            lease_refs: AtomicU32::new(1),
             resolved: (0..n).map(|_| AtomicBool::new(false)).collect(),
             then: Mutex::new(None),
         }
@@ -317,20 +314,12 @@ impl JobState {
         self.resolved[index].load(Ordering::Acquire)
     }
 
-    /// Keeps the lease past the publication of the result, for an I/O still in flight after
-    /// its deadline; [`JobState::release_lease_ref`] when it completes (or never, if it never does).
-    pub fn hold_lease(&self) {
-        self.lease_refs.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// Drops one reference on the lease (the result's publication, or a hold); the last one
-    /// releases it.
-    pub fn release_lease_ref(&self) {
-        if self.lease_refs.fetch_sub(1, Ordering::AcqRel) == 1 {
-            if let (true, Some(lease)) = (self.owns_lease, &self.lease) {
-                lease.release();
-            }
-        }
+    /// Keeps the job's blocks (its own lease, or the one it borrows) past the publication of
+    /// the result, for an I/O that may still move their bytes, until the hold is dropped (when
+    /// the I/O completes; never, if it never does). `None` without a lease, or if the blocks
+    /// went back already.
+    pub fn hold_lease(&self) -> Option<LeaseHold> {
+        self.lease.as_ref().and_then(Lease::hold)
     }
 
     /// Holds `lease` and releases it when the result is published.
@@ -435,8 +424,10 @@ impl JobState {
             elapsed: self.submitted.elapsed(),
         };
         // Before anyone can see the result: the caller may touch the blocks then (unless an
-        // I/O past its deadline still holds them).
-        self.release_lease_ref();
+        // I/O that may still move their bytes holds them).
+        if let (true, Some(lease)) = (self.owns_lease, &self.lease) {
+            lease.release();
+        }
         let then = self
             .then
             .lock()

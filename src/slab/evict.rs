@@ -145,7 +145,7 @@ impl SlabLayout {
         let key = self.devs[d].slots[local as usize]
             .key
             .expect("valid slot has a key");
-        self.unindex(core, key);
+        self.unindex(core, key, d, local);
         self.clear_entry(d, local);
         self.free_slot(d, local);
         let m = core.me.metrics.dev(d);
@@ -154,9 +154,14 @@ impl SlabLayout {
         core.shared.events.push(vec![key], true);
     }
 
-    pub(super) fn unindex(&mut self, core: &mut Core<Op>, key: Key) {
-        self.index.remove(&key);
-        core.publisher.remove(&key);
+    /// Removes `key` from the index and the published keys, if the index names slot `local`
+    /// of device `d`: a key stored again elsewhere after this copy was unindexed (its device
+    /// was marked failed) belongs to the new copy.
+    pub(super) fn unindex(&mut self, core: &mut Core<Op>, key: Key, d: usize, local: u32) {
+        if self.index.get(&key) == Some(&(d as u16, local)) {
+            self.index.remove(&key);
+            core.publisher.remove(&key);
+        }
     }
 
     /// Drops one pin of a slot (a load's or a demotion's read of it ended). A slot a load

@@ -525,15 +525,16 @@ impl Layout for SlabLayout {
     }
 
     fn device_failed(&mut self, core: &mut Core<Op>, d: usize) {
-        let keys: Vec<Key> = self
+        let keys: Vec<(Key, u32)> = self
             .index
             .iter()
             .filter(|(_, &(dev, _))| dev as usize == d)
-            .map(|(k, _)| *k)
+            .map(|(k, &(_, local))| (*k, local))
             .collect();
-        for key in &keys {
-            self.unindex(core, *key);
+        for &(key, local) in &keys {
+            self.unindex(core, key, d, local);
         }
+        let keys: Vec<Key> = keys.into_iter().map(|(k, _)| k).collect();
         if !keys.is_empty() {
             core.shared.events.push(keys, true);
         }

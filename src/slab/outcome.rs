@@ -90,7 +90,7 @@ impl SlabLayout {
         }
         s.state = SlotState::Doomed;
         if let Some(key) = s.key {
-            self.unindex(core, key);
+            self.unindex(core, key, d, local);
             core.shared.events.push(vec![key], true);
         }
         core.me
@@ -126,7 +126,11 @@ impl SlabLayout {
     pub(super) fn drop_store(&mut self, d: usize, local: u32) {
         let s = self.devs[d].slots[local as usize];
         let key = s.key.expect("writing slot has a key");
-        self.index.remove(&key);
+        // Unless the key was stored again elsewhere meanwhile (this store's device was marked
+        // failed, which unindexed it, and a later store of the key went to another device).
+        if self.index.get(&key) == Some(&(d as u16, local)) {
+            self.index.remove(&key);
+        }
         if s.entry != EntryState::Unwritten {
             self.clear_entry(d, local);
         }

@@ -196,6 +196,23 @@ impl SlabLayout {
             let detail = format!("{name}: slot table write (page {page}) failed: {why}");
             core.device_error(d as usize, &detail);
             for a in &acks {
+                if self.devs[d as usize].slots[a.local as usize].written_by(a.seq)
+                    && !a.job.is_resolved(a.item)
+                {
+                    // Its data write is still in flight, reading the caller's block: the job's
+                    // lease stays until that write completes (it then drops the slot).
+                    let local = a.local;
+                    let writing = core.ops.find_live(|op| {
+                        matches!(op.kind, OpKind::Store)
+                            && op.dev == d
+                            && op.slot == local
+                            && op.item as usize == a.item
+                            && op.job.as_ref().is_some_and(|j| Arc::ptr_eq(j, &a.job))
+                    });
+                    if let Some(w) = writing {
+                        core.ops.hold(w, &a.job);
+                    }
+                }
                 core.store_failed(&a.job, a.item, reason, detail.clone());
             }
         }

@@ -397,7 +397,7 @@ impl<L: Layout> Worker<L> {
                     continue;
                 }
                 if hold {
-                    self.core.ops.hold(idx, Arc::clone(&job));
+                    self.core.ops.hold(idx, &job);
                 }
                 let m = &self.core.me.metrics;
                 match job.kind {

@@ -1,10 +1,10 @@
 //! The table of a worker's in-flight operations, addressed by index and generation.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::clock::Clock;
 use crate::job::JobState;
+use kvtier_sys::blocks::LeaseHold;
 
 /// What a worker's op must offer its [`OpTable`].
 pub(crate) trait TableOp {
@@ -25,8 +25,8 @@ pub(crate) struct OpTable<T> {
     born: Vec<Instant>,
     /// Whether each live op passed its deadline (and was reported).
     overdue: Vec<bool>,
-    /// The jobs whose leases an overdue op holds until it completes.
-    holds: Vec<Vec<Arc<JobState>>>,
+    /// The leases an op holds until it completes (see [`OpTable::hold`]).
+    holds: Vec<Vec<LeaseHold>>,
     /// What `born` is read from: the worker's clock (its deadlines and timeout window too).
     clock: Clock,
 }
@@ -64,9 +64,7 @@ impl<T: TableOp> OpTable<T> {
         self.live[i] = false;
         self.ops[i].clear();
         // The kernel is done with the op's buffers: the leases it kept can go.
-        for job in self.holds[i].drain(..) {
-            job.release_lease_ref();
-        }
+        self.holds[i].clear();
         self.free.push(idx);
     }
 
@@ -87,10 +85,20 @@ impl<T: TableOp> OpTable<T> {
         out
     }
 
-    /// Overdue op `idx` keeps `job`'s lease until it is released.
-    pub fn hold(&mut self, idx: u32, job: Arc<JobState>) {
-        job.hold_lease();
-        self.holds[idx as usize].push(job);
+    /// The first live op that `pick` chooses (a scan of the table: for rare paths).
+    pub fn find_live(&self, pick: impl Fn(&T) -> bool) -> Option<u32> {
+        (0..self.ops.len())
+            .find(|&i| self.live[i] && pick(&self.ops[i]))
+            .map(|i| i as u32)
+    }
+
+    /// Op `idx` keeps `job`'s lease until it is released: an op past its deadline, or a store's
+    /// data write whose key failed before it completed (the device may still read or write
+    /// the job's blocks).
+    pub fn hold(&mut self, idx: u32, job: &JobState) {
+        if let Some(hold) = job.hold_lease() {
+            self.holds[idx as usize].push(hold);
+        }
     }
 
     /// Ops in use.

@@ -159,15 +159,29 @@ impl Blocks {
     }
 }
 
-/// Blocks of a region lent to a job: until the lease is released (or dropped), the region's
-/// safe accessors refuse them, and no other lease can take them exclusively (nor, if this one
-/// is exclusive, at all).
+/// Blocks of a region lent to a job: until the lease is released (or dropped) and every
+/// [`LeaseHold`] on it is gone, the region's safe accessors refuse them, and no other lease
+/// can take them exclusively (nor, if this one is exclusive, at all).
 pub struct Lease {
     region: Arc<Region>,
     /// Sorted, each once.
     blocks: Vec<u32>,
     exclusive: bool,
     released: std::sync::atomic::AtomicBool,
+    /// The holder's reference (until [`Lease::release`]) plus one per [`LeaseHold`]; the
+    /// blocks go back when it reaches 0.
+    refs: AtomicU32,
+}
+
+/// Keeps a [`Lease`]'s blocks from going back to the region past the holder's release, for an
+/// I/O that may still move their bytes (one that outlived its deadline, or a store's write
+/// whose key already failed). Dropping it ends the hold.
+pub struct LeaseHold(Arc<Lease>);
+
+impl Drop for LeaseHold {
+    fn drop(&mut self) {
+        self.0.unref();
+    }
 }
 
 impl Lease {
@@ -177,6 +191,7 @@ impl Lease {
             blocks,
             exclusive,
             released: std::sync::atomic::AtomicBool::new(false),
+            refs: AtomicU32::new(1),
         }
     }
 
@@ -193,20 +208,48 @@ impl Lease {
         self.blocks.is_empty()
     }
 
-    /// Gives the blocks back (once; later calls and the drop do nothing). The holder must not
+    /// The holder is done with the blocks (once; later calls and the drop do nothing): they
+    /// go back to the region now, or when the last [`LeaseHold`] goes. The holder must not
     /// reach the bytes through the lease afterwards: it panics.
     pub fn release(&self) {
         if !self.released.swap(true, Ordering::AcqRel) {
+            self.unref();
+        }
+    }
+
+    /// Keeps the blocks past [`Lease::release`] until the returned hold is dropped. `None` if
+    /// they already went back (the holder released and no hold was left): there is nothing to
+    /// keep then.
+    pub fn hold(self: &Arc<Self>) -> Option<LeaseHold> {
+        let mut cur = self.refs.load(Ordering::Acquire);
+        loop {
+            if cur == 0 {
+                return None;
+            }
+            match self
+                .refs
+                .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Some(LeaseHold(Arc::clone(self))),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    fn unref(&self) {
+        if self.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
             if let Some(g) = self.region.blocks() {
                 g.give_all(&self.blocks, self.exclusive);
             }
         }
     }
 
-    /// Panics unless `offset..offset + len` lies in the leased blocks and the lease is held.
+    /// Panics unless `offset..offset + len` lies in the leased blocks and they have not gone
+    /// back (the holder has not released the lease, or a [`LeaseHold`] keeps them: an I/O's
+    /// late completion may still check what it moved).
     fn check(&self, offset: usize, len: usize) {
         assert!(
-            !self.released.load(Ordering::Acquire),
+            self.refs.load(Ordering::Acquire) > 0,
             "a released lease was used"
         );
         if let Some(g) = self.region.blocks() {
@@ -338,5 +381,30 @@ mod tests {
         drop(l);
         assert_eq!(r.guard_blocks(4096), Ok(()));
         assert_eq!(r.guard_blocks(8192), Err(crate::Errno::EBUSY));
+    }
+
+    #[test]
+    fn holds_keep_the_blocks_past_the_release_until_the_last_goes() {
+        let r = guarded(2);
+        let lease = Arc::new(r.lease(&[0], true).expect("free"));
+        let a = lease.hold().expect("held");
+        let b = lease.hold().expect("held twice");
+        lease.release();
+        lease.release();
+        assert!(r.is_leased(0), "two holds keep it");
+        drop(a);
+        assert!(r.is_leased(0), "one hold keeps it");
+        assert!(r.lease(&[0], false).is_err());
+        drop(b);
+        assert!(!r.is_leased(0), "back once the last hold went");
+        assert!(lease.hold().is_none(), "nothing left to hold");
+        let again = r.lease(&[0], false).expect("free again");
+        drop(lease);
+        assert!(
+            r.is_leased(0),
+            "the old lease's drop gives nothing back twice"
+        );
+        drop(again);
+        assert!(!r.is_leased(0));
     }
 }
