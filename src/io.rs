@@ -109,6 +109,16 @@ pub struct BackendSettings {
     pub wait_limit: std::time::Duration,
 }
 
+/// How the engine sets up the region's blocks ([`Storage::region_guard`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RegionGuard {
+    /// [`Region::guard_blocks`]: leases, and accessors that refuse leased blocks.
+    Enforce,
+    /// [`Region::track_blocks`]: leases only. For a simulated device, which plays the kernel
+    /// by copying through the accessors itself (and checks that a job holds the blocks).
+    Track,
+}
+
 /// Opens devices and builds backends; shared by all workers.
 pub trait Storage: Send + Sync {
     /// Opens (creating and preparing if needed) device `index`.
@@ -118,11 +128,10 @@ pub trait Storage: Send + Sync {
     fn supports_files(&self) -> bool {
         false
     }
-    /// Whether the engine guards the region's blocks ([`Region::guard_blocks`]): jobs lease
-    /// their blocks and the region's safe accessors refuse leased ones. The simulated device
-    /// copies through those accessors itself (it plays the kernel), so it turns this off.
-    fn guards_region(&self) -> bool {
-        true
+    /// How the engine guards the region's blocks: jobs lease their blocks, and with
+    /// [`RegionGuard::Enforce`] the region's safe accessors also refuse leased ones.
+    fn region_guard(&self) -> RegionGuard {
+        RegionGuard::Enforce
     }
     /// Synchronous read, used only while opening (headers, formatting).
     fn read_sync(

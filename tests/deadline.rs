@@ -83,17 +83,22 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
         }
     }
     assert_eq!(engine.stats().io_timeouts, on_hung.len() as u64);
+    // The reads are still in flight: the job's blocks stay leased, so the caller cannot hand
+    // them to another job (or write them) while the device may still land bytes there.
+    assert!((0..24).all(|b| region.is_leased(b)), "released too early");
 
-    // The live device still takes stores and serves them while the other hangs.
+    // The live device still takes stores and serves them while the other hangs (from blocks
+    // the hung reads cannot reach).
     let fresh: Vec<u64> = (100..200)
         .filter(|&id| key(id).device(2) == 1)
         .take(6)
         .collect();
-    assert!(store(&engine, &region, 3, &fresh).success);
-    let r = load(&engine, &region, 4, &fresh);
+    let blocks: Vec<u32> = (24..24 + fresh.len() as u32).collect();
+    assert!(store_into(&engine, &region, 3, &fresh, blocks.clone()).success);
+    let r = load_into(&engine, 4, &fresh, blocks.clone());
     assert!(r.success, "{r:?}");
-    for (b, &id) in fresh.iter().enumerate() {
-        assert!(holds(&region, b as u32, id));
+    for (&b, &id) in blocks.iter().zip(&fresh) {
+        assert!(holds(&region, b, id));
     }
 
     // That many timeouts marked the device failed: its keys are misses from now on (until a
@@ -113,6 +118,12 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
         0,
         "reported twice: {extra:?}"
     );
+    // The last late read gave the blocks back, and every read landed in a block still leased.
+    assert!(
+        (0..24).all(|b| !region.is_leased(b)),
+        "a lease outlived its reads"
+    );
+    assert_eq!(sim.take_strays(), Vec::<String>::new());
     let r = load(&engine, &region, 5, &on_hung);
     assert!(
         r.failures.iter().all(|f| f.reason == KeyFailure::Miss)

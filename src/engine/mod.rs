@@ -28,7 +28,7 @@ use crate::worker::{self, Msg, WorkerShared};
 
 mod admit;
 mod lookup;
-mod open;
+pub(crate) mod open;
 mod start;
 pub(crate) mod stats;
 

@@ -9,7 +9,7 @@ use crate::config::{Config, Cores, Derived, Layout, VerifyLoads};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
-use crate::io::{BackendSettings, EventFd, Region, Storage};
+use crate::io::{BackendSettings, EventFd, Region, RegionGuard, Storage};
 use crate::job::Shared;
 use crate::route::Router;
 use crate::slab::layout::DeviceSpec;
@@ -253,7 +253,11 @@ fn region_pages(region: &Region, block_bytes: u64) -> Option<f64> {
 }
 
 /// The region's block count, after checking it fits the engine and guarding its blocks.
-fn check_region(region: &Region, block_bytes: u64, storage: &dyn Storage) -> Result<u64> {
+pub(crate) fn check_region(
+    region: &Region,
+    block_bytes: u64,
+    storage: &dyn Storage,
+) -> Result<u64> {
     if (region.len() as u64) < block_bytes {
         return Err(Error::Memory(format!(
             "the region is {} bytes, smaller than one block of {block_bytes}",
@@ -266,15 +270,17 @@ fn check_region(region: &Region, block_bytes: u64, storage: &dyn Storage) -> Res
             "{region_blocks} blocks: at most 2^32-1"
         )));
     }
-    if storage.guards_region() {
-        region.guard_blocks(block_bytes as usize).map_err(|e| {
-            Error::Memory(format!(
-                "guarding the region in blocks of {block_bytes} bytes: {} (is it in use by \
-                 an engine with another block_size?)",
-                e.desc()
-            ))
-        })?;
-    }
+    let guarded = match storage.region_guard() {
+        RegionGuard::Enforce => region.guard_blocks(block_bytes as usize),
+        RegionGuard::Track => region.track_blocks(block_bytes as usize),
+    };
+    guarded.map_err(|e| {
+        Error::Memory(format!(
+            "guarding the region in blocks of {block_bytes} bytes: {} (is it in use by an \
+             engine with another block_size?)",
+            e.desc()
+        ))
+    })?;
     Ok(region_blocks)
 }
 

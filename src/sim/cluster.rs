@@ -255,6 +255,9 @@ impl Cluster {
         cold: Option<Arc<SimObjectStore>>,
     ) -> Result<Cluster> {
         let block_bytes = derived.block_bytes;
+        // The region's blocks as the engine sets them up: jobs lease them, the simulated
+        // devices check the leases.
+        crate::engine::open::check_region(region, block_bytes, storage)?;
         let Cores::List(cores) = &config.cores else {
             return Err(Error::Worker("the simulation needs cores = [..]".into()));
         };
@@ -370,8 +373,8 @@ impl Cluster {
             );
             return Ok(());
         }
-        // Leased as the engine leases them (the simulated region is unguarded: the device copies
-        // through its accessors, so the lease only travels with the job).
+        // Leased as the engine leases them (the region tracks leases; the simulated device
+        // copies through its accessors and checks that the job still holds the blocks).
         let lease = match self.region.lease(&job.blocks, kind == JobKind::Load) {
             Ok(lease) => Arc::new(lease),
             Err(busy) => {

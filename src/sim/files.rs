@@ -26,12 +26,12 @@ use kvtier_sys::fd as sys;
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, FileOp, IoBackend, IoClass,
-    IoRequest, Region, Storage,
+    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, FileOp, IoBackend, IoClass, IoKind,
+    IoRequest, Region, RegionGuard, Storage,
 };
 use crate::Errno;
 
-use super::{Faults, Rng};
+use super::{Faults, Rng, Strays};
 
 /// What a power loss did to the directory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -54,6 +54,7 @@ struct State {
     faults: Mutex<Faults>,
     journal: Mutex<Journal>,
     read_flips: AtomicU64,
+    strays: Strays,
 }
 
 #[derive(Default)]
@@ -75,6 +76,7 @@ impl SimFiles {
                 faults: Mutex::new(Faults::default()),
                 journal: Mutex::new(Journal::default()),
                 read_flips: AtomicU64::new(0),
+                strays: Strays::default(),
             }),
         })
     }
@@ -90,6 +92,13 @@ impl SimFiles {
     /// Reads delivered with a flipped bit so far.
     pub fn read_flips(&self) -> u64 {
         self.state.read_flips.load(Ordering::SeqCst)
+    }
+
+    /// Transfers that reached a region block no job held ([`SimStorage::take_strays`]).
+    ///
+    /// [`SimStorage::take_strays`]: super::SimStorage::take_strays
+    pub fn take_strays(&self) -> Vec<String> {
+        self.state.strays.take()
     }
 
     /// Journals what is not durable from now on (see the module docs).
@@ -200,8 +209,9 @@ impl Storage for SimFiles {
         true
     }
 
-    fn guards_region(&self) -> bool {
-        false
+    /// Leases only: the simulated file I/O copies through the region's accessors.
+    fn region_guard(&self) -> RegionGuard {
+        RegionGuard::Track
     }
 
     fn open_device(&self, _: usize, cfg: &DeviceConfig, _: DirectIo) -> Result<DeviceInfo> {
@@ -471,13 +481,23 @@ impl FilesBackend {
             data[at] ^= 1 << self.rng.below(8);
             self.state.read_flips.fetch_add(1, Ordering::SeqCst);
         }
-        self.buffers[buf.region as usize].write(buf.offset, &data[..n]);
+        let region = &self.buffers[buf.region as usize];
+        self.state
+            .strays
+            .check(region, buf.offset, n, IoKind::Read, || format!("fd {fd}"));
+        region.write(buf.offset, &data[..n]);
         i32::try_from(n).expect("I/O sizes fit i32")
     }
 
     fn write(&mut self, fd: RawFd, offset: u64, buf: BufRef, f: Faults) -> i32 {
         let mut data = vec![0u8; buf.len as usize];
-        self.buffers[buf.region as usize].read(buf.offset, &mut data);
+        let region = &self.buffers[buf.region as usize];
+        self.state
+            .strays
+            .check(region, buf.offset, data.len(), IoKind::Write, || {
+                format!("fd {fd}")
+            });
+        region.read(buf.offset, &mut data);
         if self.rng.hit(f.enospc_ppm) {
             return neg(Errno::ENOSPC);
         }

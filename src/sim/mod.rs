@@ -33,7 +33,8 @@ use std::sync::{Arc, Mutex};
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BufRef, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, Region, Storage,
+    BackendSettings, BufRef, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, Region, RegionGuard,
+    Storage,
 };
 use backend::SimBackend;
 
@@ -136,6 +137,8 @@ struct State {
     journal: Mutex<Option<Vec<Undo>>>,
     /// Reads delivered with a flipped bit (`Faults::read_flip_ppm`).
     read_flips: AtomicU64,
+    /// Device copies that reached a region block no job held (see [`SimStorage::take_strays`]).
+    strays: Strays,
 }
 
 /// A completed write not yet durable: where it went and the bytes it replaced.
@@ -177,6 +180,7 @@ impl SimStorage {
                 log_enabled: AtomicBool::new(false),
                 journal: Mutex::new(None),
                 read_flips: AtomicU64::new(0),
+                strays: Strays::default(),
             }),
         })
     }
@@ -187,6 +191,15 @@ impl SimStorage {
             .faults
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = faults;
+    }
+
+    /// The device copies so far that reached a block of the region that no job's
+    /// lease held: a load's bytes landing in a block handed back to the caller, or a store
+    /// reading one. Each names the device, the direction and the block. The engine must never
+    /// cause one: a job's blocks stay leased until its last I/O completes, even past its
+    /// deadline.
+    pub fn take_strays(&self) -> Vec<String> {
+        self.state.strays.take()
     }
 
     /// Reads delivered with a flipped bit so far.
@@ -224,9 +237,12 @@ impl SimStorage {
         self.state.crashed.load(Ordering::SeqCst)
     }
 
-    /// Clears the crash and the faults: the disks keep whatever landed.
+    /// Clears the crash and the faults, hung and failing devices included (a power cycle):
+    /// the disks keep whatever landed.
     pub fn restart(&self) {
         self.state.crashed.store(false, Ordering::SeqCst);
+        self.state.hung.store(0, Ordering::SeqCst);
+        self.state.failing.store(0, Ordering::SeqCst);
         self.state
             .writes_until_crash
             .store(u64::MAX, Ordering::SeqCst);
@@ -380,6 +396,8 @@ impl State {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let range = offset as usize..offset as usize + len;
+        self.strays
+            .check(region, buf.offset, len, kind, || format!("device {dev}"));
         match kind {
             IoKind::Read => region.write(buf.offset, &d[range]),
             IoKind::Write => {
@@ -401,9 +419,53 @@ impl State {
     }
 }
 
+/// The simulated devices' transfers that reached a region block no job held: the engine hands
+/// a block back to its caller only once no I/O can move its bytes any more.
+#[derive(Default)]
+pub(crate) struct Strays(Mutex<Vec<String>>);
+
+impl Strays {
+    /// Records the transfer of `len` bytes at `offset` of `region` (`kind`: a read lands
+    /// there, a write reads there) if it reaches a block no lease holds; `who` names the
+    /// device or file.
+    pub(crate) fn check(
+        &self,
+        region: &Region,
+        offset: usize,
+        len: usize,
+        kind: IoKind,
+        who: impl FnOnce() -> String,
+    ) {
+        if let Some(block) = region.first_unheld(offset, len) {
+            let what = match kind {
+                IoKind::Read => "a read landed in",
+                IoKind::Write => "a write read",
+            };
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(format!(
+                    "{}: {what} region block {block}, which no job held",
+                    who()
+                ));
+        }
+    }
+
+    pub(crate) fn take(&self) -> Vec<String> {
+        std::mem::take(
+            &mut *self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+}
+
 impl Storage for SimStorage {
-    fn guards_region(&self) -> bool {
-        false
+    /// Leases only: the simulated device copies through the region's accessors (it plays the
+    /// kernel), and checks that a job still holds the blocks ([`SimStorage::take_strays`]).
+    fn region_guard(&self) -> RegionGuard {
+        RegionGuard::Track
     }
 
     fn open_device(
@@ -481,5 +543,66 @@ impl Storage for SimStorage {
             wake,
             settings.ring_entries as usize,
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HugePages;
+    use crate::io::{Completion, IoRequest};
+
+    /// A device transfer that reaches a region block no job holds is recorded as a stray: the
+    /// check the campaigns make after every step.
+    #[test]
+    fn a_transfer_outside_every_lease_is_a_stray() {
+        let storage = SimStorage::new(1, &[1 << 20]);
+        storage.write_raw(0, 8192, b"on the disk");
+        let region = crate::region::allocate_blocks(4096, 4, HugePages::Off).expect("memory");
+        region.track_blocks(4096).expect("a block size");
+        let wake = Arc::new(EventFd::new().expect("an eventfd"));
+        let mut backend = SimBackend::new(
+            Arc::clone(&storage.state),
+            0,
+            vec![Arc::clone(&region)],
+            wake,
+            8,
+        );
+        let mut run = |kind, block: u32| {
+            let req = IoRequest {
+                user_data: u64::from(block),
+                kind,
+                device: 0,
+                offset: 8192,
+                buf: BufRef {
+                    region: 0,
+                    offset: block as usize * 4096,
+                    len: 4096,
+                },
+                class: IoClass::Load,
+            };
+            assert!(backend.push(&req));
+            backend.submit(true).expect("submit");
+            let mut done: Vec<Completion> = Vec::new();
+            backend.complete(&mut done);
+            assert_eq!(done.len(), 1);
+            assert_eq!(done[0].result, 4096);
+        };
+        let load = region.lease(&[1], true).expect("free");
+        run(IoKind::Read, 1);
+        assert!(storage.take_strays().is_empty(), "block 1 is leased");
+        assert!(load.with_bytes(4096, 11, |b| b == b"on the disk"));
+        run(IoKind::Read, 2);
+        assert_eq!(
+            storage.take_strays(),
+            ["device 0: a read landed in region block 2, which no job held"]
+        );
+        drop(load);
+        run(IoKind::Write, 1);
+        assert_eq!(
+            storage.take_strays(),
+            ["device 0: a write read region block 1, which no job held"]
+        );
+        assert!(storage.take_strays().is_empty(), "taken once");
     }
 }

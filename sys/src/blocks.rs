@@ -27,6 +27,9 @@ const SHARED_MAX: u32 = EXCLUSIVE - 1;
 
 pub(crate) struct Blocks {
     pub(crate) block_bytes: usize,
+    /// Whether the safe accessors take and check blocks (a guard), or only leases are recorded
+    /// ([`Region::track_blocks`](crate::mem::Region::track_blocks)).
+    pub(crate) enforced: bool,
     states: Box<[AtomicU32]>,
 }
 
@@ -57,9 +60,10 @@ impl std::fmt::Display for Busy {
 impl std::error::Error for Busy {}
 
 impl Blocks {
-    pub(crate) fn new(block_bytes: usize, blocks: usize) -> Blocks {
+    pub(crate) fn new(block_bytes: usize, blocks: usize, enforced: bool) -> Blocks {
         Blocks {
             block_bytes,
+            enforced,
             states: (0..blocks).map(|_| AtomicU32::new(0)).collect(),
         }
     }
@@ -381,6 +385,11 @@ mod tests {
         drop(l);
         assert_eq!(r.guard_blocks(4096), Ok(()));
         assert_eq!(r.guard_blocks(8192), Err(crate::Errno::EBUSY));
+        assert_eq!(
+            r.track_blocks(4096),
+            Err(crate::Errno::EBUSY),
+            "guarded already"
+        );
     }
 
     #[test]
@@ -406,5 +415,41 @@ mod tests {
         );
         drop(again);
         assert!(!r.is_leased(0));
+    }
+
+    #[test]
+    fn a_tracked_region_records_leases_and_lets_accessors_through() {
+        let r = Region::allocate(3 * 4096, HugePages::Off).expect("allocate");
+        r.track_blocks(4096).expect("track");
+        let r = Arc::new(r);
+        assert_eq!(
+            r.guard_blocks(4096),
+            Err(crate::Errno::EBUSY),
+            "tracked already"
+        );
+        assert_eq!(r.first_unheld(0, 3 * 4096), Some(0));
+        let load = r.lease(&[1, 2], true).expect("free blocks");
+        let store = r.lease(&[0], false).expect("free block");
+        assert!(r.lease(&[2], false).is_err(), "leases still conflict");
+        assert!(r.is_leased(1) && r.is_leased(0));
+        assert_eq!(r.first_unheld(4096, 2 * 4096), None, "both held");
+        // A simulated device copies through the accessors while the lease holds the block.
+        r.write(4096, b"dma");
+        assert!(load.with_bytes(4096, 3, |b| b == b"dma"));
+        drop(store);
+        assert_eq!(
+            r.first_unheld(0, 8192),
+            Some(0),
+            "the store's block is back"
+        );
+        load.release();
+        assert_eq!(r.first_unheld(4096 + 10, 4096), Some(1));
+        assert!(!r.is_leased(2));
+        let plain = Region::allocate(4096, HugePages::Off).expect("allocate");
+        assert_eq!(
+            plain.first_unheld(0, 4096),
+            None,
+            "no block size: nothing to say"
+        );
     }
 }

@@ -93,7 +93,8 @@ pub struct Region {
     backing: Backing,
     /// True if this Region mapped the memory and must unmap it.
     owned: bool,
-    /// Per-block access states, once [`Region::guard_blocks`] set a block size.
+    /// Per-block access states, once [`Region::guard_blocks`] (or [`Region::track_blocks`]) set
+    /// a block size.
     blocks: OnceLock<Blocks>,
 }
 
@@ -195,19 +196,41 @@ impl Region {
 
     /// Gives the region a block size: from now on the safe accessors check each block's
     /// access state, and jobs lease blocks ([`Region::lease`]). Idempotent for the same size;
-    /// `EINVAL` for 0 or a size above the region, `EBUSY` if another size was set.
+    /// `EINVAL` for 0 or a size above the region, `EBUSY` if another size was set (or the
+    /// region only tracks leases: [`Region::track_blocks`]).
     pub fn guard_blocks(&self, block_bytes: usize) -> Result<(), Errno> {
+        self.set_blocks(block_bytes, true)
+    }
+
+    /// Gives the region a block size for leases only: jobs lease blocks, conflicting leases
+    /// are refused and [`Region::is_leased`] answers, but the safe accessors check nothing, as
+    /// on a region without a guard. For a simulated device, which copies through those
+    /// accessors itself and checks with [`Region::first_unheld`] that a job still holds the
+    /// blocks. Errors as [`Region::guard_blocks`]; `EBUSY` also if the region is guarded.
+    pub fn track_blocks(&self, block_bytes: usize) -> Result<(), Errno> {
+        self.set_blocks(block_bytes, false)
+    }
+
+    fn set_blocks(&self, block_bytes: usize, enforced: bool) -> Result<(), Errno> {
         if block_bytes == 0 || block_bytes > self.len {
             return Err(Errno::EINVAL);
         }
         let set = self
             .blocks
-            .get_or_init(|| Blocks::new(block_bytes, self.len / block_bytes));
-        if set.block_bytes == block_bytes {
+            .get_or_init(|| Blocks::new(block_bytes, self.len / block_bytes, enforced));
+        if set.block_bytes == block_bytes && set.enforced == enforced {
             Ok(())
         } else {
             Err(Errno::EBUSY)
         }
+    }
+
+    /// The first block of `offset..offset + len` that nothing holds now (no lease, no copy),
+    /// on a region with a block size; `None` if every block there is held, or the region has
+    /// no block size. A device's transfer must only ever reach held blocks.
+    pub fn first_unheld(&self, offset: usize, len: usize) -> Option<u32> {
+        let g = self.blocks()?;
+        g.span(offset, len).find(|&b| !g.in_use(b))
     }
 
     pub(crate) fn blocks(&self) -> Option<&Blocks> {
@@ -216,7 +239,7 @@ impl Region {
 
     /// Whether block `block` is held now: by a job in flight (or by one whose I/O outlived its
     /// deadline and may still move its bytes), or by another thread's copy. Always false
-    /// without [`Region::guard_blocks`].
+    /// without a block size ([`Region::guard_blocks`], [`Region::track_blocks`]).
     pub fn is_leased(&self, block: u32) -> bool {
         self.blocks().is_some_and(|g| g.in_use(block))
     }
@@ -240,7 +263,7 @@ impl Region {
 
     /// Holds the blocks of `offset..offset + len` for one copy, or panics naming the conflict.
     fn hold(&self, offset: usize, len: usize, exclusive: bool) -> Held<'_> {
-        let Some(g) = self.blocks() else {
+        let Some(g) = self.blocks().filter(|g| g.enforced) else {
             return Held {
                 blocks: None,
                 range: 0..0,

@@ -98,7 +98,18 @@ pub fn wait_results(engine: &Engine, n: usize) -> Vec<JobResult> {
 
 /// Stores ids `ids` from region blocks `0..` in one job and returns its result.
 pub fn store(engine: &Engine, region: &Region, job: u64, ids: &[u64]) -> JobResult {
-    let blocks: Vec<u32> = (0..ids.len() as u32).collect();
+    store_into(engine, region, job, ids, (0..ids.len() as u32).collect())
+}
+
+/// Stores ids `ids` from the given region blocks (written first) in one job and returns its
+/// result.
+pub fn store_into(
+    engine: &Engine,
+    region: &Region,
+    job: u64,
+    ids: &[u64],
+    blocks: Vec<u32>,
+) -> JobResult {
     for (b, &id) in blocks.iter().zip(ids) {
         put(region, *b, id);
     }

@@ -6,8 +6,14 @@
 //!   (those runs set `verify_loads = "always"`: the default checks a block's first load only);
 //! * report a job twice, or never (every job is reported once the cluster settles);
 //! * leak: once settled, no op, pin, queue room, in-flight count or half-written slot is left,
-//!   and the published keys are exactly the indexed ones;
-//! * queue past `queue_blocks_max`.
+//!   the published keys are exactly the indexed ones, and no region block is leased;
+//! * queue past `queue_blocks_max`;
+//! * let a device transfer reach a region block no job leases (a *stray*: a job's blocks stay
+//!   leased until its last I/O completes, past its result if a key failed first). The run
+//!   plays a caller that reuses a block only once `Region::is_leased` is false.
+//!
+//! A third of the runs hang a device now and then (for up to three deadlines of cluster time),
+//! so keys fail by `io_timeout_ms`, devices are marked failed, and late completions arrive.
 //!
 //! Half the runs add a simulated object store as the cold tier ([`SimObjectStore`]: write
 //! through with either acknowledgement, demotion on eviction, or read-only; promotion on load
@@ -63,6 +69,13 @@ pub struct Report {
     /// Reads the device delivered with a flipped bit, and loads failed by their checksum.
     pub read_flips: u64,
     pub checksum_failures: u64,
+    /// Times a device stopped answering for a while, and keys failed by their deadline
+    /// (`io_timeout_ms`) meanwhile.
+    pub hangs: u64,
+    pub timeouts: u64,
+    /// Region blocks a job kept leased after its result (an I/O past its deadline, or a
+    /// store's write whose key failed first), each given back once the I/O completed.
+    pub held_past_result: u64,
     /// Runs with a simulated object store, and what the stores did in them.
     pub cold_runs: u64,
     pub lookups: u64,
@@ -82,6 +95,9 @@ impl Report {
         self.reformatted += r.reformatted;
         self.read_flips += r.read_flips;
         self.checksum_failures += r.checksum_failures;
+        self.hangs += r.hangs;
+        self.timeouts += r.timeouts;
+        self.held_past_result += r.held_past_result;
         self.cold_runs += r.cold_runs;
         self.lookups += r.lookups;
         self.cold.add(&r.cold);
@@ -99,6 +115,9 @@ struct Run {
     rng: Rng,
     region: Arc<Region>,
     free: Vec<u32>,
+    /// Blocks of reported jobs that the region still leases (an I/O past its deadline may
+    /// still move their bytes): a caller reuses them only once `Region::is_leased` is false.
+    held: Vec<u32>,
     pending: HashMap<u64, Pending>,
     reported: HashSet<u64>,
     next_id: u64,
@@ -181,6 +200,7 @@ impl Run {
             rng: Rng::new(seed ^ 0x5EED),
             region: Arc::clone(region),
             free: (0..REGION_BLOCKS).collect(),
+            held: Vec::new(),
             pending: HashMap::new(),
             reported: HashSet::new(),
             next_id: 1,
@@ -196,6 +216,7 @@ impl Run {
     /// results and objects are checked.
     fn act(&mut self, cluster: &mut Cluster) -> Result<(), String> {
         self.report.steps += 1;
+        self.reclaim();
         match self.rng.below(100) {
             0..12 => self.submit(cluster, JobKind::Store),
             12..24 => self.submit(cluster, JobKind::Load),
@@ -208,11 +229,35 @@ impl Run {
         self.check_objects(false)
     }
 
-    /// After a power loss: jobs in flight are never reported (the process is gone).
-    fn forget_pending(&mut self) {
+    /// After a power loss: jobs in flight are never reported (the process is gone), and
+    /// nothing of it holds a region block any more.
+    fn forget_pending(&mut self) -> Result<(), String> {
         self.report.power_losses += 1;
-        for (_, p) in self.pending.drain() {
-            self.free.extend(p.blocks);
+        let blocks: Vec<u32> = self
+            .pending
+            .drain()
+            .flat_map(|(_, p)| p.blocks)
+            .chain(self.held.drain(..))
+            .collect();
+        self.free.extend(blocks);
+        self.no_block_leased("after the process died")
+    }
+
+    /// Gives back the blocks of reported jobs that the region no longer leases.
+    fn reclaim(&mut self) {
+        let region = &self.region;
+        let (back, still): (Vec<u32>, Vec<u32>) =
+            self.held.drain(..).partition(|&b| !region.is_leased(b));
+        self.held = still;
+        self.free.extend(back);
+    }
+
+    /// Once nothing is in flight, no region block is leased (every lease ends with its job's
+    /// last I/O).
+    fn no_block_leased(&self, when: &str) -> Result<(), String> {
+        match (0..REGION_BLOCKS).find(|&b| self.region.is_leased(b)) {
+            Some(b) => Err(format!("region block {b} is still leased {when}")),
+            None => Ok(()),
         }
     }
 
@@ -281,11 +326,9 @@ impl Run {
                     r.id, r.success
                 ));
             }
-            self.report.checksum_failures += r
-                .failures
-                .iter()
-                .filter(|f| f.reason == crate::job::KeyFailure::Checksum)
-                .count() as u64;
+            let count = |reason| r.failures.iter().filter(|f| f.reason == reason).count() as u64;
+            self.report.checksum_failures += count(crate::job::KeyFailure::Checksum);
+            self.report.timeouts += count(crate::job::KeyFailure::Timeout);
             for (i, (&k, &b)) in p.keys.iter().zip(&p.blocks).enumerate() {
                 let ok = !failed.contains(&i);
                 match (p.kind, ok) {
@@ -312,7 +355,15 @@ impl Run {
                     (JobKind::Store, false) => self.report.stores_failed += 1,
                 }
             }
-            self.free.extend(p.blocks);
+            // A caller reuses a block only once the region no longer leases it.
+            for b in p.blocks {
+                if self.region.is_leased(b) {
+                    self.report.held_past_result += 1;
+                    self.held.push(b);
+                } else {
+                    self.free.push(b);
+                }
+            }
         }
         Ok(())
     }
@@ -333,6 +384,8 @@ impl Run {
             ));
         }
         cluster.check_quiet()?;
+        self.reclaim();
+        self.no_block_leased("once the cluster settled")?;
         self.check_objects(true)
     }
 
@@ -461,6 +514,9 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
     if read_flip_ppm > 0 {
         config.verify_loads = crate::config::VerifyLoads::Always;
     }
+    // A third of the runs have devices that stop answering for a while (drawn from their own
+    // stream, so the other draws of a seed stay as they were).
+    let mut hangs = Hangs::draw(seed, &mut config);
     // 1 MiB of header and slot table, then 24..88 slots per device: eviction is frequent.
     let sizes: Vec<u64> = (0..devices)
         .map(|_| (1 << 20) + (24 + rng.below(64)) * BLOCK)
@@ -486,9 +542,12 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
     let loss_at = (rng.below(2) == 1).then(|| rng.below(steps));
     for step in 0..steps {
         run.act(&mut cluster)?;
+        no_strays(storage.take_strays())?;
+        hangs.step(&storage, devices, &mut run.report);
         if loss_at == Some(step) {
             let _ = cluster.power_loss(&storage, seed ^ step);
-            run.forget_pending();
+            run.forget_pending()?;
+            hangs.end(&storage);
             storage.restart();
             cluster =
                 match Cluster::open_with(&config, &region, &storage, seed ^ 0xAF7E, cold.clone()) {
@@ -512,10 +571,12 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         }
     }
     storage.set_faults(Faults::default());
+    hangs.end(&storage);
     if let Some(c) = &cold {
         c.set_faults(ObjectFaults::default());
     }
     run.settle(&mut cluster)?;
+    no_strays(storage.take_strays())?;
     let _ = run.seed;
     run.report.read_flips = storage.read_flips();
     if let Some(c) = &cold {
@@ -523,6 +584,77 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         run.report.cold = c.counts();
     }
     Ok(run.report)
+}
+
+/// Devices that stop answering for a while: each step may start a hang of one device, for up
+/// to three deadlines of cluster time; the loads and stores on it fail by their deadline
+/// (`Timeout`) and keep their region blocks leased until the device answers, and three
+/// timeouts within the failure window mark the device failed.
+struct Hangs {
+    rng: Rng,
+    /// One chance in this many per step that a hang starts (0: this run has none).
+    every: u64,
+    /// The longest hang, in steps.
+    max_steps: u64,
+    /// The device hung now, and the steps left.
+    now: Option<(usize, u64)>,
+}
+
+impl Hangs {
+    fn draw(seed: u64, config: &mut Config) -> Hangs {
+        let mut rng = Rng::new(seed ^ 0x4A46_0000);
+        let every = if rng.below(3) == 0 {
+            150 + rng.below(300)
+        } else {
+            0
+        };
+        if every > 0 {
+            // Deadlines short enough to pass within a run (the shortest accepted is 10 ms).
+            config.io_timeout_ms = [10, 15, 25][rng.below(3) as usize];
+        }
+        let deadline_steps =
+            u64::from(config.io_timeout_ms) * 1000 / super::STEP_TIME.as_micros() as u64;
+        Hangs {
+            rng,
+            every,
+            max_steps: 3 * deadline_steps,
+            now: None,
+        }
+    }
+
+    fn step(&mut self, storage: &SimStorage, devices: usize, report: &mut Report) {
+        match &mut self.now {
+            Some((d, 0)) => {
+                storage.hang_device(*d, false);
+                self.now = None;
+            }
+            Some((_, left)) => *left -= 1,
+            None if self.every > 0 && self.rng.below(self.every) == 0 => {
+                let d = self.rng.below(devices as u64) as usize;
+                storage.hang_device(d, true);
+                self.now = Some((d, 1 + self.rng.below(self.max_steps)));
+                report.hangs += 1;
+            }
+            None => {}
+        }
+    }
+
+    /// The device answers again (before the final settle, and at a power loss: a restart
+    /// clears it too).
+    fn end(&mut self, storage: &SimStorage) {
+        if let Some((d, _)) = self.now.take() {
+            storage.hang_device(d, false);
+        }
+    }
+}
+
+/// No device copy reached a region block that no job held (a job's blocks stay leased until
+/// its last I/O completes).
+fn no_strays(strays: Vec<String>) -> Result<(), String> {
+    match strays.into_iter().next() {
+        Some(stray) => Err(stray),
+        None => Ok(()),
+    }
 }
 
 /// Runs `count` seeds from `first`; the first failure names its seed and how to replay it.
@@ -590,6 +722,11 @@ mod tests {
         );
         assert!(r.power_losses > 0, "some runs lost power: {r:?}");
         assert!(
+            r.hangs > 0 && r.timeouts > 0 && r.held_past_result > 0,
+            "devices hung, keys failed by their deadline, and their blocks stayed leased past \
+             the result: {r:?}"
+        );
+        assert!(
             r.read_flips > 0 && r.checksum_failures > 0,
             "reads flipped bits and loads caught them: {r:?}"
         );
@@ -626,6 +763,22 @@ mod tests {
         // Stores are now told apart by their sequence number.
         let r = run(8801, 1500).unwrap_or_else(|e| panic!("seed 8801: {e}"));
         assert!(r.keys_stored > 0, "seed 8801: {r:?}");
+        // 1 and 9, found once the simulated devices checked leases: a slot-table page write
+        // failed while a store's data write was still in flight, and the store was reported
+        // failed with its block handed back while the device still read it. The write now
+        // holds the lease until it completes; in 9 the store wrote through to the object
+        // store, whose NVMe half borrows the caller's lease, so holds live in the lease itself.
+        for seed in [1, 9] {
+            let r = run(seed, 1500).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            assert!(r.stores_failed > 0, "seed {seed}: {r:?}");
+        }
+        // 5269, found once devices hung: a store timed out on a device, which was then marked
+        // failed (unindexing its keys); the key was stored again on the other device, and when
+        // the first store's write finally completed, dropping it removed the new copy's index
+        // entry: the key stayed published with nothing indexed. Only the slot the index names
+        // is unindexed now.
+        let r = run(5269, 1500).unwrap_or_else(|e| panic!("seed 5269: {e}"));
+        assert!(r.hangs > 0 && r.timeouts > 0, "seed 5269: {r:?}");
     }
 
     /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib sim::cluster::campaign::tests::

@@ -17,7 +17,9 @@ use crate::sim::object_store::{ObjectFaults, SimObjectStore};
 use crate::sim::{Faults, Rng};
 
 use super::REGION_BLOCKS;
-use super::{config, faults, object_faults, object_settings, Cluster, Report, Run, BLOCK};
+use super::{
+    config, faults, no_strays, object_faults, object_settings, Cluster, Report, Run, BLOCK,
+};
 
 /// A scratch directory, removed when dropped.
 struct Scratch(PathBuf);
@@ -92,10 +94,11 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
     files.track_durability(true);
     for step in 0..steps {
         run.act(&mut cluster)?;
+        no_strays(files.take_strays())?;
         if loss_at == Some(step) {
             cluster.crash();
             let _ = files.power_loss(seed ^ step);
-            run.forget_pending();
+            run.forget_pending()?;
             cluster = Cluster::open_files(&config, &region, &files, seed ^ 0xAF7E, cold.clone())
                 .map_err(|e| format!("reopening after the power loss: {e}"))?;
             run.load_every_stored(&mut cluster)?;
@@ -108,6 +111,7 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
         c.set_faults(ObjectFaults::default());
     }
     run.settle(&mut cluster)?;
+    no_strays(files.take_strays())?;
     run.report.read_flips = files.read_flips();
     if let Some(c) = &cold {
         run.report.cold_runs = 1;
