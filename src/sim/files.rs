@@ -101,6 +101,37 @@ impl SimFiles {
         self.state.strays.take()
     }
 
+    /// Another process sharing the directory publishes `bytes` at `path` as vLLM's tier does
+    /// (a temp file beside it, renamed into place; it syncs its own): the file lands whole and
+    /// durably, whatever a power loss later does to this process's writes, and the path is no
+    /// longer this process's to lose. Makes the directories. False, with nothing written, if a
+    /// file is there already (vLLM leaves it).
+    pub fn publish_external(&self, path: &Path, bytes: &[u8]) -> bool {
+        let mut j = self.state.journal();
+        if std::fs::symlink_metadata(path).is_ok() {
+            return false;
+        }
+        let Some(dir) = path.parent() else {
+            return false;
+        };
+        let temp = path.with_extension("neighbour");
+        let done = std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&temp, bytes))
+            .and_then(|()| std::fs::rename(&temp, path));
+        j.unsynced.remove(path);
+        j.renamed.remove(path);
+        done.is_ok()
+    }
+
+    /// Another process removes the block file at `path` (an operator, or a cleaner of the
+    /// shared directory); true if there was one.
+    pub fn remove_external(&self, path: &Path) -> bool {
+        let mut j = self.state.journal();
+        j.unsynced.remove(path);
+        j.renamed.remove(path);
+        std::fs::remove_file(path).is_ok()
+    }
+
     /// Journals what is not durable from now on (see the module docs).
     pub fn track_durability(&self, on: bool) {
         let mut j = self.state.journal();

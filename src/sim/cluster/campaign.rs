@@ -76,6 +76,11 @@ pub struct Report {
     /// Region blocks a job kept leased after its result (an I/O past its deadline, or a
     /// store's write whose key failed first), each given back once the I/O completed.
     pub held_past_result: u64,
+    /// Files layout: block files another process published in the directory, removed, and
+    /// keys the campaign never stored that loads served exactly from such files.
+    pub neighbour_published: u64,
+    pub neighbour_removed: u64,
+    pub neighbour_served: u64,
     /// Runs with a simulated object store, and what the stores did in them.
     pub cold_runs: u64,
     pub lookups: u64,
@@ -98,6 +103,9 @@ impl Report {
         self.hangs += r.hangs;
         self.timeouts += r.timeouts;
         self.held_past_result += r.held_past_result;
+        self.neighbour_published += r.neighbour_published;
+        self.neighbour_removed += r.neighbour_removed;
+        self.neighbour_served += r.neighbour_served;
         self.cold_runs += r.cold_runs;
         self.lookups += r.lookups;
         self.cold.add(&r.cold);
@@ -122,8 +130,10 @@ struct Run {
     reported: HashSet<u64>,
     next_id: u64,
     stored: HashSet<u64>,
-    /// Keys some store job named (whatever its outcome).
+    /// Keys some store job named (whatever its outcome), or another process published.
     named: HashSet<u64>,
+    /// Keys another process published and no store job named.
+    external: HashSet<u64>,
     /// Key bytes to key ids, for naming objects.
     ids: HashMap<Vec<u8>, u64>,
     cold: Option<Arc<SimObjectStore>>,
@@ -206,6 +216,7 @@ impl Run {
             next_id: 1,
             stored: HashSet::new(),
             named: HashSet::new(),
+            external: HashSet::new(),
             ids: (0..KEYS).map(|k| (key(k).as_bytes().to_vec(), k)).collect(),
             cold,
             report: Report::default(),
@@ -288,6 +299,7 @@ impl Run {
             let at = b as usize * BLOCK as usize;
             if kind == JobKind::Store {
                 self.named.insert(k);
+                self.external.remove(&k);
             }
             match kind {
                 JobKind::Store => self.region.write(at, &content(k)),
@@ -345,6 +357,9 @@ impl Run {
                             ));
                         }
                         self.report.keys_loaded += 1;
+                        if self.external.contains(&k) {
+                            self.report.neighbour_served += 1;
+                        }
                     }
                     (JobKind::Load, false) => self.report.loads_failed += 1,
                     (JobKind::Store, true) => {

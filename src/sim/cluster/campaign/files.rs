@@ -69,13 +69,16 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
     let scratch = Scratch::new(seed)?;
     let config = files_config(&mut rng, &scratch.0, workers, loss_at.is_some());
     let checksums = config.files.as_ref().is_some_and(|f| f.checksums);
-    // Flipped reads only where a checksum can catch them.
-    let read_flip_ppm = if checksums {
+    let files = SimFiles::new(seed);
+    let mut config = config;
+    let mut neighbour = Neighbour::draw(seed, &scratch.0, &mut config);
+    // Flipped reads only where a checksum can catch them: not in runs with a neighbour, whose
+    // files (vLLM's) carry none, so kvtier serves them unverified, as vLLM does.
+    let read_flip_ppm = if checksums && !neighbour.active() {
         [0, 0, 1 + rng.below(20_000) as u32][rng.below(3) as usize]
     } else {
         0
     };
-    let files = SimFiles::new(seed);
     let region = crate::region::allocate_blocks(
         BLOCK,
         u64::from(REGION_BLOCKS),
@@ -95,6 +98,7 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
     for step in 0..steps {
         run.act(&mut cluster)?;
         no_strays(files.take_strays())?;
+        neighbour.step(&files, &mut run);
         if loss_at == Some(step) {
             cluster.crash();
             let _ = files.power_loss(seed ^ step);
@@ -119,6 +123,65 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
     }
     drop(cluster);
     Ok(run.report)
+}
+
+/// Another process sharing the directory, as vLLM instances share it with kvtier (drawn from
+/// its own stream, so a seed's other draws stay as they were; half the runs have one). Now and
+/// then it publishes a key's block (exactly that key's bytes: keys name content), or removes
+/// one; its runs also age the layout's answers about keys it has not indexed within a run
+/// (`lookup_ttl_ms` of 1–20 ms), so a key the neighbour publishes turns from a miss into a hit.
+/// The checks stay the campaign's: a hit only for a key stored or published, a load served
+/// with exactly its key's bytes or failed.
+struct Neighbour {
+    rng: Rng,
+    /// One chance in this many per step that it acts (0: no neighbour).
+    every: u64,
+    mapper: crate::files::mapper::FileMapper,
+}
+
+impl Neighbour {
+    fn draw(seed: u64, dir: &std::path::Path, config: &mut Config) -> Neighbour {
+        let mut rng = Rng::new(seed ^ 0x4E16_4B0E);
+        let every = if rng.below(2) == 0 {
+            10 + rng.below(60)
+        } else {
+            0
+        };
+        let files = config.files.as_mut().expect("a files run");
+        if every > 0 {
+            files.lookup_ttl_ms = [1, 5, 20][rng.below(3) as usize];
+        }
+        Neighbour {
+            rng,
+            every,
+            mapper: crate::files::mapper::FileMapper::new(dir, &files.namespace),
+        }
+    }
+
+    fn active(&self) -> bool {
+        self.every > 0
+    }
+
+    fn step(&mut self, files: &SimFiles, run: &mut Run) {
+        if self.every == 0 || self.rng.below(self.every) != 0 {
+            return;
+        }
+        let k = self.rng.below(super::KEYS);
+        let path = self
+            .mapper
+            .key_path(super::key(k).as_bytes())
+            .expect("a key with a hash");
+        if self.rng.below(4) == 0 {
+            if files.remove_external(&path) {
+                run.report.neighbour_removed += 1;
+            }
+        } else if files.publish_external(&path, &super::content(k)) {
+            if run.named.insert(k) {
+                run.external.insert(k);
+            }
+            run.report.neighbour_published += 1;
+        }
+    }
 }
 
 /// Runs `count` files-layout seeds from `first`; the first failure names its seed and how to
@@ -163,6 +226,11 @@ mod tests {
         assert!(
             r.cold_runs > 0 && r.cold.gets_served > 0 && r.cold.demotions > 0,
             "runs with an object store loaded from it and demoted to it: {r:?}"
+        );
+        assert!(
+            r.neighbour_published > 0 && r.neighbour_removed > 0 && r.neighbour_served > 0,
+            "another process published and removed blocks, and loads served what it \
+             published: {r:?}"
         );
     }
 
