@@ -367,6 +367,9 @@ impl Layout for FilesLayout {
     fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
         let op = &core.ops[idx as usize];
         match op.kind {
+            // An op that reported its key (or handed it to a retry) only cleans up now: no key
+            // waits on it, and its steps left (close, unlink) touch no region block.
+            Kind::Load | Kind::Store if op.resolved => Vec::new(),
             Kind::Load | Kind::Store => own_key(op.job.as_ref(), op.item),
             Kind::Remove | Kind::Probe => Vec::new(),
         }

@@ -490,7 +490,9 @@ impl FilesLayout {
         {
             self.index.remove(&key);
         }
-        if no_space && !retried && self.evict(core, d, EVICT_BATCH) > 0 {
+        // Not a key its deadline failed already: its outcome is out, its blocks may be the
+        // caller's again.
+        if no_space && !retried && !job.is_resolved(item) && self.evict(core, d, EVICT_BATCH) > 0 {
             // Room may come from evicting: queue the block once more, ahead of new stores.
             core.retry.push_back((job, item));
         } else {

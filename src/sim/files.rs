@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::CString;
 use std::os::fd::{IntoRawFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvtier_sys::fd as sys;
@@ -55,6 +55,9 @@ struct State {
     journal: Mutex<Journal>,
     read_flips: AtomicU64,
     strays: Strays,
+    /// The directory's file system stopped answering: operations are accepted and none
+    /// completes until it answers again.
+    hung: AtomicBool,
 }
 
 #[derive(Default)]
@@ -77,6 +80,7 @@ impl SimFiles {
                 journal: Mutex::new(Journal::default()),
                 read_flips: AtomicU64::new(0),
                 strays: Strays::default(),
+                hung: AtomicBool::new(false),
             }),
         })
     }
@@ -99,6 +103,12 @@ impl SimFiles {
     /// [`SimStorage::take_strays`]: super::SimStorage::take_strays
     pub fn take_strays(&self) -> Vec<String> {
         self.state.strays.take()
+    }
+
+    /// Makes the directory's file system stop answering (`true`: operations are accepted and
+    /// never complete) or answer again (the held ones then complete).
+    pub fn hang(&self, hung: bool) {
+        self.state.hung.store(hung, Ordering::SeqCst);
     }
 
     /// Another process sharing the directory publishes `bytes` at `path` as vLLM's tier does
@@ -598,6 +608,9 @@ impl IoBackend for FilesBackend {
     }
 
     fn complete(&mut self, out: &mut Vec<Completion>) {
+        if self.state.hung.load(Ordering::SeqCst) {
+            return;
+        }
         let round = self.round;
         let (ready, rest): (Vec<Pending>, Vec<Pending>) =
             self.pending.drain(..).partition(|p| p.due <= round);

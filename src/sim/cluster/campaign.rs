@@ -558,11 +558,11 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
     for step in 0..steps {
         run.act(&mut cluster)?;
         no_strays(storage.take_strays())?;
-        hangs.step(&storage, devices, &mut run.report);
+        hangs.step(|d, on| storage.hang_device(d, on), devices, &mut run.report);
         if loss_at == Some(step) {
             let _ = cluster.power_loss(&storage, seed ^ step);
             run.forget_pending()?;
-            hangs.end(&storage);
+            hangs.end(|d, on| storage.hang_device(d, on));
             storage.restart();
             cluster =
                 match Cluster::open_with(&config, &region, &storage, seed ^ 0xAF7E, cold.clone()) {
@@ -586,7 +586,7 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         }
     }
     storage.set_faults(Faults::default());
-    hangs.end(&storage);
+    hangs.end(|d, on| storage.hang_device(d, on));
     if let Some(c) = &cold {
         c.set_faults(ObjectFaults::default());
     }
@@ -605,7 +605,7 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
 /// to three deadlines of cluster time; the loads and stores on it fail by their deadline
 /// (`Timeout`) and keep their region blocks leased until the device answers, and three
 /// timeouts within the failure window mark the device failed.
-struct Hangs {
+pub(super) struct Hangs {
     rng: Rng,
     /// One chance in this many per step that a hang starts (0: this run has none).
     every: u64,
@@ -616,7 +616,7 @@ struct Hangs {
 }
 
 impl Hangs {
-    fn draw(seed: u64, config: &mut Config) -> Hangs {
+    pub(super) fn draw(seed: u64, config: &mut Config) -> Hangs {
         let mut rng = Rng::new(seed ^ 0x4A46_0000);
         let every = if rng.below(3) == 0 {
             150 + rng.below(300)
@@ -637,16 +637,17 @@ impl Hangs {
         }
     }
 
-    fn step(&mut self, storage: &SimStorage, devices: usize, report: &mut Report) {
+    /// One step: `hang(d, on)` makes device `d` stop answering or answer again.
+    pub(super) fn step(&mut self, hang: impl Fn(usize, bool), devices: usize, report: &mut Report) {
         match &mut self.now {
             Some((d, 0)) => {
-                storage.hang_device(*d, false);
+                hang(*d, false);
                 self.now = None;
             }
             Some((_, left)) => *left -= 1,
             None if self.every > 0 && self.rng.below(self.every) == 0 => {
                 let d = self.rng.below(devices as u64) as usize;
-                storage.hang_device(d, true);
+                hang(d, true);
                 self.now = Some((d, 1 + self.rng.below(self.max_steps)));
                 report.hangs += 1;
             }
@@ -654,11 +655,10 @@ impl Hangs {
         }
     }
 
-    /// The device answers again (before the final settle, and at a power loss: a restart
-    /// clears it too).
-    fn end(&mut self, storage: &SimStorage) {
+    /// The device answers again (before the final settle, and at a power loss).
+    pub(super) fn end(&mut self, hang: impl Fn(usize, bool)) {
         if let Some((d, _)) = self.now.take() {
-            storage.hang_device(d, false);
+            hang(d, false);
         }
     }
 }
@@ -694,12 +694,22 @@ fn over_seeds(
 ) -> Result<Report, String> {
     let mut total = Report::default();
     for seed in first..first + count {
-        let r = run(seed, steps).map_err(|e| {
-            format!(
-                "seed {seed}: {e}\nreplay: KVTIER_SIM_SEED={seed} cargo test -p kvtier --lib \
+        // A panic (an engine assertion) names its seed too.
+        let r = std::panic::catch_unwind(|| run(seed, steps))
+            .unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("a panic");
+                Err(format!("panicked: {what}"))
+            })
+            .map_err(|e| {
+                format!(
+                    "seed {seed}: {e}\nreplay: KVTIER_SIM_SEED={seed} cargo test -p kvtier --lib \
                  --features sim sim::cluster::{replay_test} -- --nocapture"
-            )
-        })?;
+                )
+            })?;
         total.add(&r);
     }
     Ok(total)

@@ -5,6 +5,10 @@
 //! the directory is then scanned again by a new cluster, and every key ever stored is loaded
 //! once: served exactly, or failed, never wrong.
 //!
+//! Half the runs share the directory with a [`Neighbour`] process (vLLM's tier) that publishes
+//! and removes block files, and a third hang the directory's file system now and then (keys
+//! fail by their deadline, their blocks stay leased until the late completions).
+//!
 //! Runs draw `sync = "none"` (vLLM's: nothing flushed) or `"data"`; without a sync nothing
 //! but the crc32c kept in each file's xattr can tell a zeroed sector, so runs that lose power
 //! with `sync = "none"` keep `checksums = true`.
@@ -72,6 +76,9 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
     let files = SimFiles::new(seed);
     let mut config = config;
     let mut neighbour = Neighbour::draw(seed, &scratch.0, &mut config);
+    // A third of the runs hang the directory's file system now and then, as the slab runs
+    // hang a device.
+    let mut hangs = super::Hangs::draw(seed ^ 0xF1_1E5, &mut config);
     // Flipped reads only where a checksum can catch them: not in runs with a neighbour, whose
     // files (vLLM's) carry none, so kvtier serves them unverified, as vLLM does.
     let read_flip_ppm = if checksums && !neighbour.active() {
@@ -99,7 +106,9 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
         run.act(&mut cluster)?;
         no_strays(files.take_strays())?;
         neighbour.step(&files, &mut run);
+        hangs.step(|_, on| files.hang(on), 1, &mut run.report);
         if loss_at == Some(step) {
+            hangs.end(|_, on| files.hang(on));
             cluster.crash();
             let _ = files.power_loss(seed ^ step);
             run.forget_pending()?;
@@ -111,6 +120,7 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
         }
     }
     files.set_faults(Faults::default());
+    hangs.end(|_, on| files.hang(on));
     if let Some(c) = &cold {
         c.set_faults(ObjectFaults::default());
     }
@@ -228,6 +238,11 @@ mod tests {
             "runs with an object store loaded from it and demoted to it: {r:?}"
         );
         assert!(
+            r.hangs > 0 && r.timeouts > 0 && r.held_past_result > 0,
+            "the directory hung, keys failed by their deadline, and their blocks stayed leased \
+             past the result: {r:?}"
+        );
+        assert!(
             r.neighbour_published > 0 && r.neighbour_removed > 0 && r.neighbour_served > 0,
             "another process published and removed blocks, and loads served what it \
              published: {r:?}"
@@ -236,6 +251,24 @@ mod tests {
 
     /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib --features sim
     /// sim::cluster::campaign::files::tests::replays_one_seed -- --nocapture` replays one.
+    /// 23, found once the directory hung: a store that hit a full file system handed its key
+    /// to a retry and cleaned up its temp file; that cleanup outlived its deadline, and the
+    /// deadline failed the key the retry was still storing. The job reported, its blocks went
+    /// back, and the retry's write then read a block no job held. A store or load op that
+    /// reported its key (or handed it on) no longer answers for it at its deadline.
+    ///
+    /// 1510: a store's write completed after its deadline had failed the key, with ENOSPC,
+    /// and the key was queued for a retry: the retry computed its checksum through a lease
+    /// the job had released (a panic in the lease's check). A key with its outcome out is
+    /// not retried.
+    #[test]
+    fn seeds_that_found_bugs_pass() {
+        for seed in [23, 1510] {
+            let r = files_run(seed, 1500).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            assert!(r.hangs > 0 && r.timeouts > 0, "seed {seed}: {r:?}");
+        }
+    }
+
     #[test]
     fn replays_one_seed() {
         let seed = env("KVTIER_SIM_SEED", 7);
