@@ -2,7 +2,7 @@
 //!
 //! Workers run the same scheduler and slab code over any [`IoBackend`]: the io_uring one in
 //! production ([`crate::uring`]) and a seeded, fault-injecting simulation in tests
-//! ([`crate::sim`]). A [`Storage`] opens devices and builds one backend per worker.
+//! (`crate::sim`, feature `sim`). A [`Storage`] opens devices and builds one backend per worker.
 //!
 //! Invariant every backend keeps: the memory named by a request's [`BufRef`] may be accessed by
 //! the device from `push` until that request's completion is returned by `complete`, and not

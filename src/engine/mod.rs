@@ -4,7 +4,7 @@
 //! Every method takes `&self` and never blocks on I/O (except `drain` and `shutdown`, whose job
 //! is to wait). Admission is bounded twice: by `jobs_in_flight_max` jobs and by
 //! `queue_blocks_max` queued blocks per worker; either limit turns a submission into an explicit
-//! [`Error::Backpressure`] with nothing queued.
+//! [`Error::Backpressure`](crate::Error::Backpressure) with nothing queued.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -135,7 +135,7 @@ impl Engine {
         &self.info
     }
 
-    /// Queues a store job. Never blocks: a full queue is [`Error::Backpressure`]. A malformed
+    /// Queues a store job. Never blocks: a full queue is [`Error::Backpressure`](crate::Error::Backpressure). A malformed
     /// job (lengths differ, block id out of range) is accepted and reported failed.
     pub fn submit_store(&self, job: Job) -> Result<()> {
         self.submit(JobKind::Store, job)
@@ -187,10 +187,10 @@ impl Engine {
         }
     }
 
-    /// Stops the engine: queued jobs fail with [`KeyFailure::Shutdown`], I/O in flight completes,
+    /// Stops the engine: queued jobs fail with [`KeyFailure::Shutdown`](crate::KeyFailure::Shutdown), I/O in flight completes,
     /// table writes are flushed, workers exit. Idempotent, also from several threads at once:
     /// every call returns only after the workers have stopped touching the region. Later
-    /// submits fail with [`Error::Shutdown`]. Results stay available to `poll_finished`.
+    /// submits fail with [`Error::Shutdown`](crate::Error::Shutdown). Results stay available to `poll_finished`.
     pub fn shutdown(&self) {
         let _serial = self
             .shutting_down

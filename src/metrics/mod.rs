@@ -1,6 +1,6 @@
 //! Counters and latency histograms, written by workers with relaxed atomics and read by
 //! [`crate::Engine::stats`] as a snapshot; [`render`] writes a snapshot in the Prometheus text
-//! formats and [`serve`] answers `GET /metrics` (`[metrics] listen`). Nothing here allocates
+//! formats and `serve` answers `GET /metrics` (`[metrics] listen`). Nothing here allocates
 //! after construction, except snapshots.
 //!
 //! Where each figure is counted: per device of each worker ([`DeviceMetrics`]: bytes, I/Os,

@@ -1,4 +1,4 @@
-//! Per-block access states of a [`Region`](crate::mem::Region): what makes the region's safe
+//! Per-block access states of a [`Region`]: what makes the region's safe
 //! accessors sound while I/O runs on some of its blocks.
 //!
 //! Once [`Region::guard_blocks`](crate::mem::Region::guard_blocks) has set a block size, every

@@ -3,7 +3,7 @@
 //!
 //! The root itself is opened normally (it may be a symlink, as `/dev/disk/by-id/...` paths and
 //! mount points often are); everything below it goes through `openat2` with
-//! [`RESOLVE_CONFINED`](crate::ring::RESOLVE_CONFINED), so a symlink planted anywhere in a path
+//! [`RESOLVE_CONFINED`], so a symlink planted anywhere in a path
 //! fails with ELOOP instead of redirecting kvtier, and `..` cannot climb out (EXDEV). The ring
 //! does the same for the engine's per-block opens ([`FileOp::OpenAt`](crate::ring::FileOp)
 //! with `confined`); these are the synchronous calls for setup (open, scan) and for checks on

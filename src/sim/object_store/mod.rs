@@ -1,13 +1,13 @@
-//! A simulated object store: a [`ColdTier`] that the simulator steps from its one thread, with
+//! A simulated object store: a `ColdTier` that the simulator steps from its one thread, with
 //! faults drawn from a seed, so the cold tier's schedule replays with the workers'.
 //!
 //! It plays the S3 tier's part in the engine, with the same contract: lookups answer from a
-//! [`Verdicts`] cache and queue one HEAD per unknown key; a load of a key no worker holds (or
-//! one a worker found gone, through [`ColdTier::miss_fallback`]) is a GET into the job's block,
+//! `Verdicts` cache and queue one HEAD per unknown key; a load of a key no worker holds (or
+//! one a worker found gone, through `ColdTier::miss_fallback`) is a GET into the job's block,
 //! optionally promoted into NVMe through the router (within `queue_blocks_max`, else served
 //! from the store alone); a write-through store uploads after its NVMe half (`write_ack =
 //! "both"`: the job reports after the uploads; `"nvme"`: copies first, reports, uploads in the
-//! background); evicted blocks arrive as [`Demotion`]s and are checked against their crc32c
+//! background); evicted blocks arrive as `Demotion`s and are checked against their crc32c
 //! before upload.
 //!
 //! Faults, per request: an error (the key fails `Remote`), a timeout (fails `Remote` too; a
@@ -17,7 +17,8 @@
 //! power loss ([`SimObjectStore::crash`]) drops every request under way; a PUT already sent may
 //! or may not land.
 //!
-//! What the campaign checks against it: every object's bytes ([`SimObjectStore::objects`]),
+//! What the campaign checks against it: every object's bytes ([`SimObjectStore::object`],
+//! [`SimObjectStore::check_each`]),
 //! the keys whose upload the store acknowledged, and the objects it lost.
 
 mod serve;
