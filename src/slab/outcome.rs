@@ -8,6 +8,7 @@ use crate::job::KeyFailure;
 use crate::slab::ENTRIES_PER_PAGE;
 use crate::worker::shared::block_crc;
 use crate::worker::{io_outcome, Core, BUF_REGION};
+use crate::Errno;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -198,6 +199,14 @@ impl SlabLayout {
     pub(super) fn finalize_stores(&mut self, core: &mut Core<Op>) {
         let finished = std::mem::take(&mut self.finalize);
         for f in &finished {
+            if core.device_failed(f.d) {
+                // Marked failed since the data write completed (its keys were unindexed then):
+                // the block is dropped, as `on_written` drops one that completes later.
+                self.drop_store(f.d, f.local);
+                let detail = format!("{} was marked failed", self.devs[f.d].name);
+                core.store_failed(&f.job, f.item, KeyFailure::Io(Errno::EIO), detail);
+                continue;
+            }
             if self.devs[f.d].slots[f.local as usize].entry == EntryState::Unwritten {
                 // Completed before `write_entries` ran.
                 self.write_store_entry(core, f);

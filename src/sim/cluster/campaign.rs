@@ -802,8 +802,13 @@ mod tests {
         // the first store's write finally completed, dropping it removed the new copy's index
         // entry: the key stayed published with nothing indexed. Only the slot the index names
         // is unindexed now.
-        let r = run(5269, 1500).unwrap_or_else(|e| panic!("seed 5269: {e}"));
-        assert!(r.hangs > 0 && r.timeouts > 0, "seed 5269: {r:?}");
+        // 55423: a device was marked failed between a store's data write completing and the
+        // store being published: the key was published on a failed device with nothing
+        // indexed. A store whose device was marked failed by then is dropped.
+        for seed in [5269, 55423] {
+            let r = run(seed, 1500).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            assert!(r.hangs > 0 && r.timeouts > 0, "seed {seed}: {r:?}");
+        }
     }
 
     /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib sim::cluster::campaign::tests::
