@@ -438,9 +438,7 @@ impl Layout for SlabLayout {
         if job.is_resolved(item) || core.device_failed(d) {
             // Failed by its deadline already (the caller was told; its region bytes may be the
             // caller's again), or on a device marked failed since: drop the block.
-            self.drop_store(d, local);
-            let detail = format!("{} was marked failed", self.devs[d].name);
-            core.store_failed(&job, item, KeyFailure::Io(Errno::EIO), detail);
+            self.drop_on_failed_device(core, d, local, &job, item);
             return;
         }
         match failure {

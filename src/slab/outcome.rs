@@ -4,7 +4,7 @@
 
 use super::table::Ack;
 use crate::io::BufRef;
-use crate::job::KeyFailure;
+use crate::job::{JobState, KeyFailure};
 use crate::slab::ENTRIES_PER_PAGE;
 use crate::worker::shared::block_crc;
 use crate::worker::{io_outcome, Core, BUF_REGION};
@@ -122,6 +122,21 @@ impl SlabLayout {
         }
     }
 
+    /// Drops a store whose data write completed on a device marked failed (or after its
+    /// deadline failed the key) and fails its key, if still open, with EIO.
+    pub(super) fn drop_on_failed_device(
+        &mut self,
+        core: &mut Core<Op>,
+        d: usize,
+        local: u32,
+        job: &Arc<JobState>,
+        item: usize,
+    ) {
+        self.drop_store(d, local);
+        let detail = format!("{} was marked failed", self.devs[d].name);
+        core.store_failed(job, item, KeyFailure::Io(Errno::EIO), detail);
+    }
+
     /// Takes back a store whose write failed or outlived its job: the slot is freed, and its
     /// table entry cleared if it was written (it names data that never fully landed).
     pub(super) fn drop_store(&mut self, d: usize, local: u32) {
@@ -202,9 +217,7 @@ impl SlabLayout {
             if core.device_failed(f.d) {
                 // Marked failed since the data write completed (its keys were unindexed then):
                 // the block is dropped, as `on_written` drops one that completes later.
-                self.drop_store(f.d, f.local);
-                let detail = format!("{} was marked failed", self.devs[f.d].name);
-                core.store_failed(&f.job, f.item, KeyFailure::Io(Errno::EIO), detail);
+                self.drop_on_failed_device(core, f.d, f.local, &f.job, f.item);
                 continue;
             }
             if self.devs[f.d].slots[f.local as usize].entry == EntryState::Unwritten {

@@ -58,9 +58,6 @@ fn files_config(rng: &mut Rng, dir: &std::path::Path, workers: usize, loses_powe
     let mut files = FilesConfig::new(Namespace::new("sim/model", "bfloat16", 16, 1));
     files.sync = [SyncMode::None, SyncMode::Data][rng.below(2) as usize];
     files.checksums = rng.below(4) > 0 || (loses_power && files.sync == SyncMode::None);
-    if !files.checksums && files.sync == SyncMode::None && loses_power {
-        files.checksums = true;
-    }
     c.files = Some(files);
     c
 }
@@ -71,10 +68,9 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
     let workers = 1 + rng.below(3) as usize;
     let loss_at = (rng.below(2) == 1).then(|| rng.below(steps));
     let scratch = Scratch::new(seed)?;
-    let config = files_config(&mut rng, &scratch.0, workers, loss_at.is_some());
+    let mut config = files_config(&mut rng, &scratch.0, workers, loss_at.is_some());
     let checksums = config.files.as_ref().is_some_and(|f| f.checksums);
     let files = SimFiles::new(seed);
-    let mut config = config;
     let mut neighbour = Neighbour::draw(seed, &scratch.0, &mut config);
     // A third of the runs hang the directory's file system now and then, as the slab runs
     // hang a device.
