@@ -30,7 +30,9 @@ use crate::route::{items_by_worker, Router};
 use crate::slab::layout::{DeviceSpec, SlabLayout};
 use crate::slab::prepare::prepare_slab;
 use crate::tier::{Lookup, Tier};
-use crate::worker::{Demote, DemoteSink, Layout, Scheduler, Worker, WorkerParams, WorkerShared};
+use crate::worker::{
+    Demote, DemoteSink, Layout, Scheduler, Stopped, Worker, WorkerParams, WorkerShared,
+};
 
 use super::files::SimFiles;
 use super::object_store::SimObjectStore;
@@ -42,11 +44,16 @@ pub mod campaign;
 trait Stepped {
     fn step(&mut self) -> bool;
     fn check_quiet(&self) -> std::result::Result<(), String>;
+    fn stopped(&self) -> Option<Stopped>;
 }
 
 impl<L: Layout> Stepped for Worker<L> {
     fn step(&mut self) -> bool {
         Worker::step(self)
+    }
+
+    fn stopped(&self) -> Option<Stopped> {
+        Worker::stopped(self)
     }
 
     fn check_quiet(&self) -> std::result::Result<(), String> {
@@ -115,6 +122,23 @@ pub struct Cluster {
     /// The workers' clock: it moves [`STEP_TIME`] a turn, never with the wall clock, so a seed
     /// replays however loaded the machine is.
     clock: Clock,
+    /// [`Cluster::stop`] was called: submits fail with `Error::Shutdown`.
+    stopped: bool,
+    /// Workers whose stop gave up on I/O past its deadline: a real one never runs again, so
+    /// they are not stepped until [`Cluster::thaw`] (which ends the freezing for good).
+    frozen: Vec<bool>,
+    thawed: bool,
+}
+
+/// How far a [`Cluster::stop`] has got: workers whose `run` loop would have ended, by how.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StopProgress {
+    /// Done with everything they held: their threads exit.
+    pub exited: usize,
+    /// I/O still in flight past its deadline: a real worker leaks itself and the region.
+    pub gave_up: usize,
+    /// Still running.
+    pub running: usize,
 }
 
 /// How far the cluster's clock moves for each worker turn (or each round of [`Cluster::settle`]).
@@ -337,6 +361,7 @@ impl Cluster {
                 },
             );
         }
+        let workers_len = list.len();
         Ok(Cluster {
             workers: list,
             router: Router {
@@ -350,12 +375,18 @@ impl Cluster {
             cold,
             rng: Rng::new(seed),
             clock,
+            stopped: false,
+            frozen: vec![false; workers_len],
+            thawed: false,
         })
     }
 
     /// Admits a job as `Engine::submit_*` does: a malformed job is reported failed, a full queue
     /// is `Error::Backpressure` with nothing queued.
     pub fn submit(&mut self, kind: JobKind, job: Job) -> Result<()> {
+        if self.stopped {
+            return Err(Error::Shutdown);
+        }
         self.shared
             .jobs_in_flight
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
@@ -450,10 +481,34 @@ impl Cluster {
         self.clock.advance(STEP_TIME);
         let n = self.workers.len() + usize::from(self.cold.is_some());
         let w = self.rng.below(n as u64) as usize;
+        if w < self.workers.len() && self.freezes(w) {
+            return false;
+        }
         match self.workers.get_mut(w) {
             Some(worker) => worker.step(),
             None => self.cold.as_ref().is_some_and(|c| c.step()),
         }
+    }
+
+    /// Whether worker `w` is frozen: once stopped, a worker whose `run` loop gave up is never
+    /// stepped again (until [`Cluster::thaw`]).
+    fn freezes(&mut self, w: usize) -> bool {
+        if self.stopped
+            && !self.thawed
+            && !self.frozen[w]
+            && self.workers[w].stopped() == Some(Stopped::GaveUp)
+        {
+            self.frozen[w] = true;
+        }
+        self.frozen[w]
+    }
+
+    /// Lets the workers that gave up at the stop run again, so that their late completions
+    /// arrive and the cluster can settle (a real one never runs again: this is for checking
+    /// that nothing else was left behind).
+    pub fn thaw(&mut self) {
+        self.thawed = true;
+        self.frozen.iter_mut().for_each(|f| *f = false);
     }
 
     /// Steps every worker in turn until nothing moves and no job is in flight, at most
@@ -462,8 +517,10 @@ impl Cluster {
         for _ in 0..max_steps {
             self.clock.advance(STEP_TIME);
             let mut any = false;
-            for w in &mut self.workers {
-                any |= w.step();
+            for w in 0..self.workers.len() {
+                if !self.freezes(w) {
+                    any |= self.workers[w].step();
+                }
             }
             if let Some(cold) = &self.cold {
                 any |= cold.step() || cold.queued() > 0;
@@ -473,6 +530,40 @@ impl Cluster {
             }
         }
         false
+    }
+
+    /// Starts a stop as `Engine::shutdown` does: the cold tier fails what it has queued, every
+    /// worker is told to stop (queued jobs fail with `Shutdown`, I/O in flight runs on), and
+    /// later submits fail with `Error::Shutdown`. Stepping goes on; [`Cluster::stop_progress`]
+    /// says where each worker's thread would be.
+    ///
+    /// Unlike the S3 tier, the simulated object store still serves requests that arrive after
+    /// its close (write-through uploads of stores that complete during the stop).
+    pub fn stop(&mut self) {
+        self.stopped = true;
+        if let Some(cold) = &self.cold {
+            cold.close();
+        }
+        for (tx, _) in &self.router.shards {
+            let _ = tx.send(crate::worker::Msg::Stop);
+        }
+    }
+
+    /// Where the workers' `run` loops would be since [`Cluster::stop`].
+    pub fn stop_progress(&self) -> StopProgress {
+        let mut p = StopProgress::default();
+        for (w, frozen) in self.workers.iter().zip(&self.frozen) {
+            match if *frozen {
+                Some(Stopped::GaveUp)
+            } else {
+                w.stopped()
+            } {
+                Some(Stopped::Exited) => p.exited += 1,
+                Some(Stopped::GaveUp) => p.gave_up += 1,
+                None => p.running += 1,
+            }
+        }
+        p
     }
 
     pub fn jobs_in_flight(&self) -> usize {

@@ -506,14 +506,16 @@ impl Layout for SlabLayout {
         match op.kind {
             OpKind::Load | OpKind::Store => own_key(op.job.as_ref(), op.item),
             // The stores acknowledged by this page write whose data is written (the page write
-            // reads only the meta buffer). A store whose data write is still in flight is left
-            // to that write's own deadline, which keeps the job's lease while the device may
-            // still read the block.
+            // reads only the meta buffer), and those waiting for the page's next write, which
+            // cannot start before this one ends (no op of their own carries a deadline). A
+            // store whose data write is still in flight is left to that write's own deadline,
+            // which keeps the job's lease while the device may still read the block.
             OpKind::Table { page } => {
                 let dev = &self.devs[op.dev as usize];
-                dev.pages[page as usize]
-                    .committing
+                let p = &dev.pages[page as usize];
+                p.committing
                     .iter()
+                    .chain(&p.waiting)
                     .filter(|a| !dev.slots[a.local as usize].written_by(a.seq))
                     .map(|a| (Arc::clone(&a.job), a.item, false))
                     .collect()

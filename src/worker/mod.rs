@@ -212,6 +212,17 @@ pub(crate) fn overdue_check_interval(io_timeout: Duration) -> Duration {
     (io_timeout / 8).clamp(Duration::from_millis(5), Duration::from_secs(1))
 }
 
+/// Where a stopped worker's `run` loop ends (see [`Worker::stopped`], for the simulator).
+#[cfg(any(test, feature = "sim"))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stopped {
+    /// Everything it held is done: the thread exits.
+    Exited,
+    /// I/O still in flight past its deadline: the thread leaks itself, its ring and the
+    /// region, so the device can never write freed memory.
+    GaveUp,
+}
+
 impl<L: Layout> Worker<L> {
     /// A worker whose op table is filled with `make()` ops.
     pub fn new(p: WorkerParams, layout: L, make: impl FnMut() -> L::Op) -> Worker<L> {
@@ -310,6 +321,19 @@ impl<L: Layout> Worker<L> {
         progress || self.core.backend.in_flight() > 0
     }
 
+    /// For the simulator: where this worker's `run` loop would be after a stop. `None` while
+    /// it runs (or was never stopped).
+    #[cfg(any(test, feature = "sim"))]
+    pub fn stopped(&self) -> Option<Stopped> {
+        if self.core.stopping && self.core.idle() && self.layout.idle() {
+            Some(Stopped::Exited)
+        } else if self.hung_at_stop() {
+            Some(Stopped::GaveUp)
+        } else {
+            None
+        }
+    }
+
     /// For the simulator, once idle: nothing leaked (ops, queue room, in-flight counts, and
     /// what the layout holds).
     #[cfg(any(test, feature = "sim"))]
@@ -318,7 +342,19 @@ impl<L: Layout> Worker<L> {
         let live = c.ops.live();
         let queued = c.me.queued_blocks.load(Ordering::Acquire);
         let checks = [
-            (live == 0, format!("{live} ops still live")),
+            (
+                live == 0,
+                format!(
+                    "{live} ops still live ({})",
+                    c.ops
+                        .live_indexes()
+                        .iter()
+                        .take(4)
+                        .map(|&i| self.layout.describe_op(c, i))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+            ),
             (
                 queued == 0,
                 format!("{queued} blocks of queue room not given back"),
@@ -345,14 +381,17 @@ impl<L: Layout> Worker<L> {
         self.layout.check_quiet(c)
     }
 
-    /// Stopping for longer than the deadline with I/O still in flight: every op left started
-    /// before the stop, so all of them are past their deadline.
+    /// Stopping for longer than the deadline with I/O still in flight, and every op of it past
+    /// its deadline, so the keys it served have been failed and their jobs reported. Ops
+    /// started after the stop (the page writes that flush the slot table, say) have deadlines
+    /// of their own: the stop waits for those too.
     fn hung_at_stop(&self) -> bool {
         let now = self.core.ops.now();
         self.stop_at.is_some_and(|at| {
             now.duration_since(at)
                 > self.core.io_timeout + overdue_check_interval(self.core.io_timeout)
         }) && self.core.backend.in_flight() > 0
+            && self.core.ops.all_overdue()
     }
 
     /// Fails the keys of ops past their deadline (`KeyFailure::Timeout`); each such op keeps

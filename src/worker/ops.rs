@@ -85,6 +85,11 @@ impl<T: TableOp> OpTable<T> {
         out
     }
 
+    /// Whether every live op has passed its deadline (and had its keys failed by it).
+    pub fn all_overdue(&self) -> bool {
+        self.live.iter().zip(&self.overdue).all(|(&l, &o)| !l || o)
+    }
+
     /// The first live op that `pick` chooses (a scan of the table: for rare paths).
     pub fn find_live(&self, pick: impl Fn(&T) -> bool) -> Option<u32> {
         (0..self.ops.len())
@@ -105,6 +110,14 @@ impl<T: TableOp> OpTable<T> {
     #[cfg(any(test, feature = "sim"))]
     pub fn live(&self) -> usize {
         self.live.iter().filter(|&&l| l).count()
+    }
+
+    /// The indexes of the ops in use.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn live_indexes(&self) -> Vec<u32> {
+        (0..self.ops.len() as u32)
+            .filter(|&i| self.live[i as usize])
+            .collect()
     }
 
     pub fn user_data(&self, idx: u32, chunk: u16) -> u64 {

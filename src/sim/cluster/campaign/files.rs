@@ -110,10 +110,22 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
             run.forget_pending()?;
             cluster = Cluster::open_files(&config, &region, &files, seed ^ 0xAF7E, cold.clone())
                 .map_err(|e| format!("reopening after the power loss: {e}"))?;
-            run.load_every_stored(&mut cluster)?;
+            run.report.after_loss_served += run.load_every_stored(&mut cluster)?;
             files.set_faults(faults(&mut rng, read_flip_ppm));
             files.track_durability(true);
         }
+    }
+    // Half the runs end in a stop, then reopen the directory as a restarted process would
+    // and load every key stored (see the slab campaign's `run`).
+    let ends_in_stop = Rng::new(seed ^ 0x5709_0000).below(2) == 1;
+    if ends_in_stop {
+        run.stop(
+            &mut cluster,
+            &mut hangs,
+            1,
+            &|_, on| files.hang(on),
+            &|| files.take_strays(),
+        )?;
     }
     files.set_faults(Faults::default());
     hangs.end(|_, on| files.hang(on));
@@ -122,6 +134,14 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
     }
     run.settle(&mut cluster)?;
     no_strays(files.take_strays())?;
+    if ends_in_stop {
+        drop(cluster);
+        cluster = Cluster::open_files(&config, &region, &files, seed ^ 0x5709, cold.clone())
+            .map_err(|e| format!("reopening after the stop: {e}"))?;
+        run.report.after_stop_served += run.load_every_stored(&mut cluster)?;
+        run.settle(&mut cluster)?;
+        no_strays(files.take_strays())?;
+    }
     run.report.read_flips = files.read_flips();
     if let Some(c) = &cold {
         run.report.cold_runs = 1;
@@ -219,6 +239,11 @@ mod tests {
         eprintln!(
             "sim files campaign: {count} seeds from {first}, {steps} steps each, {:.1} s: {r:?}",
             t.elapsed().as_secs_f64()
+        );
+        assert!(
+            r.stops > 0 && r.stops_gave_up > 0 && r.after_stop_served > 0,
+            "runs stopped, some with the file system hung past the deadline, and reopened \
+             directories served their keys: {r:?}"
         );
         assert!(
             r.keys_loaded > 0 && r.keys_stored > 0 && r.after_loss_served > 0,
