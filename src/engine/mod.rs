@@ -135,8 +135,9 @@ impl Engine {
         &self.info
     }
 
-    /// Queues a store job. Never blocks: a full queue is [`Error::Backpressure`](crate::Error::Backpressure). A malformed
-    /// job (lengths differ, block id out of range) is accepted and reported failed.
+    /// Queues a store job. Never blocks: a full queue is
+    /// [`Error::Backpressure`](crate::Error::Backpressure). A malformed job (lengths differ,
+    /// block id out of range) is accepted and reported failed.
     pub fn submit_store(&self, job: Job) -> Result<()> {
         self.submit(JobKind::Store, job)
     }
@@ -187,10 +188,12 @@ impl Engine {
         }
     }
 
-    /// Stops the engine: queued jobs fail with [`KeyFailure::Shutdown`](crate::KeyFailure::Shutdown), I/O in flight completes,
-    /// table writes are flushed, workers exit. Idempotent, also from several threads at once:
-    /// every call returns only after the workers have stopped touching the region. Later
-    /// submits fail with [`Error::Shutdown`](crate::Error::Shutdown). Results stay available to `poll_finished`.
+    /// Stops the engine: queued jobs fail with
+    /// [`KeyFailure::Shutdown`](crate::KeyFailure::Shutdown), I/O in flight completes, table
+    /// writes are flushed, workers exit. Idempotent, also from several threads at once: every
+    /// call returns only after the workers have stopped touching the region. Later submits fail
+    /// with [`Error::Shutdown`](crate::Error::Shutdown). Results stay available to
+    /// `poll_finished`.
     pub fn shutdown(&self) {
         let _serial = self
             .shutting_down

@@ -124,10 +124,9 @@ pub struct Cluster {
     clock: Clock,
     /// [`Cluster::stop`] was called: submits fail with `Error::Shutdown`.
     stopped: bool,
-    /// Workers whose stop gave up on I/O past its deadline: a real one never runs again, so
-    /// they are not stepped until [`Cluster::thaw`] (which ends the freezing for good).
-    frozen: Vec<bool>,
-    thawed: bool,
+    /// From [`Cluster::stop`] to [`Cluster::thaw`], a worker whose stop gave up on I/O past
+    /// its deadline is not stepped: a real one never runs again.
+    freezing: bool,
 }
 
 /// How far a [`Cluster::stop`] has got: workers whose `run` loop would have ended, by how.
@@ -361,7 +360,6 @@ impl Cluster {
                 },
             );
         }
-        let workers_len = list.len();
         Ok(Cluster {
             workers: list,
             router: Router {
@@ -376,8 +374,7 @@ impl Cluster {
             rng: Rng::new(seed),
             clock,
             stopped: false,
-            frozen: vec![false; workers_len],
-            thawed: false,
+            freezing: false,
         })
     }
 
@@ -490,25 +487,18 @@ impl Cluster {
         }
     }
 
-    /// Whether worker `w` is frozen: once stopped, a worker whose `run` loop gave up is never
-    /// stepped again (until [`Cluster::thaw`]).
-    fn freezes(&mut self, w: usize) -> bool {
-        if self.stopped
-            && !self.thawed
-            && !self.frozen[w]
-            && self.workers[w].stopped() == Some(Stopped::GaveUp)
-        {
-            self.frozen[w] = true;
-        }
-        self.frozen[w]
+    /// Whether worker `w` is frozen: after a stop, a worker whose `run` loop gave up is not
+    /// stepped (until [`Cluster::thaw`]). It stays given up while frozen: nothing it reads
+    /// changes while it is not stepped.
+    fn freezes(&self, w: usize) -> bool {
+        self.freezing && self.workers[w].stopped() == Some(Stopped::GaveUp)
     }
 
     /// Lets the workers that gave up at the stop run again, so that their late completions
     /// arrive and the cluster can settle (a real one never runs again: this is for checking
     /// that nothing else was left behind).
     pub fn thaw(&mut self) {
-        self.thawed = true;
-        self.frozen.iter_mut().for_each(|f| *f = false);
+        self.freezing = false;
     }
 
     /// Steps every worker in turn until nothing moves and no job is in flight, at most
@@ -541,6 +531,7 @@ impl Cluster {
     /// its close (write-through uploads of stores that complete during the stop).
     pub fn stop(&mut self) {
         self.stopped = true;
+        self.freezing = true;
         if let Some(cold) = &self.cold {
             cold.close();
         }
@@ -552,12 +543,8 @@ impl Cluster {
     /// Where the workers' `run` loops would be since [`Cluster::stop`].
     pub fn stop_progress(&self) -> StopProgress {
         let mut p = StopProgress::default();
-        for (w, frozen) in self.workers.iter().zip(&self.frozen) {
-            match if *frozen {
-                Some(Stopped::GaveUp)
-            } else {
-                w.stopped()
-            } {
+        for w in &self.workers {
+            match w.stopped() {
                 Some(Stopped::Exited) => p.exited += 1,
                 Some(Stopped::GaveUp) => p.gave_up += 1,
                 None => p.running += 1,

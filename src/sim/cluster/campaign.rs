@@ -403,21 +403,32 @@ impl Run {
         let settled = cluster.settle(200_000);
         self.collect(cluster)?;
         if !settled || !self.pending.is_empty() {
-            let mut ids: Vec<u64> = self.pending.keys().copied().collect();
-            ids.sort_unstable();
-            let cold = self
-                .cold
-                .as_ref()
-                .map(|c| (c.settings(), c.queued(), c.counts()));
-            return Err(format!(
-                "jobs never reported: {ids:?} (object store: {cold:?}; quiet: {:?})",
-                cluster.check_quiet()
-            ));
+            return Err(self.unreported(cluster));
         }
         cluster.check_quiet()?;
         self.reclaim();
         self.no_block_leased("once the cluster settled")?;
         self.check_objects(true)
+    }
+
+    /// The jobs not reported yet, with the object store's and the workers' state: why a
+    /// settle or a stop failed.
+    fn unreported(&self, cluster: &Cluster) -> String {
+        let mut jobs: Vec<(u64, String)> = self
+            .pending
+            .iter()
+            .map(|(&id, p)| (id, format!("{id} ({:?} of keys {:?})", p.kind, p.keys)))
+            .collect();
+        jobs.sort_unstable();
+        let jobs: Vec<String> = jobs.into_iter().map(|(_, j)| j).collect();
+        let cold = self
+            .cold
+            .as_ref()
+            .map(|c| (c.settings(), c.queued(), c.counts()));
+        format!(
+            "jobs never reported: {jobs:?} (object store: {cold:?}; quiet: {:?})",
+            cluster.check_quiet()
+        )
     }
 
     /// After a power loss or a stop: every key ever stored is loaded once, served exactly or
@@ -452,12 +463,26 @@ impl Run {
         Ok(self.report.keys_loaded - before)
     }
 
+    /// After a stop, on the store reopened as a restarted process would: every key stored is
+    /// loaded (served exactly or failed), the cluster settles, and no device copy strayed.
+    fn load_after_stop(
+        &mut self,
+        reopened: &mut Cluster,
+        strays: &dyn Fn() -> Vec<String>,
+    ) -> Result<(), String> {
+        let context = |e| format!("after reopening from the stop: {e}");
+        self.report.after_stop_served += self.load_every_stored(reopened).map_err(context)?;
+        self.settle(reopened).map_err(context)?;
+        no_strays(strays())
+    }
+
     /// Stops the cluster as `Engine::shutdown` does, the faults and hangs still on (and, in
     /// half the runs with hangs, a device hung as the stop starts). Once every worker's `run`
     /// loop would have ended, by exiting or by giving up on I/O past its deadline, the
     /// engine's shutdown returns: by then every job must have been reported, since its
     /// caller waits for no more results. A submit after the stop is refused with nothing
     /// queued. The caller then lets the devices answer and settles.
+    ///
     /// `hang(d, on)` hangs device `d` (or lets it answer); `strays` takes the device copies
     /// that reached unleased blocks.
     fn stop(
@@ -487,21 +512,9 @@ impl Run {
             if p.running == 0 && cold_quiet(&self.cold) {
                 self.collect(cluster)?;
                 if !self.pending.is_empty() {
-                    let mut jobs: Vec<String> = self
-                        .pending
-                        .iter()
-                        .map(|(id, p)| format!("{id} ({:?} of keys {:?})", p.kind, p.keys))
-                        .collect();
-                    jobs.sort_unstable();
                     return Err(format!(
-                        "the stop ended ({p:?}, object store: {}) with jobs never reported: \
-                         {jobs:?} (quiet: {:?})",
-                        self.cold.as_ref().map_or("none".to_owned(), |c| format!(
-                            "{:?}, {} queued",
-                            c.settings(),
-                            c.queued()
-                        )),
-                        cluster.check_quiet(),
+                        "the stop ended ({p:?}) with {}",
+                        self.unreported(cluster)
                     ));
                 }
                 self.report.stops_gave_up += p.gave_up as u64;
@@ -669,9 +682,7 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
             storage.track_durability(true);
         }
     }
-    // Half the runs end in a stop (drawn from a stream of their own), then reopen the store
-    // as a restarted process would and load every key stored.
-    let ends_in_stop = Rng::new(seed ^ 0x5709_0000).below(2) == 1;
+    let ends_in_stop = ends_in_stop(seed);
     if ends_in_stop {
         run.stop(
             &mut cluster,
@@ -697,12 +708,7 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         let mut reopened =
             Cluster::open_with(&config, &region, &storage, seed ^ 0x5709, cold.clone())
                 .map_err(|e| format!("reopening after the stop: {e}"))?;
-        run.report.after_stop_served += run
-            .load_every_stored(&mut reopened)
-            .map_err(|e| format!("after reopening from the stop: {e}"))?;
-        run.settle(&mut reopened)
-            .map_err(|e| format!("after reopening from the stop: {e}"))?;
-        no_strays(storage.take_strays())?;
+        run.load_after_stop(&mut reopened, &|| storage.take_strays())?;
     }
     let _ = run.seed;
     run.report.read_flips = storage.read_flips();
@@ -711,6 +717,13 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         run.report.cold = c.counts();
     }
     Ok(run.report)
+}
+
+/// Whether run `seed` ends in a stop (half the runs, drawn from a stream of their own so the
+/// other draws stay as they were): then the store is reopened as a restarted process would,
+/// and every key stored is loaded.
+pub(super) fn ends_in_stop(seed: u64) -> bool {
+    Rng::new(seed ^ 0x5709_0000).below(2) == 1
 }
 
 /// Devices that stop answering for a while: each step may start a hang of one device, for up
@@ -758,10 +771,7 @@ impl Hangs {
             }
             Some((_, left)) => *left -= 1,
             None if self.every > 0 && self.rng.below(self.every) == 0 => {
-                let d = self.rng.below(devices as u64) as usize;
-                hang(d, true);
-                self.now = Some((d, 1 + self.rng.below(self.max_steps)));
-                report.hangs += 1;
+                self.start(hang, devices, false, report);
             }
             None => {}
         }
@@ -778,9 +788,25 @@ impl Hangs {
         if self.every == 0 || self.now.is_some() || self.rng.below(2) == 0 {
             return;
         }
+        self.start(hang, devices, true, report);
+    }
+
+    /// Hangs a device drawn from `devices`, for the longest hang or for a drawn length.
+    fn start(
+        &mut self,
+        hang: impl Fn(usize, bool),
+        devices: usize,
+        longest: bool,
+        report: &mut Report,
+    ) {
         let d = self.rng.below(devices as u64) as usize;
         hang(d, true);
-        self.now = Some((d, self.max_steps));
+        let steps = if longest {
+            self.max_steps
+        } else {
+            1 + self.rng.below(self.max_steps)
+        };
+        self.now = Some((d, steps));
         report.hangs += 1;
     }
 

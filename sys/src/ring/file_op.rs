@@ -224,8 +224,8 @@ impl PathStore {
 
 impl Ring {
     /// Queues `op` with `user_data`, which must be unique among this ring's in-flight operations
-    /// (asserted in debug builds). `ioprio` (see [`ioprio`](super::ioprio)) applies to `ReadFd`/`WriteFd` only:
-    /// some kernels refuse a non-zero ioprio on the other opcodes.
+    /// (asserted in debug builds). `ioprio` (see [`ioprio`](super::ioprio)) applies to
+    /// `ReadFd`/`WriteFd` only: some kernels refuse a non-zero ioprio on the other opcodes.
     ///
     /// `Err(SqFull)` if the SQ has no room: nothing is queued and nothing kept. Buffer rules are
     /// those of [`Ring::push_read`]: panics if `buf` is empty, outside its region, straddles a

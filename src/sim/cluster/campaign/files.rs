@@ -115,9 +115,7 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
             files.track_durability(true);
         }
     }
-    // Half the runs end in a stop, then reopen the directory as a restarted process would
-    // and load every key stored (see the slab campaign's `run`).
-    let ends_in_stop = Rng::new(seed ^ 0x5709_0000).below(2) == 1;
+    let ends_in_stop = super::ends_in_stop(seed);
     if ends_in_stop {
         run.stop(
             &mut cluster,
@@ -132,15 +130,16 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
     if let Some(c) = &cold {
         c.set_faults(ObjectFaults::default());
     }
-    run.settle(&mut cluster)?;
+    run.settle(&mut cluster).map_err(|e| {
+        let when = if ends_in_stop { " after the stop" } else { "" };
+        format!("settling{when}: {e}")
+    })?;
     no_strays(files.take_strays())?;
     if ends_in_stop {
         drop(cluster);
         cluster = Cluster::open_files(&config, &region, &files, seed ^ 0x5709, cold.clone())
             .map_err(|e| format!("reopening after the stop: {e}"))?;
-        run.report.after_stop_served += run.load_every_stored(&mut cluster)?;
-        run.settle(&mut cluster)?;
-        no_strays(files.take_strays())?;
+        run.load_after_stop(&mut cluster, &|| files.take_strays())?;
     }
     run.report.read_flips = files.read_flips();
     if let Some(c) = &cold {
@@ -270,8 +269,6 @@ mod tests {
         );
     }
 
-    /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib --features sim
-    /// sim::cluster::campaign::files::tests::replays_one_seed -- --nocapture` replays one.
     /// 23, found once the directory hung: a store that hit a full file system handed its key
     /// to a retry and cleaned up its temp file; that cleanup outlived its deadline, and the
     /// deadline failed the key the retry was still storing. The job reported, its blocks went
@@ -290,6 +287,8 @@ mod tests {
         }
     }
 
+    /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib --features sim
+    /// sim::cluster::campaign::files::tests::replays_one_seed -- --nocapture` replays one.
     #[test]
     fn replays_one_seed() {
         let seed = env("KVTIER_SIM_SEED", 7);
