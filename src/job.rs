@@ -6,7 +6,7 @@
 //! order* loaded before the first failure (vLLM's `successful_keys` prefix semantics).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use kvtier_sys::blocks::{Lease, LeaseHold};
@@ -14,6 +14,7 @@ use kvtier_sys::blocks::{Lease, LeaseHold};
 use crate::events::EventSink;
 use crate::key::Key;
 use crate::metrics::EngineMetrics;
+use crate::release::{Held, Park, Release};
 use crate::Errno;
 
 /// A job's caller-chosen identifier.
@@ -119,9 +120,20 @@ pub struct JobResult {
     pub bytes: u64,
     /// From submission to the last key's resolution.
     pub elapsed: Duration,
+    /// `None`: the job's region blocks were the caller's again when this result was reported
+    /// (the default). `Some` only where the caller opted in to early results
+    /// ([`Engine::set_early_results`](crate::Engine::set_early_results)), or from a shutdown
+    /// that could not stop an I/O: the blocks are the caller's once it is set (see
+    /// [`crate::release`]).
+    pub release: Option<Release>,
 }
 
 impl JobResult {
+    /// Whether the job's region blocks are the caller's again now.
+    pub fn released(&self) -> bool {
+        self.release.as_ref().is_none_or(Release::is_released)
+    }
+
     /// A write-through store's result: its NVMe half's (`self`) with each key's upload outcome
     /// added (`Ok(bytes)`, or the failure), one failure per key (the NVMe half's, if it failed
     /// too, comes first). The S3 tier and the simulated object store report through it.
@@ -184,13 +196,22 @@ pub(crate) struct Shared {
     pub store_jobs_in_flight: AtomicUsize,
     /// Which devices are failing their I/O now, for one log line per episode.
     pub device_health: crate::logs::DeviceHealth,
+    /// Jobs resolved whose blocks an I/O still holds (see [`crate::release`]).
+    pub held: Held,
+    /// Report such jobs at once, with a release to wait on (else when their blocks are free).
+    pub early_results: AtomicBool,
+    /// Workers that stopped with I/O still in flight past its deadline, and those ops.
+    pub workers_gave_up: AtomicUsize,
+    pub ops_given_up: AtomicUsize,
+    /// This, for what runs when a lease's last hold goes.
+    this: std::sync::Weak<Shared>,
 }
 
 impl Shared {
     /// State for a new engine, and the receiver its results arrive on.
     pub fn new(events: EventSink) -> (Arc<Shared>, crossbeam_channel::Receiver<JobResult>) {
         let (results_tx, results) = crossbeam_channel::unbounded();
-        let shared = Arc::new(Shared {
+        let shared = Arc::new_cyclic(|this| Shared {
             results_tx,
             jobs_in_flight: AtomicUsize::new(0),
             idle_lock: Mutex::new(()),
@@ -200,6 +221,11 @@ impl Shared {
             metrics: EngineMetrics::default(),
             store_jobs_in_flight: AtomicUsize::new(0),
             device_health: crate::logs::DeviceHealth::default(),
+            held: Held::default(),
+            early_results: AtomicBool::new(false),
+            workers_gave_up: AtomicUsize::new(0),
+            ops_given_up: AtomicUsize::new(0),
+            this: this.clone(),
         });
         (shared, results)
     }
@@ -248,6 +274,77 @@ impl Shared {
             }
             JobKind::Load => {}
         }
+    }
+
+    /// Hands a result to whoever waits for it: the internal job's `then`, or the caller.
+    pub fn deliver(&self, result: JobResult, then: Option<Then>) {
+        match then {
+            Some(then) => then(result),
+            None => self.finish(result),
+        }
+    }
+
+    /// Releases `lease`, the job's own, and reports `result` when its blocks are the caller's
+    /// again: now if no I/O holds them; else once the last hold goes (or at once, with a
+    /// release to wait on, if the caller asked for early results).
+    pub(crate) fn release_then_deliver(
+        &self,
+        lease: &Lease,
+        result: JobResult,
+        then: Option<Then>,
+    ) {
+        let id = result.id;
+        let early = then.is_none() && self.early_results.load(Ordering::Relaxed);
+        let mut parked = Some((result, then));
+        let mut release = None;
+        let free_now = lease.release_when_free(|| {
+            let park = if early {
+                Park::Early
+            } else {
+                let (r, then) = parked.take().expect("parked once");
+                Park::Wait(r, then)
+            };
+            let (ticket, r) = self.held.park(park, id, lease.len());
+            release = Some(r);
+            if !early {
+                // drain() may be waiting for this job: it now waits for the device only.
+                let _guard = self
+                    .idle_lock
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                self.idle.notify_all();
+            }
+            let this = self.this.clone();
+            Box::new(move || {
+                if let Some(shared) = this.upgrade() {
+                    if let Some((r, then)) = shared.held.freed(ticket) {
+                        shared.deliver(r, then);
+                    }
+                }
+            })
+        });
+        if let Some((mut r, then)) = parked {
+            if !free_now {
+                r.release = release;
+            }
+            self.deliver(r, then);
+        }
+    }
+
+    /// Reports every result still waiting for its blocks, each with its unset release (a
+    /// shutdown whose workers gave up on I/O that may still reach them).
+    pub fn report_held(&self) {
+        for (r, then) in self.held.take_waiting() {
+            self.deliver(r, then);
+        }
+    }
+
+    /// Jobs in flight, not counting those resolved and waiting only for an I/O to free their
+    /// blocks.
+    pub fn jobs_unresolved(&self) -> usize {
+        self.jobs_in_flight
+            .load(Ordering::Acquire)
+            .saturating_sub(self.held.waiting())
     }
 
     pub fn finish(&self, result: JobResult) {
@@ -422,20 +519,19 @@ impl JobState {
             failures,
             bytes: self.bytes.load(Ordering::Relaxed),
             elapsed: self.submitted.elapsed(),
+            release: None,
         };
-        // Before anyone can see the result: the caller may touch the blocks then (unless an
-        // I/O that may still move their bytes holds them).
-        if let (true, Some(lease)) = (self.owns_lease, &self.lease) {
-            lease.release();
-        }
         let then = self
             .then
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
-        match then {
-            Some(then) => then(result),
-            None => shared.finish(result),
+        // The lease goes back before anyone can see the result (the caller may touch the
+        // blocks then); while an I/O that may still move their bytes holds it, the result
+        // waits (or says so).
+        match (self.owns_lease, &self.lease) {
+            (true, Some(lease)) => shared.release_then_deliver(lease, result, then),
+            _ => shared.deliver(result, then),
         }
     }
 }

@@ -33,6 +33,7 @@ pub mod key;
 mod logs;
 pub mod metrics;
 pub mod region;
+pub mod release;
 mod route;
 #[cfg(feature = "s3")]
 pub mod s3;
@@ -54,3 +55,4 @@ pub use key::{Key, MAX_KEY_BYTES};
 pub use kvtier_sys::mem::{Backing, Region};
 pub use kvtier_sys::Errno;
 pub use metrics::{S3OpStats, S3Stats, Stats};
+pub use release::{Release, ShutdownReport};

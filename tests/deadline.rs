@@ -3,8 +3,11 @@
 //! worker keeps serving loads and stores meanwhile, the late completions are absorbed when the
 //! device answers again (nothing reported twice), a device that keeps timing out is marked
 //! failed (its keys are misses, its stores go to the other device), and shutdown gives up
-//! waiting after the deadline instead of hanging. What would break: a load that never returns, a key reported
-//! twice, a worker stalled for every device by one, a shutdown that waits forever.
+//! waiting after the deadline instead of hanging. The job's blocks are the caller's only once
+//! no I/O can reach them: by default its result waits for that; with early results it comes at
+//! the deadline carrying a release that is set then. What would break: a load that never
+//! returns, a key reported twice, a worker stalled for every device by one, a shutdown that
+//! waits forever, blocks handed back while a late read may still land in them.
 
 mod common;
 
@@ -26,6 +29,7 @@ fn setup(
     seed: u64,
     blocks: u64,
     stored: u64,
+    early: bool,
 ) -> (
     std::sync::Arc<SimStorage>,
     std::sync::Arc<kvtier::Region>,
@@ -38,6 +42,7 @@ fn setup(
     cfg.io_timeout_ms = TIMEOUT_MS;
     let region = region(blocks);
     let engine = open_sim(&cfg, &region, &sim);
+    engine.set_early_results(early);
     let ids: Vec<u64> = (0..stored).collect();
     assert!(store(&engine, &region, 1, &ids).success);
     let (on_hung, on_live) = devices_of(&ids);
@@ -50,7 +55,7 @@ fn setup(
 
 #[test]
 fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
-    let (sim, region, engine, on_hung, on_live) = setup(7, 32, 24);
+    let (sim, region, engine, on_hung, on_live) = setup(7, 32, 24, true);
     let ids: Vec<u64> = (0..24).collect();
 
     sim.hang_device(0, true);
@@ -86,6 +91,17 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
     // The reads are still in flight: the job's blocks stay leased, so the caller cannot hand
     // them to another job (or write them) while the device may still land bytes there.
     assert!((0..24).all(|b| region.is_leased(b)), "released too early");
+    let release = r
+        .release
+        .clone()
+        .expect("an early result carries its release");
+    assert!(!r.released() && !release.is_released(), "{release:?}");
+    assert_eq!((release.job_id(), release.blocks()), (2, 24));
+    assert!(
+        !release.wait(Some(Duration::from_millis(20))),
+        "set while the reads run"
+    );
+    assert_eq!(engine.stats().blocks_held_by_hung_io, 24);
 
     // The live device still takes stores and serves them while the other hangs (from blocks
     // the hung reads cannot reach).
@@ -123,6 +139,8 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
         (0..24).all(|b| !region.is_leased(b)),
         "a lease outlived its reads"
     );
+    assert!(release.wait(Some(Duration::from_secs(10))) && r.released());
+    assert_eq!(engine.stats().blocks_held_by_hung_io, 0);
     assert_eq!(sim.take_strays(), Vec::<String>::new());
     let r = load(&engine, &region, 5, &on_hung);
     assert!(
@@ -133,9 +151,95 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
     engine.shutdown();
 }
 
+// By default a job whose reads outlive their deadline is reported only once the device
+// answers: the caller never sees its blocks while a read may still land there. drain() does
+// not wait for it; drain_released() does; the blocks count as held meanwhile.
+#[test]
+fn by_default_a_timed_out_load_is_reported_once_its_blocks_are_free() {
+    let (sim, region, engine, on_hung, on_live) = setup(10, 32, 24, false);
+    sim.hang_device(0, true);
+    let blocks: Vec<u32> = (0..on_hung.len() as u32).collect();
+    engine
+        .submit_load(kvtier::Job::new(
+            2,
+            on_hung.iter().map(|&i| key(i)).collect(),
+            blocks.clone(),
+        ))
+        .expect("submit");
+    // Past the deadline the keys have failed, but the reads run on: no result yet.
+    let started = Instant::now();
+    engine.drain();
+    assert!(started.elapsed() >= Duration::from_millis(u64::from(TIMEOUT_MS)));
+    let mut out = Vec::new();
+    assert_eq!(engine.poll_finished(&mut out), 0, "reported early: {out:?}");
+    assert_eq!(engine.jobs_in_flight(), 1);
+    let held = engine.stats().blocks_held_by_hung_io;
+    assert_eq!(held, blocks.len() as u64);
+    assert!(blocks.iter().all(|&b| region.is_leased(b)));
+    // Other work goes on meanwhile, from blocks the hung reads cannot reach.
+    let first = on_hung.len() as u32;
+    let r = load_into(
+        &engine,
+        3,
+        &on_live,
+        (first..first + on_live.len() as u32).collect(),
+    );
+    assert!(r.success && r.release.is_none(), "{r:?}");
+
+    sim.hang_device(0, false);
+    engine.drain_released();
+    assert_eq!(engine.poll_finished(&mut out), 1);
+    let r = &out[0];
+    assert_eq!(r.id, 2);
+    assert!(
+        r.release.is_none() && r.released(),
+        "free when reported: {r:?}"
+    );
+    assert_eq!(r.failures.len(), on_hung.len());
+    assert!(r.failures.iter().all(|f| f.reason == KeyFailure::Timeout));
+    assert!(blocks.iter().all(|&b| !region.is_leased(b)));
+    assert_eq!(engine.stats().blocks_held_by_hung_io, 0);
+    assert_eq!(sim.take_strays(), Vec::<String>::new());
+    assert!(engine.shutdown().clean());
+}
+
+// A shutdown that gives up on a hung device reports the job that waited for it, saying its
+// blocks are not free, and says what it could not stop.
+#[test]
+fn shutdown_reports_what_a_hung_device_still_holds() {
+    let (sim, region, engine, on_hung, _) = setup(11, 8, 8, false);
+    sim.hang_device(0, true);
+    let blocks: Vec<u32> = (0..on_hung.len() as u32).collect();
+    engine
+        .submit_load(kvtier::Job::new(
+            2,
+            on_hung.iter().map(|&i| key(i)).collect(),
+            blocks.clone(),
+        ))
+        .expect("submit");
+    engine.drain();
+    let report = engine.shutdown();
+    assert!(!report.clean(), "{report:?}");
+    assert_eq!(report.workers_gave_up, 1, "{report:?}");
+    assert_eq!(report.ops_in_flight, on_hung.len(), "{report:?}");
+    assert_eq!(report.jobs_held, 1, "{report:?}");
+    assert_eq!(report.blocks_held, blocks.len() as u64, "{report:?}");
+    assert_eq!(engine.shutdown(), report, "a second call says the same");
+    let mut out = Vec::new();
+    assert_eq!(engine.poll_finished(&mut out), 1);
+    let release = out[0].release.clone().expect("reported with its release");
+    assert!(!release.is_released() && !out[0].released());
+    assert!(blocks.iter().all(|&b| region.is_leased(b)));
+    // The worker was leaked with its backend: lifting the hang reaches nobody, and the blocks
+    // stay leased for good.
+    sim.hang_device(0, false);
+    assert!(!release.wait(Some(Duration::from_millis(50))));
+    assert!(blocks.iter().all(|&b| region.is_leased(b)));
+}
+
 #[test]
 fn shutdown_gives_up_on_a_device_that_never_answers() {
-    let (sim, region, engine, on_hung, _) = setup(8, 8, 8);
+    let (sim, region, engine, on_hung, _) = setup(8, 8, 8, true);
     sim.hang_device(0, true);
     let r = load(&engine, &region, 2, &on_hung);
     assert!(
@@ -155,7 +259,7 @@ fn shutdown_gives_up_on_a_device_that_never_answers() {
 // waiting for the deadline), and stores of keys that would go to it land on the other device.
 #[test]
 fn a_device_that_keeps_timing_out_is_marked_failed_and_stores_go_elsewhere() {
-    let (sim, region, engine, on_hung, _) = setup(9, 32, 24);
+    let (sim, region, engine, on_hung, _) = setup(9, 32, 24, true);
     assert!(on_hung.len() >= 3, "enough keys on device 0: {on_hung:?}");
     sim.hang_device(0, true);
     let r = load(&engine, &region, 2, &on_hung);

@@ -238,8 +238,9 @@ fn run_ok(cmd: &mut Command) -> Result<(), String> {
 
 // A real hung device: a loop device whose backing file sits on a frozen file system
 // (`fsfreeze`), so its writes block in the kernel (and its reads queue behind them). Stores and
-// then loads fail with a timeout naming the device and the operation, their blocks stay leased,
-// and shutdown returns while the I/O is still stuck.
+// then loads fail with a timeout naming the device and the operation (reported at the deadline:
+// this engine takes early results), their blocks stay leased and their releases unset, and
+// shutdown returns while the I/O is still stuck, saying so.
 #[test]
 fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     let dir = scratch_dir();
@@ -271,6 +272,7 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     let Some(engine) = open_real(&cfg, &region) else {
         return;
     };
+    engine.set_early_results(true);
     let ids: Vec<u64> = (0..8).collect();
     assert!(store(&engine, &region, 1, &ids).success);
     if let Err(why) = run_ok(Command::new("fsfreeze").arg("-f").arg(&mnt)) {
@@ -294,6 +296,7 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
         region.is_leased(0),
         "the block of the stuck store was handed back"
     );
+    assert!(!r.released(), "{r:?}");
     // The loop device serves its requests in order: reads queue behind the stuck writes and
     // time out too, each naming the device and the slot.
     let blocks: Vec<u32> = (8..16).collect();
@@ -304,6 +307,8 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
         assert!(f.detail.contains("load (read of slot"), "{}", f.detail);
     }
     assert!(blocks.iter().all(|&b| region.is_leased(b)));
+    let release = r.release.clone().expect("an early result carries its release");
+    assert!(!release.is_released());
     // That many timeouts marked the device failed: its keys are misses now, at once.
     assert_eq!(engine.stats().devices_failed, 1);
     let r = load_into(&engine, 4, &[0], vec![4]);
@@ -313,9 +318,24 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
         "{r:?}"
     );
     assert!(
-        shutdown_returns(engine, std::time::Duration::from_secs(30)),
-        "shutdown waited for a device that never answers"
+        engine.stats().blocks_held_by_hung_io >= 1 + blocks.len() as u64,
+        "{:?}",
+        engine.stats().blocks_held_by_hung_io
     );
+    let engine = std::sync::Arc::new(engine);
+    let e = std::sync::Arc::clone(&engine);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(e.shutdown());
+    });
+    let report = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("shutdown waited for a device that never answers");
+    assert!(
+        !report.clean() && report.workers_gave_up == 1 && report.blocks_held > 0,
+        "{report:?}"
+    );
+    assert!(!release.is_released() && blocks.iter().all(|&b| region.is_leased(b)));
     // Dropping the guards thaws the file system; the stuck writes then complete into the
     // leaked worker's memory, and the loop devices detach when the process exits.
 }

@@ -42,6 +42,7 @@ __all__ = [
     "Error",
     "Event",
     "JobResult",
+    "ReleaseEvent",
     "ShutdownError",
     "allocate_region",
     "check_config",
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 JobResult = _native.JobOutcome
+ReleaseEvent = _native.ReleaseEvent
 Event = _native.EventOut
 REGION_ALIGN_BYTES: int = _native.REGION_ALIGN_BYTES
 
@@ -212,14 +214,35 @@ class Engine:
         """Waits until every submitted job has a result (they stay in poll_finished)."""
         self._native.drain()
 
-    def shutdown(self) -> None:
+    def set_early_results(self, early: bool) -> None:
+        """How a job is reported whose region blocks an I/O past its deadline still holds.
+
+        False (the default): its result comes once the blocks are free (``result.release`` is
+        None). True: it comes when the job resolves, with ``result.release`` an event (as
+        ``threading.Event``: ``is_set``, ``wait``) set once no I/O can reach the blocks. Either
+        way a block is the caller's again only once ``result.released`` is true.
+        """
+        self._native.set_early_results(bool(early))
+
+    def drain_released(self) -> None:
+        """drain(), then waits until every job is reported and every block free: also for I/O
+        past its deadline (as long as the device takes to answer; forever if it never does)."""
+        self._native.drain_released()
+
+    def shutdown(self) -> dict[str, Any]:
         """Stops the engine and releases the region. Idempotent.
 
         Queued jobs fail (reason "shutdown"); I/O in flight completes first. Results stay
-        available to poll_finished; later submits raise ShutdownError.
+        available to poll_finished; later submits raise ShutdownError. If a device never
+        answered, shutdown gives up waiting after ``io_timeout_ms``: those jobs are reported
+        with an unset ``release``, the region's buffer stays exported (it cannot be freed or
+        resized) for the life of the process, and a ResourceWarning names the blocks held.
+        Returns what could not be stopped: ``workers_gave_up``, ``ops_in_flight``,
+        ``jobs_held``, ``blocks_held`` and ``clean`` (True when nothing is held).
         """
-        self._native.shutdown()
+        report = self._native.shutdown()
         self._closed.set()
+        return report
 
     def take_events(self) -> list[Event]:
         """Stored/removed events since the last call (config: [events] enabled = true)."""

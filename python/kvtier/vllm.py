@@ -35,6 +35,7 @@ failed job by the next ``get_finished_jobs`` so vLLM's backpressure detector see
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import time
@@ -71,6 +72,11 @@ import kvtier
 
 logger = logging.getLogger("kvtier.vllm")
 
+# vLLM 0.34's JobResult.deferred_release: a failed promotion whose I/O may still write its
+# chunks is reported at once with an event kvtier sets once they are free. Without it (0.33),
+# such a job is reported only once its chunks are free. Detected by feature, not version.
+_DEFERRED_RELEASE = "deferred_release" in {f.name for f in dataclasses.fields(JobResult)}
+
 _LAYOUTS = ("files", "slab")
 _AUTO_WORKERS_MAX = 8
 _SLAB_FILE = "kvtier.slab"
@@ -104,6 +110,9 @@ _GAUGES = {
     "blocks_stored": ("Blocks kvtier holds.", "blocks_stored"),
     "slots_total": ("Blocks kvtier can hold (0: unbounded files layout).", "slots_total"),
     "jobs_in_flight": ("Jobs submitted and not yet finished.", "jobs_in_flight"),
+    "blocks_held_by_hung_io": (
+        "Primary chunks an I/O past its deadline may still reach (not given back yet).",
+        "blocks_held_by_hung_io"),
 }
 _HISTOGRAMS = {
     "load_job_seconds": "Load job time, submission to completion, seconds.",
@@ -342,6 +351,11 @@ class KvtierTierManager(SecondaryTierManager):
                         or ".", exist_ok=True)
 
         self._engine = kvtier.Engine(cfg, primary_kv_view)
+        # With deferred_release (0.34) a failed promotion is reported when it resolves; the
+        # chunks go back to vLLM's pool when its event is set. Store jobs, which vLLM never
+        # defers, wait here (in _held_stores) until their chunks are free.
+        self._engine.set_early_results(_DEFERRED_RELEASE)
+        self._held_stores: list[Any] = []
         info = self._engine.info()
         if files_layout:
             expected = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
@@ -460,7 +474,14 @@ class KvtierTierManager(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out, self._refused = self._refused, []
-        for r in self._engine.poll_finished():
+        results = self._engine.poll_finished()
+        if self._held_stores:
+            results = [r for r in self._held_stores if r.released] + results
+            self._held_stores = [r for r in self._held_stores if not r.released]
+        for r in results:
+            if r.kind == "store" and not r.released:
+                self._held_stores.append(r)
+                continue
             self._pending.discard(r.job_id)
             self._job_seconds[r.kind].append(r.transfer_seconds)
             successful = None
@@ -484,15 +505,19 @@ class KvtierTierManager(SecondaryTierManager):
                         "kvtier tier '%s': store job %s failed: %s",
                         self.tier_type, r.job_id, r.failures[:3],
                     )
-            out.append(
-                JobResult(
-                    job_id=r.job_id,
-                    success=r.success,
-                    successful_keys=successful,
-                    transfer_time=r.transfer_seconds,
-                    transfer_bytes=r.transfer_bytes,
-                )
+            result = JobResult(
+                job_id=r.job_id,
+                success=r.success,
+                successful_keys=successful,
+                transfer_time=r.transfer_seconds,
+                transfer_bytes=r.transfer_bytes,
             )
+            if r.release is not None and not r.success:
+                # Only a failed promotion gets here unreleased (0.34, or after a shutdown that
+                # gave up on a hung device): vLLM keeps the failed keys' chunks until it is set.
+                if _DEFERRED_RELEASE:
+                    result.deferred_release = r.release
+            out.append(result)
         return out
 
     def has_pending_work(self) -> bool:
@@ -523,7 +548,10 @@ class KvtierTierManager(SecondaryTierManager):
         return
 
     def drain_jobs(self) -> None:
-        self._engine.drain()
+        # vLLM's contract: every job's result available and every deferred_release set when
+        # this returns (a hung device blocks here, visibly, rather than hand back chunks it may
+        # still write).
+        self._engine.drain_released()
 
     def shutdown(self) -> None:
         # The engine's shutdown is idempotent and every caller waits for the first to finish.

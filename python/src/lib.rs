@@ -6,7 +6,9 @@
 //! * The region is the caller's buffer, used in place: its pages are registered as the rings'
 //!   fixed buffers. The engine holds the buffer export until `shutdown` has joined every worker,
 //!   and releases it only then, so the exporter cannot free, resize or unmap the memory while
-//!   the kernel may still touch it. The one `unsafe` block (wrapping that memory as a `Region`)
+//!   the kernel may still touch it. If a worker gave up on I/O past its deadline, the export is
+//!   kept for the life of the process (a warning names the blocks held): a late read could
+//!   otherwise land in memory the exporter has reused. The one `unsafe` block (wrapping that memory as a `Region`)
 //!   is below, with its SAFETY argument.
 //! * Every call that waits (open, drain, wait_finished, shutdown) releases the GIL; no engine
 //!   thread ever takes it (results are converted on the caller's thread).
@@ -72,10 +74,76 @@ struct JobOutcome {
     transfer_bytes: u64,
     /// Submission to result, seconds.
     transfer_seconds: f64,
+    /// None: the job's blocks were free when it was reported. Else an event, set once no I/O
+    /// of kvtier can reach them (early results, or a shutdown that gave up on a hung I/O).
+    release: Option<Py<ReleaseEvent>>,
+}
+
+/// Set once no I/O of kvtier can reach a job's region blocks: usable where vLLM expects a
+/// `threading.Event` (`is_set`, `wait`). Only kvtier sets it.
+#[pyclass(frozen, module = "kvtier._native")]
+struct ReleaseEvent {
+    release: kvtier::Release,
+}
+
+#[pymethods]
+impl ReleaseEvent {
+    /// The job whose blocks this is about.
+    #[getter]
+    fn job_id(&self) -> u64 {
+        self.release.job_id()
+    }
+
+    /// Distinct region blocks the job named.
+    #[getter]
+    fn blocks(&self) -> usize {
+        self.release.blocks()
+    }
+
+    fn is_set(&self) -> bool {
+        self.release.is_released()
+    }
+
+    /// Waits (GIL released) until set or `timeout` seconds pass (None: no limit); returns
+    /// `is_set()`, as `threading.Event.wait` does.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let timeout = match timeout {
+            None => None,
+            Some(t) if t.is_finite() => Some(Duration::from_secs_f64(t.max(0.0))),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "timeout = {t}: a finite number of seconds, or None"
+                )))
+            }
+        };
+        Ok(py.detach(|| self.release.wait(timeout)))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ReleaseEvent(job_id={}, blocks={}, set={})",
+            self.release.job_id(),
+            self.release.blocks(),
+            if self.release.is_released() {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
 }
 
 #[pymethods]
 impl JobOutcome {
+    /// Whether the job's blocks are the caller's again now.
+    #[getter]
+    fn released(&self) -> bool {
+        self.release
+            .as_ref()
+            .is_none_or(|r| r.get().release.is_released())
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "JobResult(job_id={}, kind='{}', success={}, succeeded_prefix={}, transfer_bytes={}, transfer_seconds={:.6})",
@@ -135,6 +203,8 @@ struct PyEngine {
     jobs: Mutex<HashMap<u64, Vec<Key>>>,
     /// The buffer export that keeps the region's memory in place; taken by `shutdown`.
     export: Mutex<Option<PyBuffer<u8>>>,
+    /// Set by the first `shutdown`: what it could not stop.
+    stopped: Mutex<Option<kvtier::ShutdownReport>>,
 }
 
 fn extract_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
@@ -305,6 +375,10 @@ impl PyEngine {
                 failures: failures.unbind(),
                 transfer_bytes: r.bytes,
                 transfer_seconds: r.elapsed.as_secs_f64(),
+                release: match r.release {
+                    Some(release) => Some(Py::new(py, ReleaseEvent { release })?),
+                    None => None,
+                },
             });
         }
         Ok(out)
@@ -370,6 +444,7 @@ impl PyEngine {
             region,
             jobs: Mutex::new(HashMap::new()),
             export: Mutex::new(Some(buf)),
+            stopped: Mutex::new(None),
         })
     }
 
@@ -466,26 +541,75 @@ impl PyEngine {
         py.detach(|| self.engine.drain());
     }
 
+    /// `drain`, then waits (GIL released) until every job is reported and its blocks are free,
+    /// I/O past its deadline included.
+    fn drain_released(&self, py: Python<'_>) {
+        py.detach(|| self.engine.drain_released());
+    }
+
+    /// Reports a job whose blocks an I/O past its deadline still holds when it resolves
+    /// (`release` set on its result), instead of once the blocks are free (the default).
+    fn set_early_results(&self, early: bool) {
+        self.engine.set_early_results(early);
+    }
+
     /// Stops the engine (GIL released); idempotent. Queued jobs fail with reason "shutdown";
-    /// results stay available to `poll_finished`. Then releases the region.
-    fn shutdown(&self, py: Python<'_>) {
-        py.detach(|| self.engine.shutdown());
-        // Every worker has been joined: nothing can touch the region any more.
+    /// results stay available to `poll_finished`. Then releases the region, unless a worker
+    /// gave up on I/O that may still reach it: then the export is kept for the life of the
+    /// process and a `ResourceWarning` names the blocks held. Returns what could not be
+    /// stopped (`workers_gave_up`, `ops_in_flight`, `jobs_held`, `blocks_held`).
+    fn shutdown<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let report = py.detach(|| self.engine.shutdown());
+        let first = self
+            .stopped
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(report)
+            .is_none();
         let export = self
             .export
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        drop(export);
+        if report.clean() {
+            // Every worker has been joined: nothing can touch the region any more.
+            drop(export);
+        } else if let Some(export) = export {
+            // The device may still write the memory: it stays exported (the exporter cannot
+            // free or resize it) for the life of the process.
+            std::mem::forget(export);
+        }
+        if first && !report.clean() {
+            let msg = std::ffi::CString::new(format!(
+                "kvtier: shutdown gave up on {} I/O past its deadline ({} workers); {} region \
+                 blocks of {} jobs may still be written by the device, so the region's buffer \
+                 stays exported (never freed or resized) for the life of this process",
+                report.ops_in_flight, report.workers_gave_up, report.blocks_held, report.jobs_held
+            ))
+            .unwrap_or_default();
+            PyErr::warn(
+                py,
+                &py.get_type::<pyo3::exceptions::PyResourceWarning>(),
+                &msg,
+                1,
+            )?;
+        }
+        let d = PyDict::new(py);
+        d.set_item("workers_gave_up", report.workers_gave_up)?;
+        d.set_item("ops_in_flight", report.ops_in_flight)?;
+        d.set_item("jobs_held", report.jobs_held)?;
+        d.set_item("blocks_held", report.blocks_held)?;
+        d.set_item("clean", report.clean())?;
+        Ok(d)
     }
 
-    /// Whether `shutdown` has released the region.
+    /// Whether `shutdown` has run (the region is released unless it reported I/O held).
     #[getter]
     fn is_shut_down(&self) -> bool {
-        self.export
+        self.stopped
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .is_none()
+            .is_some()
     }
 
     /// Stored and removed events since the last call.
@@ -586,8 +710,17 @@ impl Drop for PyEngine {
     fn drop(&mut self) {
         // Dropped by Python's garbage collector without `shutdown`: stop the workers before
         // the buffer export is released (fields drop after this), without holding the GIL
-        // while they finish their I/O.
-        Python::attach(|py| py.detach(|| self.engine.shutdown()));
+        // while they finish their I/O. If the stop gave up on I/O that may still reach the
+        // region, the export is kept for good, as `shutdown` does.
+        let report = Python::attach(|py| py.detach(|| self.engine.shutdown()));
+        if !report.clean() {
+            let export = self
+                .export
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            std::mem::forget(export);
+        }
     }
 }
 
@@ -619,6 +752,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyEngine>()?;
     m.add_class::<JobOutcome>()?;
+    m.add_class::<ReleaseEvent>()?;
     m.add_class::<EventOut>()?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;

@@ -52,6 +52,7 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
         demotions,
         demotions_dropped,
         jobs_in_flight,
+        blocks_held_by_hung_io,
         events_dropped,
         worker_cpu_seconds,
     );

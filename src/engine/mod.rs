@@ -22,6 +22,7 @@ use crate::files::device::ScanReport;
 use crate::io::Region;
 use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::metrics::Stats;
+use crate::release::ShutdownReport;
 use crate::route::Router;
 use crate::slab::Geometry;
 use crate::worker::{self, Msg, WorkerShared};
@@ -170,19 +171,51 @@ impl Engine {
         self.shared.jobs_in_flight.load(Ordering::Acquire)
     }
 
-    /// Blocks until every submitted job has completed or failed. Afterwards no I/O touches the
-    /// region until the next submit; results wait in `poll_finished`.
+    /// How results report a job whose region blocks an I/O still holds after the job resolved
+    /// (an I/O past its deadline): `false` (the default) reports it once the blocks are free;
+    /// `true` reports it when it resolves, with [`JobResult::release`] set to a
+    /// [`Release`](crate::Release) to wait on. Either way the blocks are the caller's only
+    /// once [`JobResult::released`] is true. Applies to jobs resolving from now on.
+    pub fn set_early_results(&self, early: bool) {
+        self.shared.early_results.store(early, Ordering::Relaxed);
+    }
+
+    /// Blocks until every submitted job has resolved. Afterwards no I/O touches the region until
+    /// the next submit, except the blocks of jobs whose I/O outlived its deadline: those jobs
+    /// are reported (and their blocks free) once the device answers, or by `shutdown`; results
+    /// wait in `poll_finished`.
     pub fn drain(&self) {
         let mut guard = self
             .shared
             .idle_lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        while self.shared.jobs_in_flight.load(Ordering::Acquire) > 0 {
+        while self.shared.jobs_unresolved() > 0 {
             guard = self
                 .shared
                 .idle
                 .wait_timeout(guard, Duration::from_millis(50))
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Blocks until every submitted job is reported and its blocks are free: [`Engine::drain`],
+    /// then the I/O past its deadline too. Waits for as long as a hung device does (forever if
+    /// it never answers): for a caller that must not go on while any I/O could still reach the
+    /// region (vLLM's `drain_jobs`).
+    pub fn drain_released(&self) {
+        let mut guard = self
+            .shared
+            .idle_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        while self.shared.jobs_in_flight.load(Ordering::Acquire) > 0 || self.shared.held.jobs() > 0
+        {
+            guard = self
+                .shared
+                .idle
+                .wait_timeout(guard, Duration::from_millis(20))
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
@@ -194,7 +227,14 @@ impl Engine {
     /// call returns only after the workers have stopped touching the region. Later submits fail
     /// with [`Error::Shutdown`](crate::Error::Shutdown). Results stay available to
     /// `poll_finished`.
-    pub fn shutdown(&self) {
+    ///
+    /// A worker whose I/O outlives its deadline by the stop gives up waiting (its ring and the
+    /// region stay allocated, since the device may still write them): every job is still
+    /// reported, those whose blocks the I/O may reach with an unset
+    /// [`JobResult::release`]. The report says what could not be stopped; the caller must
+    /// keep the region's memory (never free or reuse it) unless it is
+    /// [`clean`](ShutdownReport::clean).
+    pub fn shutdown(&self) -> ShutdownReport {
         let _serial = self
             .shutting_down
             .lock()
@@ -205,7 +245,7 @@ impl Engine {
                 .write()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             if self.shut.swap(true, Ordering::AcqRel) {
-                return;
+                return self.shutdown_report();
             }
         }
         // S3 first: queued requests fail, running ones end within the timeout; promotions they
@@ -252,6 +292,31 @@ impl Engine {
         if let Some(server) = server {
             server.stop();
         }
+        // Every job is reported by now; those whose blocks a hung I/O holds say so.
+        self.shared.report_held();
+        let report = self.shutdown_report();
+        if !report.clean() {
+            tracing::error!(
+                workers_gave_up = report.workers_gave_up,
+                ops_in_flight = report.ops_in_flight,
+                jobs_held = report.jobs_held,
+                blocks_held = report.blocks_held,
+                "shutdown: I/O past its deadline may still reach region blocks; they stay \
+                 leased and the region must stay allocated"
+            );
+        }
+        report
+    }
+
+    /// What shutdown could not stop (see [`Engine::shutdown`]).
+    fn shutdown_report(&self) -> ShutdownReport {
+        let s = &self.shared;
+        ShutdownReport {
+            workers_gave_up: s.workers_gave_up.load(Ordering::Acquire),
+            ops_in_flight: s.ops_given_up.load(Ordering::Acquire),
+            jobs_held: s.held.jobs(),
+            blocks_held: s.held.blocks(),
+        }
     }
 
     /// Stored and removed events since the last call (empty unless `events.enabled`).
@@ -287,6 +352,6 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.shutdown();
+        let _ = self.shutdown();
     }
 }

@@ -109,6 +109,7 @@ impl StatsSource {
         s.jobs = self.shared.metrics.jobs();
         s.lookups = self.shared.metrics.lookups();
         s.jobs_in_flight = self.shared.jobs_in_flight.load(Ordering::Acquire) as u64;
+        s.blocks_held_by_hung_io = self.shared.held.blocks();
         s.s3 = self.cold.get().map(|c| c.stats());
         s.events_dropped = self.shared.events.dropped();
         s

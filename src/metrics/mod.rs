@@ -514,6 +514,10 @@ pub struct Stats {
     /// Evicted blocks not demoted (no staging slot free, or the read failed).
     pub demotions_dropped: u64,
     pub jobs_in_flight: u64,
+    /// Region blocks of resolved jobs that an I/O still holds (past its deadline, or a store's
+    /// write whose key failed first): the caller gets them back when it completes, never if it
+    /// does not. `kvtier_blocks_held_by_hung_io`.
+    pub blocks_held_by_hung_io: u64,
     pub events_dropped: u64,
     /// CPU time used by the worker threads, in seconds.
     pub worker_cpu_seconds: f64,

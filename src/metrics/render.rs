@@ -13,6 +13,7 @@
 //! | `kvtier_job_seconds` | histogram | `op` |
 //! | `kvtier_load_job_under_stores_seconds` | histogram | |
 //! | `kvtier_jobs_in_flight` | gauge | |
+//! | `kvtier_blocks_held_by_hung_io` | gauge | |
 //! | `kvtier_backpressure_refusals_total` | counter | `limit` |
 //! | `kvtier_lookups_total` | counter | `answer` (hit_nvme, hit_s3, miss, pending) |
 //! | `kvtier_blocks_total` | counter | `op`, `result` (ok, failed, miss, present) |
@@ -255,6 +256,13 @@ fn jobs(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
         "Jobs submitted whose result is not published yet.",
         None,
         vec![(Vec::new(), gauge(s.jobs_in_flight))],
+    )?;
+    o.gauges(
+        "kvtier_blocks_held_by_hung_io",
+        "Region blocks of resolved jobs that an I/O still holds (past its deadline): the \
+         caller gets them back when it completes.",
+        None,
+        vec![(Vec::new(), gauge(s.blocks_held_by_hung_io))],
     )?;
     o.counters(
         "kvtier_backpressure_refusals",

@@ -55,8 +55,7 @@ impl Inner {
                 copies.push((*key, self.copy_block(*block)));
             }
             let n_copied = copies.len();
-            lease.release();
-            self.shared.finish(nvme);
+            self.shared.release_then_deliver(&lease, nvme, None);
             for (key, body) in copies {
                 let me = Arc::clone(&self);
                 self.spawn(async move {
@@ -99,11 +98,11 @@ impl Inner {
                 uploads.push(done);
             }
         }
-        lease.release();
-        self.shared.finish(JobResult {
+        let result = JobResult {
             elapsed: submitted.elapsed(),
             ..nvme.with_uploads(uploads)
-        });
+        };
+        self.shared.release_then_deliver(&lease, result, None);
     }
 
     /// Uploads one block copy while holding a request slot; records the verdict and the event.

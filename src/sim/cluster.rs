@@ -286,6 +286,12 @@ impl Cluster {
         };
         let workers = cores.len();
         let (shared, results) = Shared::new(EventSink::new(false, 1, None));
+        // Half the clusters play a caller that takes early results (vLLM 0.34's
+        // deferred_release), half one that gets each result once its blocks are free.
+        shared.early_results.store(
+            crate::sim::Rng::new(seed ^ 0xEA51).below(2) == 1,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let demote_sink: Option<DemoteSink> =
             cold.as_ref().and_then(|c| c.demote_sink()).map(|f| {
                 let sink = DemoteSink::default();
@@ -551,6 +557,24 @@ impl Cluster {
             }
         }
         p
+    }
+
+    /// As `Engine::set_early_results`.
+    pub fn set_early_results(&self, early: bool) {
+        self.shared
+            .early_results
+            .store(early, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// As `Engine::shutdown` once its workers ended: reports every result still waiting for
+    /// a hung I/O to free its blocks, with its release unset.
+    pub fn report_held(&self) {
+        self.shared.report_held();
+    }
+
+    /// Jobs whose blocks came back after an I/O held them past the job's resolution.
+    pub fn released_late(&self) -> u64 {
+        self.shared.held.released_late()
     }
 
     pub fn jobs_in_flight(&self) -> usize {

@@ -48,6 +48,15 @@ pub(super) const FAIL_AFTER_TIMEOUTS: usize = 3;
 pub(super) const FAILURE_WINDOW_DEADLINES: u32 = 10;
 
 impl<O: LayoutOp> Core<O> {
+    /// The worker gives up waiting for I/O past its deadline at a stop: counted for
+    /// `Engine::shutdown`'s report (the worker, its ring and the region are leaked).
+    pub fn give_up(&self) {
+        self.shared.workers_gave_up.fetch_add(1, Ordering::AcqRel);
+        self.shared
+            .ops_given_up
+            .fetch_add(self.backend.in_flight(), Ordering::AcqRel);
+    }
+
     /// Store `idx` is ready to write its data: plans its chunks and queues it for issue.
     pub fn begin_writing(&mut self, idx: u32) {
         let plan = self.sched.plan_store(!self.loads.is_empty());

@@ -287,6 +287,7 @@ impl<L: Layout> Worker<L> {
                      region stay allocated (leaked) so the device can never write freed memory. \
                      Check the device (dmesg) before reusing it"
                 );
+                self.core.give_up();
                 std::mem::forget(self);
                 return;
             }

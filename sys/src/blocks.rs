@@ -175,7 +175,13 @@ pub struct Lease {
     /// The holder's reference (until [`Lease::release`]) plus one per [`LeaseHold`]; the
     /// blocks go back when it reaches 0.
     refs: AtomicU32,
+    /// Runs once the blocks went back, when the holder released them while holds were left
+    /// ([`Lease::release_when_free`]).
+    on_free: std::sync::Mutex<Option<OnFree>>,
 }
+
+/// What runs once a lease's blocks went back to the region (see [`Lease::release_when_free`]).
+pub type OnFree = Box<dyn FnOnce() + Send>;
 
 /// Keeps a [`Lease`]'s blocks from going back to the region past the holder's release, for an
 /// I/O that may still move their bytes (one that outlived its deadline, or a store's write
@@ -196,6 +202,7 @@ impl Lease {
             exclusive,
             released: std::sync::atomic::AtomicBool::new(false),
             refs: AtomicU32::new(1),
+            on_free: std::sync::Mutex::new(None),
         }
     }
 
@@ -221,6 +228,37 @@ impl Lease {
         }
     }
 
+    /// Releases the holder's reference as [`Lease::release`] does and says when the blocks are
+    /// back: `true` if they went back now (nothing else held them; `on_free` is not called),
+    /// else `on_free()` is called once and what it returns runs when the last [`LeaseHold`]
+    /// goes (on the thread that drops it; at once if that happened meanwhile). Never, if a
+    /// hold is never dropped: an I/O that never completes keeps the blocks for good. A second
+    /// release returns whether the blocks are back and calls nothing.
+    pub fn release_when_free(&self, on_free: impl FnOnce() -> OnFree) -> bool {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return self.refs.load(Ordering::Acquire) == 0;
+        }
+        if self
+            .refs
+            .compare_exchange(1, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.give_back();
+            return true;
+        }
+        *self
+            .on_free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(on_free());
+        self.unref();
+        false
+    }
+
+    /// Whether the blocks went back to the region (released, and no hold left).
+    pub fn is_free(&self) -> bool {
+        self.refs.load(Ordering::Acquire) == 0
+    }
+
     /// Keeps the blocks past [`Lease::release`] until the returned hold is dropped. `None` if
     /// they already went back (the holder released and no hold was left): there is nothing to
     /// keep then.
@@ -242,9 +280,21 @@ impl Lease {
 
     fn unref(&self) {
         if self.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
-            if let Some(g) = self.region.blocks() {
-                g.give_all(&self.blocks, self.exclusive);
+            self.give_back();
+            let on_free = self
+                .on_free
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(f) = on_free {
+                f();
             }
+        }
+    }
+
+    fn give_back(&self) {
+        if let Some(g) = self.region.blocks() {
+            g.give_all(&self.blocks, self.exclusive);
         }
     }
 
@@ -415,6 +465,48 @@ mod tests {
         );
         drop(again);
         assert!(!r.is_leased(0));
+    }
+
+    #[test]
+    fn release_when_free_says_when_the_last_hold_goes() {
+        use std::sync::atomic::AtomicUsize;
+        let r = guarded(3);
+        let quick = r.lease(&[0], true).expect("free");
+        let called = Arc::new(AtomicUsize::new(0));
+        let c = Arc::clone(&called);
+        assert!(
+            quick.release_when_free(move || Box::new(move || {
+                c.fetch_add(1, Ordering::SeqCst);
+            })),
+            "nothing held it: back at once"
+        );
+        assert!(quick.is_free() && !r.is_leased(0));
+        assert_eq!(
+            called.load(Ordering::SeqCst),
+            0,
+            "the fast path calls nothing"
+        );
+
+        let held = Arc::new(r.lease(&[1, 2], true).expect("free"));
+        let io = held.hold().expect("held");
+        let c = Arc::clone(&called);
+        let region = Arc::clone(&r);
+        assert!(!held.release_when_free(move || Box::new(move || {
+            // Runs once the blocks are back: a caller woken here may take them at once.
+            assert!(!region.is_leased(1) && !region.is_leased(2));
+            c.fetch_add(1, Ordering::SeqCst);
+        })));
+        assert!(r.is_leased(1) && !held.is_free());
+        assert_eq!(
+            called.load(Ordering::SeqCst),
+            0,
+            "the I/O still holds the blocks"
+        );
+        drop(io);
+        assert_eq!(called.load(Ordering::SeqCst), 1, "the last hold ran it");
+        assert!(held.is_free() && !r.is_leased(2));
+        assert!(held.release_when_free(|| unreachable!("released already")));
+        assert_eq!(called.load(Ordering::SeqCst), 1, "once");
     }
 
     #[test]

@@ -48,7 +48,7 @@ use crate::sim::object_store::{
 };
 use crate::sim::{Faults, Rng, SimStorage};
 use crate::tier::{Lookup, Tier};
-use crate::Region;
+use crate::{Region, Release};
 
 use super::Cluster;
 
@@ -80,9 +80,12 @@ pub struct Report {
     /// (`io_timeout_ms`) meanwhile.
     pub hangs: u64,
     pub timeouts: u64,
-    /// Region blocks a job kept leased after its result (an I/O past its deadline, or a
-    /// store's write whose key failed first), each given back once the I/O completed.
+    /// Jobs reported before their blocks were free (early results, or a stop that gave up
+    /// on a hung I/O), each given back once its release was set.
     pub held_past_result: u64,
+    /// Jobs whose blocks an I/O held after they resolved (an I/O past its deadline, or a
+    /// store's write whose key failed first), given back when it completed.
+    pub released_late: u64,
     /// Files layout: block files another process published in the directory, removed, and
     /// keys the campaign never stored that loads served exactly from such files.
     pub neighbour_published: u64,
@@ -116,6 +119,7 @@ impl Report {
         self.hangs += r.hangs;
         self.timeouts += r.timeouts;
         self.held_past_result += r.held_past_result;
+        self.released_late += r.released_late;
         self.neighbour_published += r.neighbour_published;
         self.neighbour_removed += r.neighbour_removed;
         self.neighbour_served += r.neighbour_served;
@@ -139,9 +143,9 @@ struct Run {
     rng: Rng,
     region: Arc<Region>,
     free: Vec<u32>,
-    /// Blocks of reported jobs that the region still leases (an I/O past its deadline may
-    /// still move their bytes): a caller reuses them only once `Region::is_leased` is false.
-    held: Vec<u32>,
+    /// Blocks of jobs reported before they were free (early results, or a stop that gave up
+    /// on a hung I/O): a caller reuses them only once the result's release is set.
+    held: Vec<(Release, Vec<u32>)>,
     pending: HashMap<u64, Pending>,
     reported: HashSet<u64>,
     next_id: u64,
@@ -243,7 +247,7 @@ impl Run {
     /// results and objects are checked.
     fn act(&mut self, cluster: &mut Cluster) -> Result<(), String> {
         self.report.steps += 1;
-        self.reclaim();
+        self.reclaim()?;
         match self.rng.below(100) {
             0..12 => self.submit(cluster, JobKind::Store),
             12..24 => self.submit(cluster, JobKind::Load),
@@ -264,19 +268,35 @@ impl Run {
             .pending
             .drain()
             .flat_map(|(_, p)| p.blocks)
-            .chain(self.held.drain(..))
+            .chain(self.held.drain(..).flat_map(|(_, b)| b))
             .collect();
         self.free.extend(blocks);
         self.no_block_leased("after the process died")
     }
 
-    /// Gives back the blocks of reported jobs that the region no longer leases.
-    fn reclaim(&mut self) {
-        let region = &self.region;
-        let (back, still): (Vec<u32>, Vec<u32>) =
-            self.held.drain(..).partition(|&b| !region.is_leased(b));
+    /// Gives back the blocks of reported jobs whose release is set: the rule check (no region
+    /// block of a job is still leased once kvtier says it is the caller's).
+    fn reclaim(&mut self) -> Result<(), String> {
+        let (back, still): (Vec<_>, Vec<_>) =
+            self.held.drain(..).partition(|(r, _)| r.is_released());
         self.held = still;
-        self.free.extend(back);
+        for (release, blocks) in back {
+            self.give_back(release.job_id(), blocks)?;
+        }
+        Ok(())
+    }
+
+    /// Job `job`'s blocks are the caller's again, says kvtier: none may still be leased (a
+    /// device transfer could reach it), and the caller reuses them at once.
+    fn give_back(&mut self, job: u64, blocks: Vec<u32>) -> Result<(), String> {
+        if let Some(b) = blocks.iter().find(|&&b| self.region.is_leased(b)) {
+            return Err(format!(
+                "job {job}: its blocks were given back while block {b} is still leased (an I/O \
+                 may still reach it)"
+            ));
+        }
+        self.free.extend(blocks);
+        Ok(())
     }
 
     /// Once nothing is in flight, no region block is leased (every lease ends with its job's
@@ -386,14 +406,13 @@ impl Run {
                     (JobKind::Store, false) => self.report.stores_failed += 1,
                 }
             }
-            // A caller reuses a block only once the region no longer leases it.
-            for b in p.blocks {
-                if self.region.is_leased(b) {
+            // A caller reuses a job's blocks once kvtier says they are free.
+            match r.release {
+                Some(release) if !release.is_released() => {
                     self.report.held_past_result += 1;
-                    self.held.push(b);
-                } else {
-                    self.free.push(b);
+                    self.held.push((release, p.blocks));
                 }
+                _ => self.give_back(r.id, p.blocks)?,
             }
         }
         Ok(())
@@ -406,7 +425,14 @@ impl Run {
             return Err(self.unreported(cluster));
         }
         cluster.check_quiet()?;
-        self.reclaim();
+        self.report.released_late += cluster.released_late();
+        self.reclaim()?;
+        if let Some((r, _)) = self.held.first() {
+            return Err(format!(
+                "job {}: settled, and its release never set",
+                r.job_id()
+            ));
+        }
         self.no_block_leased("once the cluster settled")?;
         self.check_objects(true)
     }
@@ -510,6 +536,9 @@ impl Run {
         for _ in 0..200_000 {
             let p = cluster.stop_progress();
             if p.running == 0 && cold_quiet(&self.cold) {
+                // As Engine::shutdown: results still waiting for a hung I/O are reported,
+                // saying their blocks are not free.
+                cluster.report_held();
                 self.collect(cluster)?;
                 if !self.pending.is_empty() {
                     return Err(format!(
@@ -1019,6 +1048,8 @@ mod clock_tests {
         )
         .expect("region");
         let mut cluster = Cluster::open(&config, &region, &storage, 5).expect("opens");
+        // The result at the deadline, saying its block is not free yet.
+        cluster.set_early_results(true);
         let key = Key::new(b"hung").expect("key");
         cluster
             .submit(JobKind::Store, Job::new(1, vec![key], vec![0]))
@@ -1061,9 +1092,12 @@ mod clock_tests {
             "{}",
             f[0].detail
         );
+        let release = results[0].release.clone().expect("early: a release");
+        assert!(!release.is_released() && region.is_leased(1));
 
         storage.hang_device(0, false);
         assert!(cluster.settle(10_000), "the late completion is absorbed");
+        assert!(release.is_released() && !region.is_leased(1), "{release:?}");
         cluster.poll(&mut results);
         assert_eq!(results.len(), 1, "no job reported twice: {results:?}");
         cluster.check_quiet().expect("nothing left behind");

@@ -147,8 +147,8 @@ impl SimObjectStore {
                 (i, self.put(*key, &body, draw))
             })
             .collect();
-        lease.release();
-        conn.shared.finish(nvme.with_uploads(uploads));
+        conn.shared
+            .release_then_deliver(&lease, nvme.with_uploads(uploads), None);
     }
 
     pub(super) fn demote(&self, d: Demotion, draw: Draw) {
@@ -243,8 +243,7 @@ impl ColdTier for SimObjectStore {
                     let body = me.read_block(*block);
                     me.push(Request::Put { key: *key, body });
                 }
-                lease.release();
-                me.conn().shared.finish(nvme);
+                me.conn().shared.release_then_deliver(&lease, nvme, None);
                 return;
             }
             me.push(Request::UploadJob(Upload {
@@ -286,10 +285,10 @@ impl ColdTier for SimObjectStore {
                     job.fail(&conn.shared, index, KeyFailure::Shutdown, String::new());
                 }
                 Request::UploadJob(u) => {
-                    u.lease.release();
                     let shut =
                         (0..u.keys.len()).map(|i| (i, Err((KeyFailure::Shutdown, String::new()))));
-                    conn.shared.finish(u.nvme.with_uploads(shut));
+                    conn.shared
+                        .release_then_deliver(&u.lease, u.nvme.with_uploads(shut), None);
                 }
                 Request::Head { .. } | Request::Put { .. } | Request::Demote(_) => {}
             }
