@@ -307,7 +307,10 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
         assert!(f.detail.contains("load (read of slot"), "{}", f.detail);
     }
     assert!(blocks.iter().all(|&b| region.is_leased(b)));
-    let release = r.release.clone().expect("an early result carries its release");
+    let release = r
+        .release
+        .clone()
+        .expect("an early result carries its release");
     assert!(!release.is_released());
     // That many timeouts marked the device failed: its keys are misses now, at once.
     assert_eq!(engine.stats().devices_failed, 1);
@@ -318,7 +321,7 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
         "{r:?}"
     );
     assert!(
-        engine.stats().blocks_held_by_hung_io >= 1 + blocks.len() as u64,
+        engine.stats().blocks_held_by_hung_io > blocks.len() as u64,
         "{:?}",
         engine.stats().blocks_held_by_hung_io
     );

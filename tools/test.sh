@@ -26,8 +26,10 @@ venv="${KVTIER_VENV:-$PWD/target/python-venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # numpy and typing_extensions are what the vLLM tiering modules import besides the standard
 # library; the metric tests parse kvtier's text with prometheus_client's parsers.
+# mfusepy (ctypes over libfuse3) serves the FUSE file system whose reads fail
+# (python/tests/failing_fs.py).
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "numpy>=1.26" "pytest>=8" \
-  typing_extensions "prometheus_client>=0.20"
+  typing_extensions "prometheus_client>=0.20" "mfusepy>=3"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps ./python
 export KVTIER_VLLM_WHEEL_DIR="${KVTIER_VLLM_WHEEL_DIR:-$HOME/.cache/kvtier/vllm-wheel}"
 if ! ls "$KVTIER_VLLM_WHEEL_DIR"/vllm-0.33.0-*.whl >/dev/null 2>&1; then

@@ -7,8 +7,9 @@
 //! processes have temp files too), and scans every published block to seed the index and its
 //! LRU order (from file times).
 //!
-//! Capacity accounting across processes: every kvtier process on the directory maps one shared
-//! counter (`.kvtier-usage` in the data directory) and adds a block's bytes *before* writing it,
+//! Capacity accounting across processes: every kvtier process on the directory updates one shared
+//! counter (`.kvtier-usage` in the data directory, `pread`/`pwrite` under a byte-range lock: a
+//! file system failing the read fails the store or the open, never the process) and adds a block's bytes *before* writing it,
 //! subtracting them when it removes a file. A store that would push the counter past
 //! `capacity_bytes` evicts first and waits for the removals, so the bytes on disk written through
 //! kvtier never exceed the bound. Each live process holds `.kvtier-lock` shared; a process that
@@ -80,6 +81,22 @@ pub(crate) struct FilesDevice {
 }
 
 impl FilesDevice {
+    /// Gives `bytes` reserved in the shared usage counter back; a counter the file system
+    /// cannot read or write is logged (the bound may then count too much until a process alone
+    /// on the directory resets it at open), never fatal.
+    pub fn unreserve(&self, bytes: u64) -> Result<(), String> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.usage.sub_saturating(bytes).map(|_| ()).map_err(|e| {
+            format!(
+                "{}/.kvtier-usage: giving back {bytes} bytes failed: {}",
+                self.data_dir.display(),
+                e.desc()
+            )
+        })
+    }
+
     pub fn open(
         index: usize,
         cfg: &DeviceConfig,
@@ -142,7 +159,9 @@ impl FilesDevice {
             .try_exclusive()
             .map_err(|e| fail("locking .kvtier-lock", &e.desc()))?;
         if alone {
-            usage.store(report.bytes);
+            usage
+                .store(report.bytes)
+                .map_err(|e| fail("writing .kvtier-usage", &e.desc()))?;
             report.usage_reset = true;
         }
         lock.shared()

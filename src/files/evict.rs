@@ -147,7 +147,9 @@ impl FilesLayout {
         let d = op.dev as usize;
         // Only the process whose unlink succeeded gives the bytes back.
         if result == 0 {
-            self.devs[d].usage.sub_saturating(op.bytes);
+            if let Err(msg) = self.devs[d].unreserve(op.bytes) {
+                core.log_error(&msg);
+            }
         } else if result != -(Errno::ENOENT as i32) {
             let e = Errno::from_raw(-result);
             let msg = format!("removing {}: {}", op.dest.display(), e.desc());

@@ -34,6 +34,55 @@ use crate::Errno;
 use super::layout::{Entry, FilesLayout, Kind, Op, State, Step, EVICT_BATCH};
 
 impl FilesLayout {
+    /// Reserves a block's bytes in device `d`'s shared usage counter (with a capacity bound;
+    /// nothing without one), evicting when the bound is reached; `Err` says how the store's
+    /// start ends instead (blocked until space is freed, or resolved: failed).
+    fn reserve(
+        &mut self,
+        core: &mut Core<Op>,
+        job: &Arc<JobState>,
+        item: usize,
+        d: usize,
+    ) -> Result<(), Start> {
+        let dev = Arc::clone(&self.devs[d]);
+        if let Some(cap) = dev.capacity_bytes {
+            let before = match dev.usage.fetch_add(core.block_bytes) {
+                Ok(before) => before,
+                Err(e) => {
+                    // The file system cannot serve the shared counter (a FUSE or network file
+                    // system failing its reads): the store fails, the process lives.
+                    let detail = format!(
+                        "{}/.kvtier-usage: reserving {} bytes failed: {}",
+                        dev.data_dir.display(),
+                        core.block_bytes,
+                        e.desc()
+                    );
+                    core.store_failed(job, item, KeyFailure::Io(e), detail);
+                    return Err(Start::Resolved);
+                }
+            };
+            if before + core.block_bytes > cap {
+                if let Err(msg) = dev.unreserve(core.block_bytes) {
+                    core.log_error(&msg);
+                }
+                if self.removals_in_flight > 0 {
+                    return Err(Start::Blocked);
+                }
+                if self.evict(core, d, EVICT_BATCH) > 0 || Self::demotion_pending(core) {
+                    return Err(Start::Blocked);
+                }
+                let detail = format!(
+                    "{}: capacity_bytes {cap} reached ({before} bytes in use) and worker {} has no unpinned block to evict",
+                    dev.data_dir.display(),
+                    self.id
+                );
+                core.store_failed(job, item, KeyFailure::NoSpace, detail);
+                return Err(Start::Resolved);
+            }
+        }
+        Ok(())
+    }
+
     /// Starts a store: checks, reserves its bytes, opens its temp file.
     pub(super) fn begin_store(
         &mut self,
@@ -77,24 +126,8 @@ impl FilesLayout {
             return Start::Blocked;
         }
         // Reserve the bytes before the temp file exists, so the bound holds across processes.
-        if let Some(cap) = dev.capacity_bytes {
-            let before = dev.usage.fetch_add(core.block_bytes);
-            if before + core.block_bytes > cap {
-                dev.usage.sub_saturating(core.block_bytes);
-                if self.removals_in_flight > 0 {
-                    return Start::Blocked;
-                }
-                if self.evict(core, d, EVICT_BATCH) > 0 || Self::demotion_pending(core) {
-                    return Start::Blocked;
-                }
-                let detail = format!(
-                    "{}: capacity_bytes {cap} reached ({before} bytes in use) and worker {} has no unpinned block to evict",
-                    dev.data_dir.display(),
-                    self.id
-                );
-                core.store_failed(job, item, KeyFailure::NoSpace, detail);
-                return Start::Resolved;
-            }
+        if let Err(start) = self.reserve(core, job, item, d) {
+            return start;
         }
         let reserved = if dev.capacity_bytes.is_some() {
             core.block_bytes
@@ -102,7 +135,9 @@ impl FilesLayout {
             0
         };
         let Some(idx) = Self::alloc(core, Kind::Store) else {
-            dev.usage.sub_saturating(reserved);
+            if let Err(msg) = dev.unreserve(reserved) {
+                core.log_error(&msg);
+            }
             return Start::Blocked;
         };
         self.stores_opening += 1;
@@ -362,7 +397,9 @@ impl FilesLayout {
             // Another writer published the same key first: same content (keys are content
             // hashes), so this store succeeded; drop our copy and our reservation.
             let d = Arc::clone(&self.devs[dev as usize]);
-            d.usage.sub_saturating(core.ops[idx as usize].bytes);
+            if let Err(msg) = d.unreserve(core.ops[idx as usize].bytes) {
+                core.log_error(&msg);
+            }
             core.ops[idx as usize].bytes = 0;
             self.publish(core, key, dev, false);
             Self::succeed_store(core, idx, 0);
@@ -482,7 +519,9 @@ impl FilesLayout {
                 core.me.metrics.dev(d).io_error(ErrClass::of(e));
             }
         }
-        self.devs[d].usage.sub_saturating(reserved);
+        if let Err(msg) = self.devs[d].unreserve(reserved) {
+            core.log_error(&msg);
+        }
         if self
             .index
             .get(&key)

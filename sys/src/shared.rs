@@ -1,47 +1,44 @@
 //! State shared by every kvtier process that works on one directory: a [`SharedCounter`] (a u64
-//! in a small file mapped `MAP_SHARED`) and a [`FileLock`] (`flock(2)`) that tells a process
-//! whether it is alone.
+//! at offset 0 of a small file, read and written with `pread`/`pwrite` under a byte-range lock)
+//! and a [`FileLock`] (`flock(2)`) that tells a process whether it is alone.
 //!
-//! Invariants: a `SharedCounter`'s mapping stays mapped for the counter's whole life and is
-//! touched only through one `AtomicU64` at offset 0; kvtier never shrinks the file below
-//! [`COUNTER_FILE_BYTES`] (a shorter file would turn accesses into SIGBUS). A `FileLock`'s
+//! Invariants: a `SharedCounter` never maps its file: the directory may sit on a file system
+//! kvtier does not control (FUSE, NFS), where a failing read of a mapped page would kill the
+//! whole process with SIGBUS; a failing `pread` is an error the caller reports. A `FileLock`'s
 //! descriptor stays open for the lock's whole life, so the `flock` lock it holds (if any) lives
 //! exactly as long and is released when the `FileLock` is dropped or the process dies.
 
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use crate::{errno_of, Errno};
 
-/// Size of a counter file and of its mapping: one page.
+/// Size a counter file is grown to (older kvtier versions mapped one page of it).
 pub const COUNTER_FILE_BYTES: usize = 4096;
 
-/// A u64 counter in a small file mapped `MAP_SHARED`, so that several processes on one directory
-/// (and several mappings in one process) share it.
+/// The counter's bytes: a native-endian u64 at offset 0.
+const COUNTER_BYTES: usize = 8;
+
+/// A u64 counter in a small file, shared by several processes on one directory (and several
+/// handles in one process).
 ///
-/// Why cross-process atomics are sound here: every mapping of the file, in any process, maps
-/// the same physical page (the file's page-cache page); atomic read-modify-writes are
-/// `lock`-prefixed instructions on x86-64 (LSE or LL/SC on aarch64), which are coherent on
-/// physical memory whatever virtual address or process issues them; the counter is 8-aligned
-/// (offset 0 of a page-aligned mapping) as `AtomicU64` requires, and `AtomicU64` is always
-/// lock-free (never a lock in one process's memory). Every user of the file goes through
-/// `SharedCounter`, so no access is non-atomic; writing the file with write(2) or truncating it
-/// is outside the contract.
+/// Every read-modify-write holds an open-file-description lock (`F_OFD_SETLKW`) on the
+/// counter's 8 bytes, which excludes every other handle in any process, and this handle's own
+/// mutex, which excludes the other threads using it (they share its open file description).
+/// The value is read with `pread` and written with `pwrite`, so an I/O error (a FUSE or network
+/// file system failing a read) is an `Err`, never a signal. Writing the file by other means is
+/// outside the contract.
 #[derive(Debug)]
 pub struct SharedCounter {
-    /// Start of a `COUNTER_FILE_BYTES` read-write shared mapping, unmapped only on drop.
-    counter: NonNull<AtomicU64>,
+    file: File,
+    /// Serializes this handle's updates: its threads share one open file description, which
+    /// the OFD lock does not exclude from itself.
+    local: Mutex<()>,
 }
-
-// SAFETY: the mapping belongs to the process, not to a thread, and lives as long as the
-// SharedCounter.
-unsafe impl Send for SharedCounter {}
-// SAFETY: `&SharedCounter` only allows atomic operations on the mapped counter.
-unsafe impl Sync for SharedCounter {}
 
 impl SharedCounter {
     /// [`SharedCounter::open_in`] the directory of `path`, mode 0600.
@@ -53,7 +50,8 @@ impl SharedCounter {
     /// Opens the counter file `name` in the directory `dir` (never following a symlink:
     /// ELOOP; anything but a regular file is EINVAL), creating it (with exactly `mode`, value
     /// 0) if missing and growing it to [`COUNTER_FILE_BYTES`] if shorter (growing never changes
-    /// the counter, so processes racing to create it agree), and maps it.
+    /// the counter, so processes racing to create it agree), and reads the counter once, so a
+    /// file system that cannot serve it fails the open.
     pub fn open_in(dir: RawFd, name: &CStr, mode: u32) -> Result<SharedCounter, Errno> {
         let file = open_regular(dir, name, mode)?;
         let len = file.metadata().map_err(|e| errno_of(&e))?.len();
@@ -61,69 +59,83 @@ impl SharedCounter {
             file.set_len(COUNTER_FILE_BYTES as u64)
                 .map_err(|e| errno_of(&e))?;
         }
-        let fd = file.as_raw_fd();
-        // SAFETY: a new shared mapping of the file's first page at an address the kernel chooses
-        // (null hint, no MAP_FIXED) cannot overlap or alter any existing memory.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                COUNTER_FILE_BYTES,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
+        let counter = SharedCounter {
+            file,
+            local: Mutex::new(()),
         };
-        if ptr == libc::MAP_FAILED {
-            return Err(Errno::last());
-        }
-        // The mapping holds its own reference to the file: `file` may close now.
-        let counter = NonNull::new(ptr.cast::<AtomicU64>()).ok_or(Errno::ENOMEM)?;
-        Ok(SharedCounter { counter })
+        counter.load()?;
+        Ok(counter)
     }
 
-    fn atomic(&self) -> &AtomicU64 {
-        // SAFETY: `counter` is the start of a live read-write mapping of COUNTER_FILE_BYTES
-        // (page-aligned, so 8-aligned) that is unmapped only when self is dropped, and the
-        // bytes are only ever accessed atomically (see the type's documentation).
-        unsafe { self.counter.as_ref() }
-    }
-
-    pub fn load(&self) -> u64 {
-        self.atomic().load(Ordering::Acquire)
+    /// The value now.
+    pub fn load(&self) -> Result<u64, Errno> {
+        self.update(|v| v)
     }
 
     /// Adds `n` (wrapping on overflow) and returns the previous value.
-    pub fn fetch_add(&self, n: u64) -> u64 {
-        self.atomic().fetch_add(n, Ordering::AcqRel)
+    pub fn fetch_add(&self, n: u64) -> Result<u64, Errno> {
+        self.update(|v| v.wrapping_add(n))
     }
 
-    /// Subtracts `n` but never goes below 0 (a compare-and-swap loop); returns the previous
-    /// value.
-    pub fn sub_saturating(&self, n: u64) -> u64 {
-        let update = |v: u64| Some(v.saturating_sub(n));
-        // The closure never returns None, so fetch_update cannot fail; both arms carry the
-        // previous value.
-        match self
-            .atomic()
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, update)
-        {
-            Ok(prev) | Err(prev) => prev,
+    /// Subtracts `n` but never goes below 0; returns the previous value.
+    pub fn sub_saturating(&self, n: u64) -> Result<u64, Errno> {
+        self.update(|v| v.saturating_sub(n))
+    }
+
+    pub fn store(&self, n: u64) -> Result<(), Errno> {
+        self.update(|_| n).map(|_| ())
+    }
+
+    /// Replaces the value `v` by `f(v)` atomically with respect to every other handle and
+    /// thread; returns `v`. Writes nothing when `f(v) == v`.
+    fn update(&self, f: impl FnOnce(u64) -> u64) -> Result<u64, Errno> {
+        let _local = self.local.lock().unwrap_or_else(PoisonError::into_inner);
+        self.ofd_lock(libc::F_WRLCK as libc::c_short)?;
+        let result = self.read_modify_write(f);
+        let unlocked = self.ofd_lock(libc::F_UNLCK as libc::c_short);
+        let prev = result?;
+        unlocked?;
+        Ok(prev)
+    }
+
+    fn read_modify_write(&self, f: impl FnOnce(u64) -> u64) -> Result<u64, Errno> {
+        let mut buf = [0u8; COUNTER_BYTES];
+        let n = self.file.read_at(&mut buf, 0).map_err(|e| errno_of(&e))?;
+        if n != COUNTER_BYTES {
+            // The file is never shorter than a page (see open_in): someone truncated it.
+            return Err(Errno::EIO);
         }
+        let prev = u64::from_ne_bytes(buf);
+        let next = f(prev);
+        if next != prev {
+            self.file
+                .write_all_at(&next.to_ne_bytes(), 0)
+                .map_err(|e| errno_of(&e))?;
+        }
+        Ok(prev)
     }
 
-    pub fn store(&self, n: u64) {
-        self.atomic().store(n, Ordering::Release);
-    }
-}
-
-impl Drop for SharedCounter {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was created by `open` with exactly this address and length, is
-        // unmapped only here, and no reference into it outlives `&self`.
-        let rc = unsafe { libc::munmap(self.counter.as_ptr().cast(), COUNTER_FILE_BYTES) };
-        if rc != 0 {
-            tracing::error!(errno = %Errno::last(), "munmap of a shared counter failed");
+    /// `F_OFD_SETLKW` of `kind` (write lock, or unlock) over the counter's bytes, retried on
+    /// EINTR.
+    fn ofd_lock(&self, kind: libc::c_short) -> Result<(), Errno> {
+        // SAFETY: an all-zero flock is a valid value of this plain C struct.
+        let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+        lock.l_type = kind;
+        lock.l_whence = libc::SEEK_SET as libc::c_short;
+        lock.l_start = 0;
+        lock.l_len = 8; // COUNTER_BYTES
+                        // l_pid must be 0 for OFD locks (zeroed above).
+        loop {
+            // SAFETY: fcntl reads `lock`, a live, initialized flock; the fd is owned by self.
+            let rc =
+                unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLKW, &raw mut lock) };
+            if rc == 0 {
+                return Ok(());
+            }
+            match Errno::last() {
+                Errno::EINTR => {}
+                e => return Err(e),
+            }
         }
     }
 }
@@ -231,7 +243,7 @@ fn split(path: &Path) -> Result<(std::os::fd::OwnedFd, CString), Errno> {
 
 #[cfg(test)]
 mod tests {
-    //! Two mappings of one counter file in one process (the cross-process case runs in
+    //! Two handles on one counter file in one process (the cross-process case runs in
     //! tests/file_ops.rs with a child process) and several handles on one lock file. A failure
     //! means processes on one directory would disagree on the counter, or a process could
     //! wrongly believe it is alone.
@@ -245,7 +257,7 @@ mod tests {
     }
 
     #[test]
-    fn two_mappings_see_each_others_updates() {
+    fn two_handles_see_each_others_updates() {
         let tmp = tempdir();
         let path = tmp.path().join("counter");
         let a = SharedCounter::open(&path).expect("open a");
@@ -254,45 +266,45 @@ mod tests {
             std::fs::metadata(&path).expect("stat").len(),
             COUNTER_FILE_BYTES as u64
         );
-        assert_eq!((a.load(), b.load()), (0, 0));
-        assert_eq!(a.fetch_add(5), 0);
-        assert_eq!(b.load(), 5);
-        b.store(10);
-        assert_eq!(a.load(), 10);
-        assert_eq!(a.sub_saturating(3), 10);
-        assert_eq!(b.load(), 7);
-        assert_eq!(b.sub_saturating(100), 7);
-        assert_eq!(a.load(), 0);
-        assert_eq!(a.sub_saturating(1), 0);
-        assert_eq!(b.load(), 0);
-        b.fetch_add(42);
+        assert_eq!((a.load(), b.load()), (Ok(0), Ok(0)));
+        assert_eq!(a.fetch_add(5), Ok(0));
+        assert_eq!(b.load(), Ok(5));
+        b.store(10).expect("store");
+        assert_eq!(a.load(), Ok(10));
+        assert_eq!(a.sub_saturating(3), Ok(10));
+        assert_eq!(b.load(), Ok(7));
+        assert_eq!(b.sub_saturating(100), Ok(7));
+        assert_eq!(a.load(), Ok(0));
+        assert_eq!(a.sub_saturating(1), Ok(0));
+        assert_eq!(b.load(), Ok(0));
+        b.fetch_add(42).expect("add");
         drop((a, b));
         // The value lives in the file: a later process finds it.
         let c = SharedCounter::open(&path).expect("reopen");
-        assert_eq!(c.load(), 42);
+        assert_eq!(c.load(), Ok(42));
     }
 
     #[test]
-    fn concurrent_updates_through_two_mappings_are_atomic() {
+    fn concurrent_updates_through_two_handles_are_atomic() {
         let tmp = tempdir();
         let path = tmp.path().join("counter");
         let counters = [
             SharedCounter::open(&path).expect("open a"),
             SharedCounter::open(&path).expect("open b"),
         ];
-        counters[0].store(1_000_000);
+        counters[0].store(1_000_000).expect("store");
         std::thread::scope(|s| {
             for t in 0..4 {
                 let c = &counters[t % 2];
                 s.spawn(move || {
                     for _ in 0..20_000 {
-                        c.fetch_add(3);
-                        c.sub_saturating(1);
+                        c.fetch_add(3).expect("add");
+                        c.sub_saturating(1).expect("sub");
                     }
                 });
             }
         });
-        assert_eq!(counters[1].load(), 1_000_000 + 4 * 20_000 * 2);
+        assert_eq!(counters[1].load(), Ok(1_000_000 + 4 * 20_000 * 2));
     }
 
     #[test]
