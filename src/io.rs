@@ -64,6 +64,14 @@ pub trait IoBackend {
         let _ = user_data;
         None
     }
+    /// Asks the device to cancel the request pushed with `user_data` (past its deadline); false
+    /// if it cannot be asked (no room, or a backend without cancellation). Best effort: the
+    /// request's own completion still arrives, sooner if it could be cancelled, and is the one
+    /// that ends it (the memory it names stays the device's until then).
+    fn cancel(&mut self, user_data: u64) -> bool {
+        let _ = user_data;
+        false
+    }
     /// Hands queued requests to the device. With `wait`, blocks until at least one completion
     /// is available or the worker's wake-up event fires.
     fn submit(&mut self, wait: bool) -> std::io::Result<()>;

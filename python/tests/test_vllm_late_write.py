@@ -32,6 +32,7 @@ import time
 import numpy as np
 import pytest
 
+import kvtier
 import vllm_harness as H
 
 BLOCK = 256 * 1024
@@ -85,7 +86,9 @@ def freezable_device():
         undo.append(lambda: _run("losetup", "-d", outer))
         _run("mkfs.ext4", "-q", outer)
         _run("mount", outer, mnt)
-        undo.append(lambda: _run("umount", mnt))
+        # Lazy: a worker that gave up on the device at a shutdown keeps it open until the
+        # process exits (the loop devices then detach themselves: losetup -d sets autoclear).
+        undo.append(lambda: _run("umount", "-l", mnt))
         inner_img = os.path.join(mnt, "inner.img")
         with open(inner_img, "wb") as f:
             f.write(b"\0" * (48 << 20))
@@ -154,7 +157,9 @@ def scenario(vllm, device: str, freeze, thaw, *, hang: bool, early: bool) -> dic
             orch.primary[[int(c) for c in w.store_spec.chunk_ids]] = rows(1, 2)
             mgr.complete_store([w_key], ctx_w)
             mgr.on_request_finished(ctx_w)
-            orch.step()
+            # Loads go first: the promotion starts only once W's write is on the device.
+            wait_for(lambda: tier.engine.stats()["inflight_ops"] >= 1, "W never started", orch)
+            time.sleep(0.05)
         ctx1 = vllm.ReqContext(req_id="r1")
         mgr.on_new_request(ctx1)
         assert [mgr.lookup(k, ctx1) for k in a_keys] == [vllm.LookupResult.HIT_PENDING] * 2
@@ -241,3 +246,49 @@ def test_control_run_without_a_hung_device_promotes_byte_exact(vllm):
         out = scenario(vllm, device, freeze, thaw, hang=False, early=False)
     np.testing.assert_array_equal(out["promoted"], out["a_data"])
     assert out["shutdown_clean"], out
+
+
+def test_shutdown_with_a_hung_device_keeps_the_buffer_exported():
+    """A shutdown that gives up on a device that never answers: the jobs waiting for it are
+    reported with an unset release, a ResourceWarning names the blocks, and the region's buffer
+    stays exported (the mmap cannot be closed under the late I/O), also after a second call."""
+    with freezable_device() as (device, freeze, thaw):
+        region = kvtier.allocate_region(8, BLOCK)
+        config = {"block_size": BLOCK, "cores": [0], "io_timeout_ms": TIMEOUT_MS,
+                  "devices": [{"path": device}]}
+        e = kvtier.Engine(config, region)
+        region[0:BLOCK] = bytes(range(256)) * (BLOCK // 256)
+        e.submit_store(1, [b"k0"], [0])
+        e.drain()
+        assert [r.success for r in e.poll_finished()] == [True]
+        freeze()
+        e.submit_store(2, [b"k1"], [1])  # its write blocks in the kernel
+        deadline = time.monotonic() + 10  # loads go first: let the write reach the device
+        while e.stats()["inflight_ops"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        e.submit_load(3, [b"k0"], [2])  # its read queues behind it
+        e.drain()  # both keys failed at the deadline; their I/O runs on
+        assert e.poll_finished() == []  # the results wait for the blocks
+        assert e.stats()["blocks_held_by_hung_io"] == 2
+        with pytest.warns(ResourceWarning, match="2 region blocks of 2 jobs"):
+            report = e.shutdown()
+        # The ops: the store's data write, the load's read, and the slot-table page write
+        # queued beside the data write.
+        assert report["ops_in_flight"] >= 2, report
+        assert {k: v for k, v in report.items() if k != "ops_in_flight"} == {
+            "workers_gave_up": 1, "jobs_held": 2, "blocks_held": 2, "clean": False}
+        results = sorted(e.poll_finished(), key=lambda r: r.job_id)
+        assert [(r.job_id, r.success, r.released) for r in results] == [
+            (2, False, False), (3, False, False)]
+        assert [f[2] for r in results for f in r.failures] == ["timeout", "timeout"]
+        assert all(not r.release.wait(0.05) for r in results)
+        assert e.shutdown() == report  # idempotent, no second warning needed
+        with pytest.raises(BufferError):
+            region.close()  # kvtier still exports it: the device may write it
+        thaw()
+        # The late I/O completes into the kept buffer; the worker that gave up is gone, so
+        # nothing sets the releases: the blocks stay held for the life of the process.
+        time.sleep(0.2)
+        with pytest.raises(BufferError):
+            region.close()

@@ -488,6 +488,15 @@ impl Layout for SlabLayout {
         self.issue_table_writes(core)
     }
 
+    fn expire_waiting(
+        &mut self,
+        core: &mut Core<Op>,
+        now: std::time::Instant,
+        limit: std::time::Duration,
+    ) -> bool {
+        SlabLayout::expire_waiting(self, core, now, limit)
+    }
+
     fn after_submit(&mut self, core: &mut Core<Op>) {
         if !self.entering.is_empty() {
             self.write_entries(core);

@@ -197,6 +197,7 @@ impl SlabLayout {
             }),
         );
         self.ack_after_entry(
+            core,
             f.d,
             f.local,
             Ack {

@@ -25,6 +25,10 @@ pub(crate) struct PageState {
     /// Stores whose entries changed since the page was last written: acknowledged when the
     /// next write of the page completes.
     pub waiting: Vec<Ack>,
+    /// When the oldest of `waiting` arrived: with no write of the page in flight (none could be
+    /// queued: the ring or the op table full of I/O that does not complete), their deadline
+    /// counts from here ([`SlabLayout::expire_waiting`]).
+    pub waiting_since: Option<std::time::Instant>,
     /// Stores whose entries the write in flight carries.
     pub committing: Vec<Ack>,
 }
@@ -70,9 +74,62 @@ impl SlabLayout {
     }
 
     /// Queues `ack` for when the table page holding entry `local` of device `d` is written.
-    pub(super) fn ack_after_entry(&mut self, d: usize, local: u32, ack: Ack) {
+    pub(super) fn ack_after_entry(&mut self, core: &Core<Op>, d: usize, local: u32, ack: Ack) {
         let page = local as usize / ENTRIES_PER_PAGE;
-        self.devs[d].pages[page].waiting.push(ack);
+        let p = &mut self.devs[d].pages[page];
+        if p.waiting.is_empty() {
+            p.waiting_since = Some(core.ops.now());
+        }
+        p.waiting.push(ack);
+    }
+
+    /// Fails, with a timeout, the stores whose data is written and whose entry has waited
+    /// longer than `limit` for a table page write that could not be queued (no write of the
+    /// page in flight, whose own deadline would cover them): the ring or the op table is full
+    /// of I/O that does not complete. Their data stays served until a restart (the entry may
+    /// still reach the device later). True if any failed.
+    pub(super) fn expire_waiting(
+        &mut self,
+        core: &mut Core<Op>,
+        now: std::time::Instant,
+        limit: std::time::Duration,
+    ) -> bool {
+        let mut any = false;
+        for d in 0..self.devs.len() {
+            for page in 0..self.devs[d].pages.len() {
+                let p = &self.devs[d].pages[page];
+                let overdue = !p.in_flight
+                    && p.waiting_since
+                        .is_some_and(|since| now.duration_since(since) > limit);
+                if !overdue {
+                    continue;
+                }
+                let dev = &mut self.devs[d];
+                let waiting = std::mem::take(&mut dev.pages[page].waiting);
+                // A store whose data write is still in flight stays: that write's deadline
+                // covers it (and keeps its lease while the device may read the block).
+                let (still, failing): (Vec<Ack>, Vec<Ack>) = waiting
+                    .into_iter()
+                    .partition(|a| dev.slots[a.local as usize].written_by(a.seq));
+                let p = &mut dev.pages[page];
+                p.waiting_since = (!still.is_empty()).then_some(now);
+                p.waiting = still;
+                let detail = format!(
+                    "{}: the slot table write (page {page}) could not be queued within \
+                     io_timeout_ms = {} (the ring is full of I/O that has not completed); the \
+                     block may not survive a restart",
+                    dev.name,
+                    limit.as_millis()
+                );
+                for a in failing {
+                    if !a.job.is_resolved(a.item) {
+                        core.store_failed(&a.job, a.item, KeyFailure::Timeout, detail.clone());
+                        any = true;
+                    }
+                }
+            }
+        }
+        any
     }
 
     pub(super) fn write_entry(&mut self, d: usize, local: u32, entry: Option<Entry>) {
@@ -146,6 +203,7 @@ impl SlabLayout {
             p.dirty_entries = 0;
             p.in_flight = true;
             p.committing = std::mem::take(&mut p.waiting);
+            p.waiting_since = None;
             self.table_in_flight += 1;
             any = true;
         }

@@ -148,6 +148,10 @@ impl IoBackend for UringBackend {
         }
     }
 
+    fn cancel(&mut self, user_data: u64) -> bool {
+        self.ring.push_cancel(user_data).is_ok()
+    }
+
     fn push_file(&mut self, user_data: u64, op: &FileOp<'_>, class: IoClass) -> bool {
         let prio = match class {
             IoClass::Load => self.load_prio,

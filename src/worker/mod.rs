@@ -164,6 +164,14 @@ pub(crate) trait Layout {
     /// completes). Empty for the layout's own I/O that no key waits on.
     fn overdue_keys(&self, core: &Core<Self::Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)>;
 
+    /// Fails (`KeyFailure::Timeout`) what waited longer than `limit` with no op of its own to
+    /// carry a deadline (the slab's stores whose table page write could not be queued); true
+    /// if any key failed. Nothing by default.
+    fn expire_waiting(&mut self, core: &mut Core<Self::Op>, now: Instant, limit: Duration) -> bool {
+        let _ = (core, now, limit);
+        false
+    }
+
     /// Device `d` was marked failed (`core.device_failed(d)` is true from now on): its keys
     /// become misses; new stores go elsewhere or fail.
     fn device_failed(&mut self, core: &mut Core<Self::Op>, d: usize);
@@ -404,7 +412,7 @@ impl<L: Layout> Worker<L> {
         }
         let limit = self.core.io_timeout;
         self.next_overdue_check = now + overdue_check_interval(limit);
-        let mut any = false;
+        let mut any = self.layout.expire_waiting(&mut self.core, now, limit);
         for idx in self.core.ops.take_overdue(now, limit) {
             let what = self.layout.describe_op(&self.core, idx);
             let d = self.core.ops[idx as usize].device();
@@ -432,6 +440,7 @@ impl<L: Layout> Worker<L> {
                 limit.as_millis()
             );
             self.core.log_error(&detail);
+            self.cancel(idx);
             for (job, item, hold) in self.layout.overdue_keys(&self.core, idx) {
                 if job.is_resolved(item) {
                     continue;
@@ -449,6 +458,20 @@ impl<L: Layout> Worker<L> {
             }
         }
         any
+    }
+
+    /// Asks the device to cancel op `idx` (past its deadline): every chunk a store issued, or
+    /// the op's one request. What a hung file system blocks in io_uring's kernel workers then
+    /// completes early and gives its blocks back; I/O already on a device runs on.
+    fn cancel(&mut self, idx: u32) {
+        let chunks = self.core.ops[idx as usize]
+            .writing()
+            .map_or(1, |c| c.issued.max(1));
+        for chunk in 0..chunks {
+            let user_data = self.core.ops.user_data(idx, chunk);
+            // No room in the queue: the op runs on to its own completion, as without a cancel.
+            let _ = self.core.backend.cancel(user_data);
+        }
     }
 
     /// One turn of the loop without submitting or sleeping; true if anything moved.

@@ -165,6 +165,36 @@ fn eventfd_read_completes_after_notify() {
     assert_eq!(ring.in_flight(), 0);
 }
 
+// An op that would wait forever (an eventfd nobody writes) is cancelled: its own CQE arrives
+// with -ECANCELED and the cancel's completion is not handed out (the caller never sees a
+// user_data it did not push).
+#[test]
+fn a_cancelled_op_completes_with_its_own_cqe_only() {
+    let Some(mut ring) = ring_or_skip() else {
+        return;
+    };
+    let efd = Arc::new(EventFd::new().expect("eventfd"));
+    ring.push_eventfd_read(78, &efd).expect("push");
+    ring.submit(0).expect("submit");
+    ring.push_cancel(78).expect("push cancel");
+    assert_eq!(ring.in_flight(), 2);
+    let mut out = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while ring.in_flight() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "cancel never completed: {out:?}"
+        );
+        ring.submit(1).expect("submit");
+        ring.complete(&mut out);
+    }
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(
+        (out[0].user_data, out[0].result),
+        (78, -(kvtier_sys::Errno::ECANCELED as i32))
+    );
+}
+
 #[test]
 fn full_submission_queue_is_reported() {
     let cfg = RingConfig {

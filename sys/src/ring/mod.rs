@@ -50,8 +50,11 @@ pub const MAX_PIECE_BYTES: usize = 1 << 30;
 /// Largest number of registered buffer pieces the kernel accepts (`IORING_MAX_REG_BUFFERS`).
 pub const MAX_BUFFERS: usize = 1 << 14;
 
-/// `user_data` of the cancel-everything SQE that `Drop` pushes; its CQE is discarded.
-const CANCEL_USER_DATA: u64 = u64::MAX;
+/// `user_data` reserved by the ring for its cancel SQEs ([`Ring::push_cancel`], and the
+/// cancel-everything one `Drop` pushes): their CQEs are consumed by [`Ring::complete`], so a
+/// caller must not push anything else with it. (`u64::MAX` stays the caller's: kvtier's
+/// backend tags its wake-up read with it.)
+pub const CANCEL_USER_DATA: u64 = u64::MAX - 1;
 /// `Drop` waits at most this long per round, then re-notifies eventfds...
 const DRAIN_WAIT: Duration = Duration::from_millis(100);
 /// ...for at most this many rounds before it gives up and leaks the memory (60 s).
@@ -352,6 +355,21 @@ impl Ring {
         res
     }
 
+    /// Queues `IORING_OP_ASYNC_CANCEL` of every operation pushed with `target` as its
+    /// `user_data` (an op past its deadline). What can be cancelled (work blocked in io_uring's
+    /// kernel workers: a file operation waiting on a hung file system) completes soon with
+    /// `-ECANCELED` or `-EINTR`; I/O already on a device cannot be and completes as it would
+    /// have. Either way the target's own CQE still arrives and is the one that ends it; the
+    /// cancel's own completion is consumed here, never returned by [`Ring::complete`].
+    pub fn push_cancel(&mut self, target: u64) -> Result<(), SqFull> {
+        debug_assert_ne!(target, CANCEL_USER_DATA);
+        let entry = opcode::AsyncCancel::new(target)
+            .build()
+            .user_data(CANCEL_USER_DATA);
+        // SAFETY: a cancel SQE references no memory.
+        unsafe { self.push_entry(&entry) }
+    }
+
     /// Submits all queued SQEs and waits until at least `min(wait_nr, in_flight())`
     /// completions are available (0 = don't wait). EINTR is retried; EBUSY/EAGAIN (completion
     /// queue full) returns `Ok(0)` so that the caller reaps. Returns the number submitted.
@@ -423,6 +441,20 @@ impl Ring {
             }
             let consumed = self.pushed - self.uring.sq_len_capacity().0 as u64;
             self.paths.release(consumed);
+        }
+        if out[before..]
+            .iter()
+            .any(|c| c.user_data == CANCEL_USER_DATA)
+        {
+            // A cancel's own answer: the cancelled op's CQE is what its owner waits for.
+            let mut i = before;
+            while i < out.len() {
+                if out[i].user_data == CANCEL_USER_DATA {
+                    out.swap_remove(i);
+                } else {
+                    i += 1;
+                }
+            }
         }
     }
 
