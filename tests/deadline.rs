@@ -19,6 +19,19 @@ use kvtier::KeyFailure;
 
 const TIMEOUT_MS: u32 = 50;
 
+/// Submits a load of `ids` into blocks `0..` as job `id` without waiting; returns the blocks.
+fn submit_load_of(engine: &kvtier::Engine, id: u64, ids: &[u64]) -> Vec<u32> {
+    let blocks: Vec<u32> = (0..ids.len() as u32).collect();
+    engine
+        .submit_load(kvtier::Job::new(
+            id,
+            ids.iter().map(|&i| key(i)).collect(),
+            blocks.clone(),
+        ))
+        .expect("submit");
+    blocks
+}
+
 fn devices_of(ids: &[u64]) -> (Vec<u64>, Vec<u64>) {
     ids.iter().partition(|&&id| key(id).device(2) == 0)
 }
@@ -158,14 +171,7 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
 fn by_default_a_timed_out_load_is_reported_once_its_blocks_are_free() {
     let (sim, region, engine, on_hung, on_live) = setup(10, 32, 24, false);
     sim.hang_device(0, true);
-    let blocks: Vec<u32> = (0..on_hung.len() as u32).collect();
-    engine
-        .submit_load(kvtier::Job::new(
-            2,
-            on_hung.iter().map(|&i| key(i)).collect(),
-            blocks.clone(),
-        ))
-        .expect("submit");
+    let blocks = submit_load_of(&engine, 2, &on_hung);
     // Past the deadline the keys have failed, but the reads run on: no result yet.
     let started = Instant::now();
     engine.drain();
@@ -209,14 +215,7 @@ fn by_default_a_timed_out_load_is_reported_once_its_blocks_are_free() {
 fn shutdown_reports_what_a_hung_device_still_holds() {
     let (sim, region, engine, on_hung, _) = setup(11, 8, 8, false);
     sim.hang_device(0, true);
-    let blocks: Vec<u32> = (0..on_hung.len() as u32).collect();
-    engine
-        .submit_load(kvtier::Job::new(
-            2,
-            on_hung.iter().map(|&i| key(i)).collect(),
-            blocks.clone(),
-        ))
-        .expect("submit");
+    let blocks = submit_load_of(&engine, 2, &on_hung);
     engine.drain();
     let report = engine.shutdown();
     assert!(!report.clean(), "{report:?}");

@@ -185,16 +185,22 @@ impl Engine {
     /// are reported (and their blocks free) once the device answers, or by `shutdown`; results
     /// wait in `poll_finished`.
     pub fn drain(&self) {
+        self.wait_until(|s| s.jobs_unresolved() == 0);
+    }
+
+    /// Waits on the idle condition (notified as jobs finish; polled every 20 ms, since a
+    /// release or a parked result may change it without a notification) until `done`.
+    fn wait_until(&self, done: impl Fn(&Shared) -> bool) {
         let mut guard = self
             .shared
             .idle_lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        while self.shared.jobs_unresolved() > 0 {
+        while !done(&self.shared) {
             guard = self
                 .shared
                 .idle
-                .wait_timeout(guard, Duration::from_millis(50))
+                .wait_timeout(guard, Duration::from_millis(20))
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
@@ -205,20 +211,7 @@ impl Engine {
     /// it never answers): for a caller that must not go on while any I/O could still reach the
     /// region (vLLM's `drain_jobs`).
     pub fn drain_released(&self) {
-        let mut guard = self
-            .shared
-            .idle_lock
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        while self.shared.jobs_in_flight.load(Ordering::Acquire) > 0 || self.shared.held.jobs() > 0
-        {
-            guard = self
-                .shared
-                .idle
-                .wait_timeout(guard, Duration::from_millis(20))
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
-        }
+        self.wait_until(|s| s.jobs_in_flight.load(Ordering::Acquire) == 0 && s.held.jobs() == 0);
     }
 
     /// Stops the engine: queued jobs fail with
