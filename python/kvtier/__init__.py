@@ -211,7 +211,9 @@ class Engine:
         return self._native.jobs_in_flight()
 
     def drain(self) -> None:
-        """Waits until every submitted job has a result (they stay in poll_finished)."""
+        """Waits until every submitted job has resolved. Its result is then in poll_finished,
+        unless an I/O of it outlived its deadline: such a result comes once the device answers
+        (see set_early_results); drain_released waits for those too."""
         self._native.drain()
 
     def set_early_results(self, early: bool) -> None:

@@ -8,8 +8,8 @@
 //!   and releases it only then, so the exporter cannot free, resize or unmap the memory while
 //!   the kernel may still touch it. If a worker gave up on I/O past its deadline, the export is
 //!   kept for the life of the process (a warning names the blocks held): a late read could
-//!   otherwise land in memory the exporter has reused. The one `unsafe` block (wrapping that memory as a `Region`)
-//!   is below, with its SAFETY argument.
+//!   otherwise land in memory the exporter has reused. The one `unsafe` block (wrapping that
+//!   memory as a `Region`) is below, with its SAFETY argument.
 //! * Every call that waits (open, drain, wait_finished, shutdown) releases the GIL; no engine
 //!   thread ever takes it (results are converted on the caller's thread).
 //! * A job id is in flight at most once; its keys are kept here until its result is polled, so
@@ -428,7 +428,9 @@ impl PyEngine {
         // valid and in place while the export lives. The export is held by the
         // returned engine and released only after `Engine::shutdown` has joined every worker
         // and stopped the S3 reactor (`shutdown` below; concurrent calls all wait for that),
-        // so the memory outlives every ring that registered it and every I/O on it. Rust
+        // and never if that shutdown gave up on I/O still in flight (the export is then
+        // forgotten, in `shutdown` and in `Drop`), so the memory outlives every ring that
+        // registered it and every I/O on it. Rust
         // touches it only through `Region`'s accessors, under their contract (no I/O on a
         // block while it is read or written).
         let region = unsafe { Region::from_raw_parts(ptr, len) }
@@ -536,7 +538,8 @@ impl PyEngine {
         self.engine.jobs_in_flight()
     }
 
-    /// Waits (GIL released) until every submitted job has a result.
+    /// Waits (GIL released) until every submitted job has resolved (a job whose I/O outlived
+    /// its deadline is reported once its blocks are free: see `drain_released`).
     fn drain(&self, py: Python<'_>) {
         py.detach(|| self.engine.drain());
     }
