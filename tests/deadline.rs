@@ -305,3 +305,67 @@ fn a_device_that_keeps_timing_out_is_marked_failed_and_stores_go_elsewhere() {
     sim.hang_device(0, false);
     engine.shutdown();
 }
+
+// A store whose data is written but whose slot-table page write cannot be queued (the queue
+// refuses it, as a ring full of I/O hung on another device would) has no op of its own to
+// carry a deadline: it fails with a timeout naming the table write once io_timeout_ms passes,
+// instead of waiting as long as the queue stays full. Its data is still served (the entry may
+// reach the device later), and once the queue takes page writes again new stores succeed.
+#[test]
+fn a_store_whose_table_write_cannot_be_queued_times_out() {
+    let (sim, region, engine, _, on_live) = setup(12, 32, 24, false);
+    let fresh: Vec<u64> = (500..600)
+        .filter(|&id| key(id).device(2) == 1)
+        .take(2)
+        .collect();
+    sim.refuse_table_writes(true);
+    for (b, &id) in [24u32, 25].iter().zip(&fresh) {
+        put(&region, *b, id);
+    }
+    let started = Instant::now();
+    engine
+        .submit_store(kvtier::Job::new(
+            2,
+            fresh.iter().map(|&i| key(i)).collect(),
+            vec![24, 25],
+        ))
+        .expect("submit");
+    let mut out = Vec::new();
+    while out.is_empty() && started.elapsed() < Duration::from_secs(5) {
+        engine.wait_finished(&mut out, Duration::from_millis(20));
+    }
+    let waited = started.elapsed();
+    // Take page writes again before asserting, so a failure does not also hang the drop.
+    sim.refuse_table_writes(false);
+    let r = out
+        .pop()
+        .expect("the store was never reported: no deadline covered it");
+    assert!(
+        waited >= Duration::from_millis(u64::from(TIMEOUT_MS)),
+        "{waited:?}"
+    );
+    assert_eq!(r.failures.len(), fresh.len(), "{r:?}");
+    for f in &r.failures {
+        assert_eq!(f.reason, KeyFailure::Timeout, "{f:?}");
+        for part in [
+            "slot table write",
+            "could not be queued",
+            "io_timeout_ms = 50",
+        ] {
+            assert!(
+                f.detail.contains(part),
+                "`{part}` missing from: {}",
+                f.detail
+            );
+        }
+    }
+    assert!(r.released(), "no I/O holds the blocks: {r:?}");
+    // The data was written and published: it is served.
+    let r = load_into(&engine, 3, &fresh, vec![26, 27]);
+    assert!(r.success, "{r:?}");
+    assert!(holds(&region, 26, fresh[0]) && holds(&region, 27, fresh[1]));
+    let more: Vec<u64> = on_live.iter().copied().take(2).collect();
+    let r = store_into(&engine, &region, 4, &more, vec![28, 29]);
+    assert!(r.success, "{r:?}");
+    assert!(engine.shutdown().clean());
+}

@@ -136,6 +136,12 @@ impl IoBackend for SimBackend {
         if self.queued.len() + self.pending.len() >= self.sq_entries * 2 {
             return false;
         }
+        if req.class == IoClass::Meta
+            && req.kind == IoKind::Write
+            && self.state.meta_refused.load(Ordering::SeqCst)
+        {
+            return false;
+        }
         let r = &self.buffers[req.buf.region as usize];
         assert!(
             req.buf.offset + req.buf.len as usize <= r.len(),

@@ -131,6 +131,8 @@ struct State {
     hung: AtomicU64,
     /// Devices (bit i = device i) that answer every request with EIO.
     failing: AtomicU64,
+    /// Whether the queue refuses slot-table page writes (as a ring full of other I/O would).
+    meta_refused: AtomicBool,
     log: Mutex<Vec<LogEntry>>,
     log_enabled: AtomicBool,
     /// Completed writes not yet durable, oldest first (`None`: not tracking).
@@ -176,6 +178,7 @@ impl SimStorage {
                 paused: AtomicBool::new(false),
                 hung: AtomicU64::new(0),
                 failing: AtomicU64::new(0),
+                meta_refused: AtomicBool::new(false),
                 log: Mutex::new(Vec::new()),
                 log_enabled: AtomicBool::new(false),
                 journal: Mutex::new(None),
@@ -205,6 +208,12 @@ impl SimStorage {
     /// Reads delivered with a flipped bit so far.
     pub fn read_flips(&self) -> u64 {
         self.state.read_flips.load(Ordering::SeqCst)
+    }
+
+    /// Makes every worker's queue refuse slot-table page writes (`true`: `push` answers "full"
+    /// for them, as a ring full of I/O that does not complete would) or take them again.
+    pub fn refuse_table_writes(&self, refused: bool) {
+        self.state.meta_refused.store(refused, Ordering::SeqCst);
     }
 
     /// Makes `device` stop answering (`true`: requests are accepted and never complete) or
