@@ -512,11 +512,10 @@ class KvtierTierManager(SecondaryTierManager):
                 transfer_time=r.transfer_seconds,
                 transfer_bytes=r.transfer_bytes,
             )
-            if r.release is not None and not r.success:
+            if _DEFERRED_RELEASE and r.release is not None and not r.success:
                 # Only a failed promotion gets here unreleased (0.34, or after a shutdown that
                 # gave up on a hung device): vLLM keeps the failed keys' chunks until it is set.
-                if _DEFERRED_RELEASE:
-                    result.deferred_release = r.release
+                result.deferred_release = r.release
             out.append(result)
         return out
 

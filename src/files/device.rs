@@ -33,6 +33,7 @@ use crate::config::{DeviceConfig, DirectIo, FilesConfig, SyncMode};
 use crate::error::{Error, Result};
 use crate::files::mapper::FileMapper;
 use crate::key::Key;
+use crate::worker::Core;
 
 /// The xattr holding a block's crc32c (4 bytes, little endian).
 pub const CHECKSUM_XATTR: &str = "user.kvtier.crc32c";
@@ -81,20 +82,20 @@ pub(crate) struct FilesDevice {
 }
 
 impl FilesDevice {
-    /// Gives `bytes` reserved in the shared usage counter back; a counter the file system
+    /// Gives `bytes` reserved in the shared usage counter back. A counter the file system
     /// cannot read or write is logged (the bound may then count too much until a process alone
     /// on the directory resets it at open), never fatal.
-    pub fn unreserve(&self, bytes: u64) -> Result<(), String> {
+    pub fn unreserve(&self, core: &mut Core<super::layout::Op>, bytes: u64) {
         if bytes == 0 {
-            return Ok(());
+            return;
         }
-        self.usage.sub_saturating(bytes).map(|_| ()).map_err(|e| {
-            format!(
+        if let Err(e) = self.usage.sub_saturating(bytes) {
+            core.log_error(&format!(
                 "{}/.kvtier-usage: giving back {bytes} bytes failed: {}",
                 self.data_dir.display(),
                 e.desc()
-            )
-        })
+            ));
+        }
     }
 
     pub fn open(

@@ -147,9 +147,7 @@ impl FilesLayout {
         let d = op.dev as usize;
         // Only the process whose unlink succeeded gives the bytes back.
         if result == 0 {
-            if let Err(msg) = self.devs[d].unreserve(op.bytes) {
-                core.log_error(&msg);
-            }
+            self.devs[d].unreserve(core, op.bytes);
         } else if result != -(Errno::ENOENT as i32) {
             let e = Errno::from_raw(-result);
             let msg = format!("removing {}: {}", op.dest.display(), e.desc());

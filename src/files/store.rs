@@ -62,9 +62,8 @@ impl FilesLayout {
                 }
             };
             if before + core.block_bytes > cap {
-                if let Err(msg) = dev.unreserve(core.block_bytes) {
-                    core.log_error(&msg);
-                }
+                let bytes = core.block_bytes;
+                dev.unreserve(core, bytes);
                 if self.removals_in_flight > 0 {
                     return Err(Start::Blocked);
                 }
@@ -135,9 +134,7 @@ impl FilesLayout {
             0
         };
         let Some(idx) = Self::alloc(core, Kind::Store) else {
-            if let Err(msg) = dev.unreserve(reserved) {
-                core.log_error(&msg);
-            }
+            dev.unreserve(core, reserved);
             return Start::Blocked;
         };
         self.stores_opening += 1;
@@ -397,9 +394,8 @@ impl FilesLayout {
             // Another writer published the same key first: same content (keys are content
             // hashes), so this store succeeded; drop our copy and our reservation.
             let d = Arc::clone(&self.devs[dev as usize]);
-            if let Err(msg) = d.unreserve(core.ops[idx as usize].bytes) {
-                core.log_error(&msg);
-            }
+            let bytes = core.ops[idx as usize].bytes;
+            d.unreserve(core, bytes);
             core.ops[idx as usize].bytes = 0;
             self.publish(core, key, dev, false);
             Self::succeed_store(core, idx, 0);
@@ -519,9 +515,7 @@ impl FilesLayout {
                 core.me.metrics.dev(d).io_error(ErrClass::of(e));
             }
         }
-        if let Err(msg) = self.devs[d].unreserve(reserved) {
-            core.log_error(&msg);
-        }
+        self.devs[d].unreserve(core, reserved);
         if self
             .index
             .get(&key)

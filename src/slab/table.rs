@@ -95,37 +95,38 @@ impl SlabLayout {
         limit: std::time::Duration,
     ) -> bool {
         let mut any = false;
-        for d in 0..self.devs.len() {
-            for page in 0..self.devs[d].pages.len() {
-                let p = &self.devs[d].pages[page];
-                let overdue = !p.in_flight
-                    && p.waiting_since
-                        .is_some_and(|since| now.duration_since(since) > limit);
-                if !overdue {
-                    continue;
-                }
-                let dev = &mut self.devs[d];
-                let waiting = std::mem::take(&mut dev.pages[page].waiting);
-                // A store whose data write is still in flight stays: that write's deadline
-                // covers it (and keeps its lease while the device may read the block).
-                let (still, failing): (Vec<Ack>, Vec<Ack>) = waiting
-                    .into_iter()
-                    .partition(|a| dev.slots[a.local as usize].written_by(a.seq));
-                let p = &mut dev.pages[page];
-                p.waiting_since = (!still.is_empty()).then_some(now);
-                p.waiting = still;
-                let detail = format!(
-                    "{}: the slot table write (page {page}) could not be queued within \
-                     io_timeout_ms = {} (the ring is full of I/O that has not completed); the \
-                     block may not survive a restart",
-                    dev.name,
-                    limit.as_millis()
-                );
-                for a in failing {
-                    if !a.job.is_resolved(a.item) {
-                        core.store_failed(&a.job, a.item, KeyFailure::Timeout, detail.clone());
-                        any = true;
-                    }
+        // A page with stores waiting and no write in flight is dirty and queued: only those.
+        for i in 0..self.dirty_pages.len() {
+            let (d, page) = self.dirty_pages[i];
+            let (d, page) = (d as usize, page as usize);
+            let p = &self.devs[d].pages[page];
+            let overdue = !p.in_flight
+                && p.waiting_since
+                    .is_some_and(|since| now.duration_since(since) > limit);
+            if !overdue {
+                continue;
+            }
+            let dev = &mut self.devs[d];
+            let waiting = std::mem::take(&mut dev.pages[page].waiting);
+            // A store whose data write is still in flight stays: that write's deadline
+            // covers it (and keeps its lease while the device may read the block).
+            let (still, failing): (Vec<Ack>, Vec<Ack>) = waiting
+                .into_iter()
+                .partition(|a| dev.slots[a.local as usize].written_by(a.seq));
+            let p = &mut dev.pages[page];
+            p.waiting_since = (!still.is_empty()).then_some(now);
+            p.waiting = still;
+            let detail = format!(
+                "{}: the slot table write (page {page}) could not be queued within \
+                 io_timeout_ms = {} (the ring is full of I/O that has not completed); the \
+                 block may not survive a restart",
+                dev.name,
+                limit.as_millis()
+            );
+            for a in failing {
+                if !a.job.is_resolved(a.item) {
+                    core.store_failed(&a.job, a.item, KeyFailure::Timeout, detail.clone());
+                    any = true;
                 }
             }
         }

@@ -466,7 +466,7 @@ impl<L: Layout> Worker<L> {
     fn cancel(&mut self, idx: u32) {
         let chunks = self.core.ops[idx as usize]
             .writing()
-            .map_or(1, |c| c.issued.max(1));
+            .map_or(1, |c| c.issued);
         for chunk in 0..chunks {
             let user_data = self.core.ops.user_data(idx, chunk);
             // No room in the queue: the op runs on to its own completion, as without a cancel.

@@ -27,7 +27,7 @@ const COUNTER_BYTES: usize = 8;
 /// handles in one process).
 ///
 /// Every read-modify-write holds an open-file-description lock (`F_OFD_SETLKW`) on the
-/// counter's 8 bytes, which excludes every other handle in any process, and this handle's own
+/// file, which excludes every other handle in any process, and this handle's own
 /// mutex, which excludes the other threads using it (they share its open file description).
 /// The value is read with `pread` and written with `pwrite`, so an I/O error (a FUSE or network
 /// file system failing a read) is an `Err`, never a signal. Writing the file by other means is
@@ -115,16 +115,14 @@ impl SharedCounter {
         Ok(prev)
     }
 
-    /// `F_OFD_SETLKW` of `kind` (write lock, or unlock) over the counter's bytes, retried on
-    /// EINTR.
+    /// `F_OFD_SETLKW` of `kind` (write lock, or unlock) over the whole file (`l_len` 0: to its
+    /// end, however long), retried on EINTR.
     fn ofd_lock(&self, kind: libc::c_short) -> Result<(), Errno> {
-        // SAFETY: an all-zero flock is a valid value of this plain C struct.
+        // SAFETY: an all-zero flock is a valid value of this plain C struct: l_start and l_len
+        // 0 (the whole file), l_pid 0 (as OFD locks require).
         let mut lock: libc::flock = unsafe { std::mem::zeroed() };
         lock.l_type = kind;
         lock.l_whence = libc::SEEK_SET as libc::c_short;
-        lock.l_start = 0;
-        lock.l_len = 8; // COUNTER_BYTES
-                        // l_pid must be 0 for OFD locks (zeroed above).
         loop {
             // SAFETY: fcntl reads `lock`, a live, initialized flock; the fd is owned by self.
             let rc =

@@ -446,15 +446,9 @@ impl Ring {
             .iter()
             .any(|c| c.user_data == CANCEL_USER_DATA)
         {
-            // A cancel's own answer: the cancelled op's CQE is what its owner waits for.
-            let mut i = before;
-            while i < out.len() {
-                if out[i].user_data == CANCEL_USER_DATA {
-                    out.swap_remove(i);
-                } else {
-                    i += 1;
-                }
-            }
+            // A cancel's own answer: the cancelled op's CQE is what its owner waits for. (What
+            // `out` held before this call never carries it: it came from here.)
+            out.retain(|c| c.user_data != CANCEL_USER_DATA);
         }
     }
 
