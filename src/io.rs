@@ -4,12 +4,14 @@
 //! production ([`crate::uring`]) and a seeded, fault-injecting simulation in tests
 //! (`crate::sim`, feature `sim`). A [`Storage`] opens devices and builds one backend per worker.
 //!
-//! Invariant every backend keeps: the memory named by a request's [`BufRef`] may be accessed by
-//! the device from `push` until that request's completion is returned by `complete`, and not
-//! after. The worker keeps the block pinned over exactly that interval.
+//! Invariant every backend keeps: the memory a request's claim ([`IoBuf`]) names may be accessed
+//! by the device from `push` until that request's completion is returned by `complete`, and
+//! not after; the backend keeps the claim over exactly that interval (the ring drops it as it
+//! pops the completion), so the blocks stay leased, and out of every other access, that long.
 
 use std::sync::Arc;
 
+pub use kvtier_sys::blocks::IoBuf;
 pub use kvtier_sys::eventfd::EventFd;
 pub use kvtier_sys::mem::Region;
 pub use kvtier_sys::ring::{BufRef, Completion, FileOp};
@@ -32,26 +34,50 @@ pub enum IoClass {
     Meta,
 }
 
-/// One device I/O. `buf.region` indexes the buffers the backend was built with: 0 is the
-/// primary region, 1 the worker's metadata buffer.
-#[derive(Clone, Copy, Debug)]
+/// One device I/O. `region` indexes the buffers the backend was built with: 0 is the primary
+/// region, 1 the worker's metadata buffer, 2 its staging buffer.
+#[derive(Debug)]
 pub struct IoRequest {
     pub user_data: u64,
     pub kind: IoKind,
     pub device: u16,
     pub offset: u64,
-    pub buf: BufRef,
+    pub region: u16,
+    /// The claim on the bytes moved (a claim to write them for a read), which the backend
+    /// keeps until it returns the completion.
+    pub buf: IoBuf,
     pub class: IoClass,
+}
+
+impl IoRequest {
+    /// The bytes moved, in the backend's buffer `region`.
+    pub fn buf_ref(&self) -> BufRef {
+        self.buf.buf_ref(self.region)
+    }
+
+    /// Bytes moved (a claim is never empty).
+    pub fn bytes(&self) -> u32 {
+        u32::try_from(self.buf.len()).expect("one transfer moves less than 4 GiB")
+    }
 }
 
 /// A worker's queue to its devices.
 pub trait IoBackend {
-    /// Queues one request; `false` if the submission queue is full (nothing queued).
-    fn push(&mut self, req: &IoRequest) -> bool;
-    /// Queues a file-system operation (the `files` layout). Backends that cannot do them are
-    /// never given a `files` device (see [`Storage::supports_files`]).
-    fn push_file(&mut self, user_data: u64, op: &FileOp<'_>, class: IoClass) -> bool {
-        let _ = (user_data, op, class);
+    /// Queues one request; `false` if the submission queue is full (nothing queued; the
+    /// request, its claim with it, is dropped).
+    fn push(&mut self, req: IoRequest) -> bool;
+    /// Queues a file-system operation (the `files` layout); `FileOp::ReadFd` and
+    /// `FileOp::WriteFd` come with the claim on their buffer (`buf`, in buffer `region`),
+    /// kept as [`IoBackend::push`] keeps a request's. Backends that cannot do them are never
+    /// given a `files` device (see [`Storage::supports_files`]).
+    fn push_file(
+        &mut self,
+        user_data: u64,
+        op: &FileOp<'_>,
+        buf: Option<(u16, IoBuf)>,
+        class: IoClass,
+    ) -> bool {
+        let _ = (user_data, op, buf, class);
         unreachable!("this backend has no file operations; the engine checks supports_files")
     }
     /// Whether [`FileOp::SetXattr`] and [`FileOp::GetXattr`] run on this backend (else the
@@ -117,16 +143,6 @@ pub struct BackendSettings {
     pub wait_limit: std::time::Duration,
 }
 
-/// How the engine sets up the region's blocks ([`Storage::region_guard`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RegionGuard {
-    /// [`Region::guard_blocks`]: leases, and accessors that refuse leased blocks.
-    Enforce,
-    /// [`Region::track_blocks`]: leases only. For a simulated device, which plays the kernel
-    /// by copying through the accessors itself (and checks that a job holds the blocks).
-    Track,
-}
-
 /// Opens devices and builds backends; shared by all workers.
 pub trait Storage: Send + Sync {
     /// Opens (creating and preparing if needed) device `index`.
@@ -135,11 +151,6 @@ pub trait Storage: Send + Sync {
     /// Whether backends of this storage can run the `files` layout's file operations.
     fn supports_files(&self) -> bool {
         false
-    }
-    /// How the engine guards the region's blocks: jobs lease their blocks, and with
-    /// [`RegionGuard::Enforce`] the region's safe accessors also refuse leased ones.
-    fn region_guard(&self) -> RegionGuard {
-        RegionGuard::Enforce
     }
     /// Synchronous read, used only while opening (headers, formatting).
     fn read_sync(

@@ -95,15 +95,18 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
             );
         }
     }
-    for (b, id) in ids.iter().enumerate() {
-        if on_live.contains(id) {
-            assert!(holds(&region, b as u32, *id), "key {id} on the live device");
-        }
-    }
     assert_eq!(engine.stats().io_timeouts, on_hung.len() as u64);
     // The reads are still in flight: the job's blocks stay leased, so the caller cannot hand
-    // them to another job (or write them) while the device may still land bytes there.
+    // them to another job, write them or even read them (the loaded ones too) while the
+    // device may still land bytes there.
     assert!((0..24).all(|b| region.is_leased(b)), "released too early");
+    let live = on_live[0];
+    let live_block = ids.iter().position(|&id| id == live).expect("loaded") as u32;
+    let early_read = std::panic::catch_unwind(|| holds(&region, live_block, live));
+    assert!(
+        early_read.is_err(),
+        "read a block of a job not yet released"
+    );
     let release = r
         .release
         .clone()
@@ -154,6 +157,12 @@ fn a_hung_device_fails_its_keys_by_the_deadline_and_the_other_keeps_serving() {
     );
     assert!(release.wait(Some(Duration::from_secs(10))) && r.released());
     assert_eq!(engine.stats().blocks_held_by_hung_io, 0);
+    // Now the caller reads what the live device loaded.
+    for (b, id) in ids.iter().enumerate() {
+        if on_live.contains(id) {
+            assert!(holds(&region, b as u32, *id), "key {id} on the live device");
+        }
+    }
     assert_eq!(sim.take_strays(), Vec::<String>::new());
     let r = load(&engine, &region, 5, &on_hung);
     assert!(

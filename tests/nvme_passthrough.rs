@@ -19,7 +19,7 @@ use std::time::Duration;
 use kvtier::config::{Cores, DeviceConfig, DeviceKind};
 use kvtier::{Config, Engine, Job, JobResult, Key, KeyFailure, Region};
 use kvtier_sys::nvme::{Namespace, Opcode, Outcome};
-use kvtier_sys::ring::{BufRef, Ring, RingConfig};
+use kvtier_sys::ring::{Ring, RingConfig};
 
 use common::{content, env_u64, wait_results};
 
@@ -175,6 +175,7 @@ fn an_out_of_range_lba_is_a_named_error() {
     let ns = Namespace::open(&path).expect("namespace");
     let g = ns.geometry().clone();
     let buf = Arc::new(Region::allocate(1 << 20, kvtier_sys::mem::HugePages::Off).expect("buf"));
+    buf.guard_blocks(g.lba_bytes() as usize).expect("guard");
     let err = ns
         .read_sync(g.size_bytes(), &buf, 0, g.lba_bytes() as usize)
         .expect_err("reading past the end");
@@ -198,15 +199,13 @@ fn an_out_of_range_lba_is_a_named_error() {
         .expect("buffers");
     ring.register_files(vec![Arc::clone(ns.file())])
         .expect("files");
-    let one = BufRef {
-        region: 0,
-        offset: 0,
-        len: g.lba_bytes(),
-    };
-    ring.push_nvme(1, 0, Opcode::Read, g.nsid, g.lbas, g.lba_shift, one)
+    let lba = g.lba_bytes() as usize;
+    let claim = |at: usize| buf.checkout(at, lba, true).expect("a free LBA-sized block");
+    ring.push_nvme(1, 0, Opcode::Read, g.nsid, g.lbas, g.lba_shift, 0, claim(0))
         .expect("push");
-    ring.push_nvme(2, 0, Opcode::Read, g.nsid, 0, g.lba_shift, one)
+    ring.push_nvme(2, 0, Opcode::Read, g.nsid, 0, g.lba_shift, 0, claim(lba))
         .expect("push");
+    assert!(buf.is_leased(0) && buf.is_leased(1), "claimed until reaped");
     ring.submit(2).expect("submit");
     let mut out = Vec::new();
     while out.len() < 2 {
@@ -222,6 +221,10 @@ fn an_out_of_range_lba_is_a_named_error() {
         other => panic!("expected an NVMe status, got {other:?}"),
     }
     assert_eq!(Outcome::from_result(out[1].result), Outcome::Done);
+    assert!(
+        !buf.is_leased(0) && !buf.is_leased(1),
+        "the completions let them go"
+    );
 }
 
 #[test]

@@ -30,7 +30,7 @@ use crate::worker::{self, Msg, WorkerShared};
 mod admit;
 mod lookup;
 pub(crate) mod open;
-mod start;
+pub(crate) mod start;
 pub(crate) mod stats;
 
 pub use crate::tier::{Lookup, Tier};

@@ -9,7 +9,7 @@ use crate::config::{Config, Cores, Derived, Layout, VerifyLoads};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
-use crate::io::{BackendSettings, EventFd, Region, RegionGuard, Storage};
+use crate::io::{BackendSettings, EventFd, Region, Storage};
 use crate::job::Shared;
 use crate::route::Router;
 use crate::slab::layout::DeviceSpec;
@@ -51,7 +51,7 @@ impl Engine {
     ) -> Result<Engine> {
         let started = std::time::Instant::now();
         let derived = config.validate()?;
-        let region_blocks = check_region(&region, derived.block_bytes, storage.as_ref())?;
+        let region_blocks = check_region(&region, derived.block_bytes)?;
         let devices = open_devices(config, &derived, storage.as_ref())?;
         let cores = worker_cores(&config.cores);
         let (shared, results) = Shared::new(EventSink::new(
@@ -253,11 +253,7 @@ fn region_pages(region: &Region, block_bytes: u64) -> Option<f64> {
 }
 
 /// The region's block count, after checking it fits the engine and guarding its blocks.
-pub(crate) fn check_region(
-    region: &Region,
-    block_bytes: u64,
-    storage: &dyn Storage,
-) -> Result<u64> {
+pub(crate) fn check_region(region: &Region, block_bytes: u64) -> Result<u64> {
     if (region.len() as u64) < block_bytes {
         return Err(Error::Memory(format!(
             "the region is {} bytes, smaller than one block of {block_bytes}",
@@ -270,11 +266,7 @@ pub(crate) fn check_region(
             "{region_blocks} blocks: at most 2^32-1"
         )));
     }
-    let guarded = match storage.region_guard() {
-        RegionGuard::Enforce => region.guard_blocks(block_bytes as usize),
-        RegionGuard::Track => region.track_blocks(block_bytes as usize),
-    };
-    guarded.map_err(|e| {
+    region.guard_blocks(block_bytes as usize).map_err(|e| {
         Error::Memory(format!(
             "guarding the region in blocks of {block_bytes} bytes: {} (is it in use by an \
              engine with another block_size?)",

@@ -133,20 +133,41 @@ pub(super) fn worker_main(ctx: WorkerCtx) {
 /// The worker's slot-table copy (buffer 1) and, with demotion, its staging slots (buffer 2).
 fn buffers(ctx: &WorkerCtx) -> std::result::Result<(Arc<Region>, Option<worker::Demote>), String> {
     let meta_len = crate::slab::table::meta_bytes(&ctx.devices, ctx.id, ctx.workers);
-    let meta = Region::allocate(meta_len, kvtier_sys::mem::HugePages::Off)
-        .map_err(|e| format!("allocating {meta_len} bytes of slot table: {e}"))?;
+    let meta = worker_buffer(meta_len, crate::slab::TABLE_PAGE_BYTES, "slot table copy")?;
     let demote = match &ctx.demote_sink {
         None => None,
         Some(sink) => {
-            let len = ctx.staging_blocks * ctx.sched.block_bytes() as usize;
-            let staging = Region::allocate(len, kvtier_sys::mem::HugePages::Off)
-                .map_err(|e| format!("allocating {len} bytes of demotion staging: {e}"))?;
+            let block_bytes = ctx.sched.block_bytes() as usize;
+            let staging = worker_buffer(
+                ctx.staging_blocks * block_bytes,
+                block_bytes,
+                "demotion staging",
+            )?;
             Some(worker::Demote::new(
-                Arc::new(staging),
+                staging,
                 ctx.staging_blocks,
                 Arc::clone(sink),
             ))
         }
     };
-    Ok((Arc::new(meta), demote))
+    Ok((meta, demote))
+}
+
+/// One of a worker's own buffers (`what`: the slot-table copy, the demotion staging) of
+/// `len` bytes, guarded in blocks of `unit` bytes: a transfer claims the blocks it moves
+/// ([`Region::checkout`]), and the worker's copies keep off them meanwhile.
+pub(crate) fn worker_buffer(
+    len: usize,
+    unit: usize,
+    what: &str,
+) -> std::result::Result<Arc<Region>, String> {
+    let region = Region::allocate(len, kvtier_sys::mem::HugePages::Off)
+        .map_err(|e| format!("allocating {len} bytes of {what}: {e}"))?;
+    region.guard_blocks(unit).map_err(|e| {
+        format!(
+            "guarding the {what} in blocks of {unit} bytes: {}",
+            e.desc()
+        )
+    })?;
+    Ok(Arc::new(region))
 }

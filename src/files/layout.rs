@@ -36,7 +36,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::files::device::{FilesDevice, ScannedFile};
-use crate::io::{BufRef, FileOp, IoClass};
+use crate::io::{FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::worker::{own_key, Core, Layout, Start, BUF_REGION};
@@ -298,17 +298,20 @@ impl Layout for FilesLayout {
         len: u64,
     ) -> bool {
         let op = &core.ops[idx as usize];
+        let job = op.job.as_ref().expect("a store op has a job");
+        let at = op.block as usize * core.block_bytes as usize + start as usize;
+        let claim = core.claim(job, at, len as usize, false);
         let file_op = FileOp::WriteFd {
             fd: op.fd,
             offset: start,
-            buf: BufRef {
-                region: BUF_REGION,
-                offset: op.block as usize * core.block_bytes as usize + start as usize,
-                len: len as u32,
-            },
+            buf: claim.buf_ref(BUF_REGION),
         };
-        core.backend
-            .push_file(core.ops.user_data(idx, chunk), &file_op, IoClass::Store)
+        core.backend.push_file(
+            core.ops.user_data(idx, chunk),
+            &file_op,
+            Some((BUF_REGION, claim)),
+            IoClass::Store,
+        )
     }
 
     fn on_written(&mut self, core: &mut Core<Op>, idx: u32, failure: Option<(KeyFailure, String)>) {

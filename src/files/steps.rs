@@ -6,7 +6,7 @@ use std::path::Path;
 use nix::fcntl::OFlag;
 
 use crate::files::device::c_path;
-use crate::io::{BufRef, FileOp, IoClass};
+use crate::io::{FileOp, IoClass};
 use crate::worker::{Core, BUF_REGION, BUF_STAGING};
 
 use super::layout::{FilesLayout, RENAME_NOREPLACE};
@@ -33,18 +33,28 @@ impl FilesLayout {
         let at = dev.dir_fd();
         let dest = dev.rel(&op.dest);
         let tmp = dev.rel(&op.tmp);
-        let block_buf = match op.staging {
-            Some(slot) => BufRef {
-                region: BUF_STAGING,
-                offset: slot as usize * core.block_bytes as usize,
-                len: core.block_bytes as u32,
-            },
-            None => BufRef {
-                region: BUF_REGION,
-                offset: op.block as usize * core.block_bytes as usize,
-                len: core.block_bytes as u32,
-            },
-        };
+        // The one step that moves block bytes: the read of a load (into the job's block) or
+        // of a demotion (into its staging slot), claimed for the transfer.
+        let claim = (op.step == Step::Read).then(|| {
+            let bytes = core.block_bytes as usize;
+            match op.staging {
+                Some(slot) => (
+                    BUF_STAGING,
+                    core.demote
+                        .as_ref()
+                        .and_then(|m| m.staging.checkout(slot as usize * bytes, bytes, true).ok())
+                        .expect("a staging slot taken for a read is the worker's, unclaimed"),
+                ),
+                None => (
+                    BUF_REGION,
+                    core.claim_block(
+                        op.job.as_ref().expect("a load op has a job"),
+                        op.block,
+                        true,
+                    ),
+                ),
+            }
+        });
         let crc_bytes = op.crc.unwrap_or(0).to_le_bytes();
         let file_op = match op.step {
             Step::GetXattr => FileOp::GetXattr {
@@ -69,7 +79,10 @@ impl FilesLayout {
             Step::Read => FileOp::ReadFd {
                 fd: op.fd,
                 offset: 0,
-                buf: block_buf,
+                buf: claim
+                    .as_ref()
+                    .map(|(region, c)| c.buf_ref(*region))
+                    .expect("claimed above"),
             },
             Step::Close | Step::CloseTmp | Step::CloseDir => FileOp::Close { fd: op.fd },
             Step::SyncDir => FileOp::Fsync {
@@ -111,7 +124,7 @@ impl FilesLayout {
             }
             Step::Write => unreachable!("writes are pushed chunk by chunk"),
         };
-        core.backend.push_file(user_data, &file_op, class)
+        core.backend.push_file(user_data, &file_op, claim, class)
     }
 
     /// The directory steps of `idx`: opening the block's directory (to fsync it) or `<hhh>`,
@@ -154,7 +167,7 @@ impl FilesLayout {
                 mode: dev.dir_mode,
             },
         };
-        core.backend.push_file(user_data, &file_op, class)
+        core.backend.push_file(user_data, &file_op, None, class)
     }
 
     pub(super) fn push_stalled(&mut self, core: &mut Core<Op>) -> bool {

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::io::{Completion, EventFd, IoBackend, IoClass, IoKind, IoRequest, Region};
+
+use super::Memory;
 use crate::Errno;
 
 use super::{Faults, LogEntry, Rng, State};
@@ -63,8 +65,8 @@ impl SimBackend {
     /// Performs the request's data movement and decides its result.
     fn execute(&mut self, req: &IoRequest) -> i32 {
         let f = self.faults();
-        let len = req.buf.len as usize;
-        let region = Arc::clone(&self.buffers[req.buf.region as usize]);
+        let len = req.buf.len();
+        let mem = Memory::Claim(&req.buf);
         let dev = req.device as usize;
         let faulty = !(f.data_only && req.class == IoClass::Meta);
         if self.state.failing.load(Ordering::SeqCst) & (1u64 << dev) != 0 {
@@ -72,13 +74,13 @@ impl SimBackend {
         }
         if req.kind == IoKind::Write {
             if self.state.crashed.load(Ordering::SeqCst) {
-                return self.tear(req, &region);
+                return self.tear(req);
             }
             let left = self.state.writes_until_crash.load(Ordering::SeqCst);
             if left != u64::MAX {
                 if left == 0 {
                     self.state.crashed.store(true, Ordering::SeqCst);
-                    return self.tear(req, &region);
+                    return self.tear(req);
                 }
                 self.state
                     .writes_until_crash
@@ -93,38 +95,35 @@ impl SimBackend {
                 return -(Errno::ENOSPC as i32);
             }
             if req.kind == IoKind::Write && self.rng.hit(f.torn_write_ppm) {
-                return self.tear(req, &region);
+                return self.tear(req);
             }
             if len > 512 && self.rng.hit(f.short_ppm) {
                 let short = (self.rng.below(len as u64 / 512) * 512) as usize;
-                self.state
-                    .copy(dev, req.kind, req.offset, &region, req.buf, short);
+                self.state.copy(dev, req.kind, req.offset, &mem, short);
                 return i32::try_from(short).expect("I/O sizes fit i32");
             }
         }
-        self.state
-            .copy(dev, req.kind, req.offset, &region, req.buf, len);
+        self.state.copy(dev, req.kind, req.offset, &mem, len);
         if faulty && req.kind == IoKind::Read && len > 0 && self.rng.hit(f.read_flip_ppm) {
-            let at = req.buf.offset + self.rng.below(len as u64) as usize;
+            let at = self.rng.below(len as u64) as usize;
             let mut byte = [0u8];
-            region.read(at, &mut byte);
+            mem.fetch(at, &mut byte);
             byte[0] ^= 1 << self.rng.below(8);
-            region.write(at, &byte);
+            mem.land(at, &byte);
             self.state.read_flips.fetch_add(1, Ordering::SeqCst);
         }
         i32::try_from(len).expect("I/O sizes fit i32")
     }
 
     /// Lands a random prefix of a write (in 512-byte sectors) and fails it.
-    fn tear(&mut self, req: &IoRequest, region: &Region) -> i32 {
-        let sectors = u64::from(req.buf.len) / 512;
+    fn tear(&mut self, req: &IoRequest) -> i32 {
+        let sectors = req.buf.len() as u64 / 512;
         let landed = (self.rng.below(sectors + 1) * 512) as usize;
         self.state.copy(
             req.device as usize,
             IoKind::Write,
             req.offset,
-            region,
-            req.buf,
+            &Memory::Claim(&req.buf),
             landed,
         );
         -(Errno::EIO as i32)
@@ -132,7 +131,7 @@ impl SimBackend {
 }
 
 impl IoBackend for SimBackend {
-    fn push(&mut self, req: &IoRequest) -> bool {
+    fn push(&mut self, req: IoRequest) -> bool {
         if self.queued.len() + self.pending.len() >= self.sq_entries * 2 {
             return false;
         }
@@ -142,10 +141,9 @@ impl IoBackend for SimBackend {
         {
             return false;
         }
-        let r = &self.buffers[req.buf.region as usize];
         assert!(
-            req.buf.offset + req.buf.len as usize <= r.len(),
-            "request outside its buffer"
+            Arc::ptr_eq(&self.buffers[req.region as usize], req.buf.region()),
+            "a claim on another buffer than the request's"
         );
         if self.state.log_enabled.load(Ordering::SeqCst) {
             self.state
@@ -158,10 +156,10 @@ impl IoBackend for SimBackend {
                     class: req.class,
                     device: req.device,
                     offset: req.offset,
-                    len: req.buf.len,
+                    len: req.bytes(),
                 });
         }
-        self.queued.push(*req);
+        self.queued.push(req);
         true
     }
 

@@ -180,10 +180,10 @@ fn open_devices(
 
 /// A worker's demotion staging (buffer 2 of its backend), as the engine builds it.
 fn staging(blocks: usize, block_bytes: u64, sink: &DemoteSink) -> Result<Demote> {
-    let len = blocks * block_bytes as usize;
-    let region = Region::allocate(len, kvtier_sys::mem::HugePages::Off)
-        .map_err(|e| Error::Memory(e.to_string()))?;
-    Ok(Demote::new(Arc::new(region), blocks, Arc::clone(sink)))
+    let bytes = block_bytes as usize;
+    let region = crate::engine::start::worker_buffer(blocks * bytes, bytes, "demotion staging")
+        .map_err(Error::Memory)?;
+    Ok(Demote::new(region, blocks, Arc::clone(sink)))
 }
 
 impl Cluster {
@@ -280,7 +280,7 @@ impl Cluster {
         let block_bytes = derived.block_bytes;
         // The region's blocks as the engine sets them up: jobs lease them, the simulated
         // devices check the leases.
-        crate::engine::open::check_region(region, block_bytes, storage)?;
+        crate::engine::open::check_region(region, block_bytes)?;
         let Cores::List(cores) = &config.cores else {
             return Err(Error::Worker("the simulation needs cores = [..]".into()));
         };
@@ -327,10 +327,12 @@ impl Cluster {
                 Devices::Files(..) => &[],
             };
             let meta_len = crate::slab::table::meta_bytes(slab, id, workers);
-            let meta = Arc::new(
-                Region::allocate(meta_len, kvtier_sys::mem::HugePages::Off)
-                    .map_err(|e| Error::Memory(e.to_string()))?,
-            );
+            let meta = crate::engine::start::worker_buffer(
+                meta_len,
+                crate::slab::TABLE_PAGE_BYTES,
+                "slot table copy",
+            )
+            .map_err(Error::Memory)?;
             let mut buffers = vec![Arc::clone(region), Arc::clone(&meta)];
             let demote = match &demote_sink {
                 None => None,

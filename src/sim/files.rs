@@ -26,8 +26,8 @@ use kvtier_sys::fd as sys;
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BufRef, Completion, DeviceInfo, EventFd, FileOp, IoBackend, IoClass, IoKind,
-    IoRequest, Region, RegionGuard, Storage,
+    BackendSettings, Completion, DeviceInfo, EventFd, FileOp, IoBackend, IoBuf, IoClass, IoKind,
+    IoRequest, Region, Storage,
 };
 use crate::Errno;
 
@@ -250,11 +250,6 @@ impl Storage for SimFiles {
         true
     }
 
-    /// Leases only: the simulated file I/O copies through the region's accessors.
-    fn region_guard(&self) -> RegionGuard {
-        RegionGuard::Track
-    }
-
     fn open_device(&self, _: usize, cfg: &DeviceConfig, _: DirectIo) -> Result<DeviceInfo> {
         Err(Error::device(
             &cfg.path,
@@ -306,12 +301,12 @@ enum Op {
     Read {
         fd: RawFd,
         offset: u64,
-        buf: BufRef,
+        buf: IoBuf,
     },
     Write {
         fd: RawFd,
         offset: u64,
-        buf: BufRef,
+        buf: IoBuf,
     },
     Close(RawFd),
     Rename {
@@ -338,7 +333,8 @@ enum Op {
 }
 
 impl Op {
-    fn of(op: &FileOp<'_>) -> Op {
+    /// The op, with the claim on its buffer for a read or a write.
+    fn of(op: &FileOp<'_>, claim: Option<IoBuf>) -> Op {
         match *op {
             FileOp::OpenAt {
                 dir,
@@ -353,8 +349,16 @@ impl Op {
                 mode,
                 confined,
             },
-            FileOp::ReadFd { fd, offset, buf } => Op::Read { fd, offset, buf },
-            FileOp::WriteFd { fd, offset, buf } => Op::Write { fd, offset, buf },
+            FileOp::ReadFd { fd, offset, .. } => Op::Read {
+                fd,
+                offset,
+                buf: claim.expect("a read comes with its claim"),
+            },
+            FileOp::WriteFd { fd, offset, .. } => Op::Write {
+                fd,
+                offset,
+                buf: claim.expect("a write comes with its claim"),
+            },
             FileOp::Close { fd } => Op::Close(fd),
             FileOp::RenameAt {
                 dir,
@@ -449,8 +453,8 @@ impl FilesBackend {
                     Err(e) => neg(e),
                 }
             }
-            Op::Read { fd, offset, buf } => self.read(*fd, *offset, *buf, f),
-            Op::Write { fd, offset, buf } => self.write(*fd, *offset, *buf, f),
+            Op::Read { fd, offset, buf } => self.read(*fd, *offset, buf, f),
+            Op::Write { fd, offset, buf } => self.write(*fd, *offset, buf, f),
             Op::Close(fd) => {
                 self.state.journal().fds.remove(fd);
                 sys::close(*fd).map_or_else(neg, |()| 0)
@@ -506,8 +510,8 @@ impl FilesBackend {
         }
     }
 
-    fn read(&mut self, fd: RawFd, offset: u64, buf: BufRef, f: Faults) -> i32 {
-        let mut data = vec![0u8; buf.len as usize];
+    fn read(&mut self, fd: RawFd, offset: u64, buf: &IoBuf, f: Faults) -> i32 {
+        let mut data = vec![0u8; buf.len()];
         let n = match sys::pread(fd, &mut data, offset) {
             Ok(n) => n,
             Err(e) => return neg(e),
@@ -522,23 +526,25 @@ impl FilesBackend {
             data[at] ^= 1 << self.rng.below(8);
             self.state.read_flips.fetch_add(1, Ordering::SeqCst);
         }
-        let region = &self.buffers[buf.region as usize];
         self.state
             .strays
-            .check(region, buf.offset, n, IoKind::Read, || format!("fd {fd}"));
-        region.write(buf.offset, &data[..n]);
+            .check(buf.region(), buf.offset(), n, IoKind::Read, || {
+                format!("fd {fd}")
+            });
+        buf.device_write(0, &data[..n]);
         i32::try_from(n).expect("I/O sizes fit i32")
     }
 
-    fn write(&mut self, fd: RawFd, offset: u64, buf: BufRef, f: Faults) -> i32 {
-        let mut data = vec![0u8; buf.len as usize];
-        let region = &self.buffers[buf.region as usize];
-        self.state
-            .strays
-            .check(region, buf.offset, data.len(), IoKind::Write, || {
-                format!("fd {fd}")
-            });
-        region.read(buf.offset, &mut data);
+    fn write(&mut self, fd: RawFd, offset: u64, buf: &IoBuf, f: Faults) -> i32 {
+        let mut data = vec![0u8; buf.len()];
+        self.state.strays.check(
+            buf.region(),
+            buf.offset(),
+            data.len(),
+            IoKind::Write,
+            || format!("fd {fd}"),
+        );
+        buf.device_read(0, &mut data);
         if self.rng.hit(f.enospc_ppm) {
             return neg(Errno::ENOSPC);
         }
@@ -569,17 +575,30 @@ impl FilesBackend {
 }
 
 impl IoBackend for FilesBackend {
-    fn push(&mut self, req: &IoRequest) -> bool {
+    fn push(&mut self, req: IoRequest) -> bool {
         let _ = req;
         unreachable!("the simulated files storage runs the files layout only")
     }
 
-    fn push_file(&mut self, user_data: u64, op: &FileOp<'_>, class: IoClass) -> bool {
+    fn push_file(
+        &mut self,
+        user_data: u64,
+        op: &FileOp<'_>,
+        buf: Option<(u16, IoBuf)>,
+        class: IoClass,
+    ) -> bool {
         let _ = class;
         if self.queued.len() + self.pending.len() >= self.sq_entries * 2 {
             return false;
         }
-        self.queued.push((user_data, Op::of(op)));
+        if let Some((region, b)) = &buf {
+            assert!(
+                Arc::ptr_eq(&self.buffers[usize::from(*region)], b.region()),
+                "a claim on another buffer than the op's"
+            );
+        }
+        self.queued
+            .push((user_data, Op::of(op, buf.map(|(_, b)| b))));
         true
     }
 

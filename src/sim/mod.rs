@@ -33,8 +33,7 @@ use std::sync::{Arc, Mutex};
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BufRef, DeviceInfo, EventFd, IoBackend, IoClass, IoKind, Region, RegionGuard,
-    Storage,
+    BackendSettings, DeviceInfo, EventFd, IoBackend, IoBuf, IoClass, IoKind, Region, Storage,
 };
 use backend::SimBackend;
 
@@ -376,39 +375,62 @@ impl SimStorage {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         d[offset as usize..offset as usize + data.len()].copy_from_slice(data);
     }
+}
 
-    fn copy(
-        &self,
-        dev: usize,
-        kind: IoKind,
-        offset: u64,
-        region: &Region,
-        buf: BufRef,
-        len: usize,
-    ) {
-        self.state.copy(dev, kind, offset, region, buf, len);
+/// Where a simulated transfer's bytes are: a request's claim (the device's own access), or a
+/// region for the synchronous reads and writes while opening (through its accessors).
+pub(crate) enum Memory<'a> {
+    Claim(&'a IoBuf),
+    Region(&'a Region, usize),
+}
+
+impl Memory<'_> {
+    fn region(&self) -> &Region {
+        match self {
+            Memory::Claim(b) => b.region(),
+            Memory::Region(r, _) => r,
+        }
+    }
+
+    fn offset(&self) -> usize {
+        match self {
+            Memory::Claim(b) => b.offset(),
+            Memory::Region(_, at) => *at,
+        }
+    }
+
+    /// The device writes `src` at byte `at` of the transfer.
+    pub(crate) fn land(&self, at: usize, src: &[u8]) {
+        match self {
+            Memory::Claim(b) => b.device_write(at, src),
+            Memory::Region(r, off) => r.write(off + at, src),
+        }
+    }
+
+    /// The device reads the transfer's bytes from `at` on into `dst`.
+    pub(crate) fn fetch(&self, at: usize, dst: &mut [u8]) {
+        match self {
+            Memory::Claim(b) => b.device_read(at, dst),
+            Memory::Region(r, off) => r.read(off + at, dst),
+        }
     }
 }
 
 impl State {
-    fn copy(
-        &self,
-        dev: usize,
-        kind: IoKind,
-        offset: u64,
-        region: &Region,
-        buf: BufRef,
-        len: usize,
-    ) {
+    fn copy(&self, dev: usize, kind: IoKind, offset: u64, mem: &Memory<'_>, len: usize) {
         let mut d = self.disks[dev]
             .bytes
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let range = offset as usize..offset as usize + len;
-        self.strays
-            .check(region, buf.offset, len, kind, || format!("device {dev}"));
+        if let Memory::Claim(_) = mem {
+            self.strays
+                .check(mem.region(), mem.offset(), len, kind, || {
+                    format!("device {dev}")
+                });
+        }
         match kind {
-            IoKind::Read => region.write(buf.offset, &d[range]),
+            IoKind::Read => mem.land(0, &d[range]),
             IoKind::Write => {
                 if let Some(journal) = self
                     .journal
@@ -422,7 +444,7 @@ impl State {
                         old: d[range.clone()].to_vec(),
                     });
                 }
-                region.read(buf.offset, &mut d[range]);
+                mem.fetch(0, &mut d[range]);
             }
         }
     }
@@ -471,12 +493,6 @@ impl Strays {
 }
 
 impl Storage for SimStorage {
-    /// Leases only: the simulated device copies through the region's accessors (it plays the
-    /// kernel), and checks that a job still holds the blocks ([`SimStorage::take_strays`]).
-    fn region_guard(&self) -> RegionGuard {
-        RegionGuard::Track
-    }
-
     fn open_device(
         &self,
         index: usize,
@@ -512,12 +528,8 @@ impl Storage for SimStorage {
         buf_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let b = BufRef {
-            region: 0,
-            offset: buf_offset,
-            len: len as u32,
-        };
-        self.copy(device, IoKind::Read, offset, buf, b, len);
+        let mem = Memory::Region(buf, buf_offset);
+        self.state.copy(device, IoKind::Read, offset, &mem, len);
         Ok(())
     }
 
@@ -529,12 +541,8 @@ impl Storage for SimStorage {
         buf_offset: usize,
         len: usize,
     ) -> Result<()> {
-        let b = BufRef {
-            region: 0,
-            offset: buf_offset,
-            len: len as u32,
-        };
-        self.copy(device, IoKind::Write, offset, buf, b, len);
+        let mem = Memory::Region(buf, buf_offset);
+        self.state.copy(device, IoKind::Write, offset, &mem, len);
         Ok(())
     }
 
@@ -560,15 +568,16 @@ mod tests {
     use super::*;
     use crate::config::HugePages;
     use crate::io::{Completion, IoRequest};
+    use std::sync::Arc;
 
-    /// A device transfer that reaches a region block no job holds is recorded as a stray: the
-    /// check the campaigns make after every step.
+    /// A simulated transfer moves bytes only under its claim, which keeps the job's blocks
+    /// until the completion is returned, however early the job lets go of its lease.
     #[test]
-    fn a_transfer_outside_every_lease_is_a_stray() {
+    fn a_transfer_lands_in_its_claim_and_frees_it_at_its_completion() {
         let storage = SimStorage::new(1, &[1 << 20]);
         storage.write_raw(0, 8192, b"on the disk");
         let region = crate::region::allocate_blocks(4096, 4, HugePages::Off).expect("memory");
-        region.track_blocks(4096).expect("a block size");
+        region.guard_blocks(4096).expect("a block size");
         let wake = Arc::new(EventFd::new().expect("an eventfd"));
         let mut backend = SimBackend::new(
             Arc::clone(&storage.state),
@@ -577,41 +586,30 @@ mod tests {
             wake,
             8,
         );
-        let mut run = |kind, block: u32| {
-            let req = IoRequest {
-                user_data: u64::from(block),
-                kind,
-                device: 0,
-                offset: 8192,
-                buf: BufRef {
-                    region: 0,
-                    offset: block as usize * 4096,
-                    len: 4096,
-                },
-                class: IoClass::Load,
-            };
-            assert!(backend.push(&req));
-            backend.submit(true).expect("submit");
-            let mut done: Vec<Completion> = Vec::new();
-            backend.complete(&mut done);
-            assert_eq!(done.len(), 1);
-            assert_eq!(done[0].result, 4096);
+        let load = Arc::new(region.lease(&[1], true).expect("free"));
+        let req = IoRequest {
+            user_data: 1,
+            kind: IoKind::Read,
+            device: 0,
+            offset: 8192,
+            region: 0,
+            buf: load.checkout(4096, 4096, true).expect("held"),
+            class: IoClass::Load,
         };
-        let load = region.lease(&[1], true).expect("free");
-        run(IoKind::Read, 1);
-        assert!(storage.take_strays().is_empty(), "block 1 is leased");
-        assert!(load.with_bytes(4096, 11, |b| b == b"on the disk"));
-        run(IoKind::Read, 2);
-        assert_eq!(
-            storage.take_strays(),
-            ["device 0: a read landed in region block 2, which no job held"]
-        );
-        drop(load);
-        run(IoKind::Write, 1);
-        assert_eq!(
-            storage.take_strays(),
-            ["device 0: a write read region block 1, which no job held"]
-        );
-        assert!(storage.take_strays().is_empty(), "taken once");
+        assert!(backend.push(req));
+        // The job gives up on it (a deadline): its blocks stay with the transfer.
+        load.release();
+        assert!(region.is_leased(1));
+        let late = std::panic::catch_unwind(|| region.fill(4096, 16, 0xAB));
+        assert!(late.is_err(), "the caller cannot reuse the block yet");
+        backend.submit(true).expect("submit");
+        let mut done: Vec<Completion> = Vec::new();
+        backend.complete(&mut done);
+        assert_eq!((done.len(), done[0].result), (1, 4096));
+        assert!(!region.is_leased(1), "the completion let the block go");
+        let mut got = [0u8; 11];
+        region.read(4096, &mut got);
+        assert_eq!(&got, b"on the disk");
+        assert!(storage.take_strays().is_empty());
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::io::{BufRef, IoClass, IoKind, IoRequest};
+use crate::io::{IoClass, IoKind, IoRequest};
 use crate::key::Key;
 use crate::worker::{Core, Demote, BUF_STAGING};
 
@@ -57,19 +57,24 @@ impl SlabLayout {
             give_back(core);
             return None;
         };
+        let bytes = core.block_bytes as usize;
+        let Some(buf) = core.demote.as_ref().and_then(|m| {
+            m.staging
+                .checkout(staging as usize * bytes, bytes, true)
+                .ok()
+        }) else {
+            unreachable!("a free staging slot is the worker's, unclaimed");
+        };
         let req = IoRequest {
             user_data: core.ops.user_data(idx, 0),
             kind: IoKind::Read,
             device: d as u16,
             offset: self.devs[d].slot_offset(victim),
-            buf: BufRef {
-                region: BUF_STAGING,
-                offset: staging as usize * core.block_bytes as usize,
-                len: core.block_bytes as u32,
-            },
+            region: BUF_STAGING,
+            buf,
             class: IoClass::Store,
         };
-        if !core.backend.push(&req) {
+        if !core.backend.push(req) {
             core.ops.release(idx);
             give_back(core);
             return None;

@@ -20,7 +20,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::io::{BufRef, IoClass, IoKind, IoRequest};
+use crate::io::{IoClass, IoKind, IoRequest};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
@@ -301,10 +301,11 @@ impl Layout for SlabLayout {
             kind: IoKind::Read,
             device: d,
             offset: self.devs[d as usize].slot_offset(local),
-            buf: Self::block_buf(core, block),
+            region: BUF_REGION,
+            buf: core.claim_block(job, block, true),
             class: IoClass::Load,
         };
-        if !core.backend.push(&req) {
+        if !core.backend.push(req) {
             core.ops.release(idx);
             return Start::Blocked;
         }
@@ -409,19 +410,18 @@ impl Layout for SlabLayout {
         len: u64,
     ) -> bool {
         let op = &core.ops[idx as usize];
+        let job = op.job.as_ref().expect("a store op has a job");
+        let at = op.block as usize * core.block_bytes as usize + start as usize;
         let req = IoRequest {
             user_data: core.ops.user_data(idx, chunk),
             kind: IoKind::Write,
             device: op.dev,
             offset: self.devs[op.dev as usize].slot_offset(op.slot) + start,
-            buf: BufRef {
-                region: BUF_REGION,
-                offset: op.block as usize * core.block_bytes as usize + start as usize,
-                len: len as u32,
-            },
+            region: BUF_REGION,
+            buf: core.claim(job, at, len as usize, false),
             class: IoClass::Store,
         };
-        core.backend.push(&req)
+        core.backend.push(req)
     }
 
     fn on_written(&mut self, core: &mut Core<Op>, idx: u32, failure: Option<(KeyFailure, String)>) {

@@ -3,11 +3,10 @@
 //! computed once its data write is submitted (so they never delay I/O) and written beside it.
 
 use super::table::Ack;
-use crate::io::BufRef;
 use crate::job::{JobState, KeyFailure};
 use crate::slab::ENTRIES_PER_PAGE;
 use crate::worker::shared::block_crc;
-use crate::worker::{io_outcome, Core, BUF_REGION};
+use crate::worker::{io_outcome, Core};
 use crate::Errno;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -15,14 +14,6 @@ use std::sync::Arc;
 use super::layout::{EntryState, Finished, Op, SlabLayout, SlotState};
 
 impl SlabLayout {
-    pub(super) fn block_buf(core: &Core<Op>, block: u32) -> BufRef {
-        BufRef {
-            region: BUF_REGION,
-            offset: block as usize * core.block_bytes as usize,
-            len: core.block_bytes as u32,
-        }
-    }
-
     pub(super) fn on_load_done(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         core.sched.load_ended();
         let op = &core.ops[idx as usize];

@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::io::{BufRef, IoClass, IoKind, IoRequest};
+use crate::io::{IoClass, IoKind, IoRequest};
 use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
 use crate::slab::{Entry, EntryRead, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
@@ -31,6 +31,9 @@ pub(crate) struct PageState {
     pub waiting_since: Option<std::time::Instant>,
     /// Stores whose entries the write in flight carries.
     pub committing: Vec<Ack>,
+    /// Entries changed while the page's write was in flight (the device reads the page, so
+    /// it is not written meanwhile): copied in when that write completes, and written next.
+    pub deferred: Vec<(usize, [u8; ENTRY_BYTES])>,
 }
 
 /// A store to acknowledge once the table page holding its entry is on the device (and its data
@@ -139,12 +142,18 @@ impl SlabLayout {
             None => self.scratch_entry.fill(0),
         }
         let dev = &mut self.devs[d];
-        self.meta.write(
-            dev.meta_offset + local as usize * ENTRY_BYTES,
-            &self.scratch_entry,
-        );
+        let at = dev.meta_offset + local as usize * ENTRY_BYTES;
         let page = local as usize / ENTRIES_PER_PAGE;
         let p = &mut dev.pages[page];
+        if p.in_flight {
+            // At most one per entry of the page: the latest wins.
+            match p.deferred.iter_mut().find(|(a, _)| *a == at) {
+                Some(e) => e.1 = self.scratch_entry,
+                None => p.deferred.push((at, self.scratch_entry)),
+            }
+        } else {
+            self.meta.write(at, &self.scratch_entry);
+        }
         p.dirty_entries = p.dirty_entries.saturating_add(1);
         if !p.dirty {
             p.dirty = true;
@@ -179,6 +188,7 @@ impl SlabLayout {
                 break;
             };
             let dev = &self.devs[d as usize];
+            let at = dev.meta_offset + page as usize * TABLE_PAGE_BYTES;
             let req = IoRequest {
                 user_data: core.ops.user_data(idx, 0),
                 kind: IoKind::Write,
@@ -186,14 +196,14 @@ impl SlabLayout {
                 offset: dev
                     .geometry
                     .table_page_offset(dev.first_page() + u64::from(page)),
-                buf: BufRef {
-                    region: BUF_META,
-                    offset: dev.meta_offset + page as usize * TABLE_PAGE_BYTES,
-                    len: TABLE_PAGE_BYTES as u32,
-                },
+                region: BUF_META,
+                buf: self
+                    .meta
+                    .checkout(at, TABLE_PAGE_BYTES, false)
+                    .expect("a page not in flight is the worker's, unclaimed"),
                 class: IoClass::Meta,
             };
-            if !core.backend.push(&req) {
+            if !core.backend.push(req) {
                 core.ops.release(idx);
                 break;
             }
@@ -277,6 +287,10 @@ impl SlabLayout {
         }
         let p = &mut self.devs[d as usize].pages[page as usize];
         p.in_flight = false;
+        // The device is done reading the page (its claim went with the completion).
+        for (at, entry) in p.deferred.drain(..) {
+            self.meta.write(at, &entry);
+        }
         if p.dirty {
             self.dirty_pages.push_back((d, page));
         }
@@ -305,19 +319,20 @@ impl SlabLayout {
                     .alloc(Op::new(OpKind::Recover))
                     .ok_or("op table exhausted")?;
                 core.ops[idx as usize].dev = d as u16;
-                let req = IoRequest {
-                    user_data: core.ops.user_data(idx, 0),
+                let user_data = core.ops.user_data(idx, 0);
+                let request = || IoRequest {
+                    user_data,
                     kind: IoKind::Read,
                     device: d as u16,
                     offset: base + done as u64,
-                    buf: BufRef {
-                        region: BUF_META,
-                        offset: meta_offset + done,
-                        len: len as u32,
-                    },
+                    region: BUF_META,
+                    buf: self
+                        .meta
+                        .checkout(meta_offset + done, len, true)
+                        .expect("the table pages are read once each, at recovery"),
                     class: IoClass::Meta,
                 };
-                while !core.backend.push(&req) {
+                while !core.backend.push(request()) {
                     core.backend.submit(true).map_err(|e| e.to_string())?;
                     pending -= reap_recover(core)?;
                 }

@@ -11,7 +11,7 @@ use kvtier_sys::ring::{Ring, RingConfig};
 use super::{errno_msg, nvme, Opened};
 use crate::error::{Error, Result};
 use crate::io::{
-    BufRef, Completion, EventFd, FileOp, IoBackend, IoClass, IoKind, IoRequest, Region,
+    Completion, EventFd, FileOp, IoBackend, IoBuf, IoClass, IoKind, IoRequest, Region,
 };
 
 pub(super) fn build_ring(
@@ -31,19 +31,37 @@ pub(super) fn build_ring(
     Ok(ring)
 }
 
-/// Reads the first 4 KiB (one LBA of a passthrough device) of device 0 into the metadata
-/// buffer (buffer 1) and reports whether the polled read succeeded.
-pub(super) fn iopoll_reads_work(ring: &mut Ring, devices: &[Opened]) -> bool {
+/// Reads the first 4 KiB (one LBA of a passthrough device) of device 0 on a ring of its own
+/// built with `config` (polled), into a scratch buffer of its own, and reports whether the
+/// polled read succeeded. A read that never completes keeps only the scratch buffer (the
+/// ring's drop leaks what the kernel may still write), never one of the worker's.
+pub(super) fn iopoll_reads_work(
+    config: &RingConfig,
+    files: &[Arc<DeviceFile>],
+    devices: &[Opened],
+) -> bool {
+    const SCRATCH: usize = 64 << 10;
     let Some(first) = devices.first() else {
         return true;
     };
+    let Ok(scratch) = Region::allocate(SCRATCH, kvtier_sys::mem::HugePages::Off) else {
+        return false;
+    };
+    let scratch = Arc::new(scratch);
+    if scratch.guard_blocks(SCRATCH).is_err() {
+        return false;
+    }
+    let Ok(mut ring) = build_ring(config, &[Arc::clone(&scratch)], files, SCRATCH) else {
+        return false;
+    };
+    let ring = &mut ring;
+    let claim = |len: u32| {
+        scratch
+            .checkout(0, len as usize, true)
+            .expect("the scratch buffer is this probe's alone")
+    };
     let pushed = if let Some(ns) = &first.nvme {
         let g = ns.geometry();
-        let buf = BufRef {
-            region: 1,
-            offset: 0,
-            len: g.lba_bytes(),
-        };
         ring.push_nvme(
             0,
             0,
@@ -51,15 +69,11 @@ pub(super) fn iopoll_reads_work(ring: &mut Ring, devices: &[Opened]) -> bool {
             g.nsid,
             0,
             g.lba_shift,
-            buf,
+            0,
+            claim(g.lba_bytes()),
         )
     } else {
-        let buf = BufRef {
-            region: 1,
-            offset: 0,
-            len: 4096,
-        };
-        ring.push_read(0, 0, 0, buf, 0)
+        ring.push_read(0, 0, 0, 0, claim(4096), 0)
     };
     if pushed.is_err() || ring.submit(1).is_err() {
         return false;
@@ -125,7 +139,7 @@ impl UringBackend {
 }
 
 impl IoBackend for UringBackend {
-    fn push(&mut self, req: &IoRequest) -> bool {
+    fn push(&mut self, req: IoRequest) -> bool {
         let prio = match req.class {
             IoClass::Load => self.load_prio,
             IoClass::Store | IoClass::Meta => self.store_prio,
@@ -136,14 +150,15 @@ impl IoBackend for UringBackend {
             return self.passthrough.push(&mut self.ring, req);
         }
         let file = u32::from(req.device);
+        let (user_data, offset, region) = (req.user_data, req.offset, req.region);
         match req.kind {
             IoKind::Read => self
                 .ring
-                .push_read(req.user_data, file, req.offset, req.buf, prio)
+                .push_read(user_data, file, offset, region, req.buf, prio)
                 .is_ok(),
             IoKind::Write => self
                 .ring
-                .push_write(req.user_data, file, req.offset, req.buf, prio)
+                .push_write(user_data, file, offset, region, req.buf, prio)
                 .is_ok(),
         }
     }
@@ -152,12 +167,22 @@ impl IoBackend for UringBackend {
         self.ring.push_cancel(user_data).is_ok()
     }
 
-    fn push_file(&mut self, user_data: u64, op: &FileOp<'_>, class: IoClass) -> bool {
+    fn push_file(
+        &mut self,
+        user_data: u64,
+        op: &FileOp<'_>,
+        buf: Option<(u16, IoBuf)>,
+        class: IoClass,
+    ) -> bool {
         let prio = match class {
             IoClass::Load => self.load_prio,
             IoClass::Store | IoClass::Meta => self.store_prio,
         };
-        self.ring.push_file_op(user_data, op, prio).is_ok()
+        match buf {
+            Some((region, buf)) => self.ring.push_file_io(user_data, op, region, buf, prio),
+            None => self.ring.push_file_op(user_data, op, prio),
+        }
+        .is_ok()
     }
 
     fn xattr_ops(&self) -> bool {

@@ -393,7 +393,7 @@ impl Storage for KernelStorage {
                 ),
             }
         }
-        if ring.features().iopoll && !iopoll_reads_work(&mut ring, &opened) {
+        if ring.features().iopoll && !iopoll_reads_work(&ring_config, &files, &opened) {
             // Some devices accept an IOPOLL ring but fail every polled read (EOPNOTSUPP, no
             // poll queues): fall back rather than fail every load.
             tracing::warn!(

@@ -17,7 +17,7 @@ use kvtier_sys::nvme::{block_device_of, CommandError, Geometry, Namespace, Opcod
 use kvtier_sys::ring::Ring;
 
 use crate::config::{DeviceConfig, DeviceKind};
-use crate::io::{BufRef, Completion, IoKind, IoRequest};
+use crate::io::{Completion, IoBuf, IoKind, IoRequest};
 use crate::logs::RateLimit;
 
 /// Attempts per request when the device's status allows retrying.
@@ -200,25 +200,27 @@ impl Passthrough {
 
     /// Takes `req` (a request for a passthrough device) and pushes as many of its commands as
     /// the submission queue has room for (the rest go at the next [`Passthrough::flush`]);
-    /// `false`, taking nothing, if the queue is full.
-    pub fn push(&mut self, ring: &mut Ring, req: &IoRequest) -> bool {
+    /// `false`, taking nothing, if the queue is full. The request's claim stays here until its
+    /// completion is returned; each command carries a claim of its own on its part.
+    pub fn push(&mut self, ring: &mut Ring, req: IoRequest) -> bool {
         if ring.sq_space_left() == 0 {
             return false;
         }
+        let user_data = req.user_data;
         self.track(req);
-        if !self.feed(ring, req.user_data) {
-            self.backlog.push_back(req.user_data);
+        if !self.feed(ring, user_data) {
+            self.backlog.push_back(user_data);
         }
         true
     }
 
     /// Records `req`, none of its parts pushed yet.
-    fn track(&mut self, req: &IoRequest) {
-        let parts = self.part_count(req);
+    fn track(&mut self, req: IoRequest) {
+        let parts = self.part_count(&req);
         self.pending.insert(
             req.user_data,
             Pending {
-                req: *req,
+                req,
                 parts,
                 pushed: 0,
                 left: parts,
@@ -238,31 +240,26 @@ impl Passthrough {
 
     /// Commands `req` is cut into; checks it is whole LBAs.
     fn part_count(&self, req: &IoRequest) -> u32 {
-        assert!(req.buf.len > 0, "zero-length passthrough I/O: {req:?}");
         let dev = self.device(req);
         let lba = u64::from(dev.geometry.lba_bytes());
         assert!(
-            req.offset % lba == 0 && u64::from(req.buf.len) % lba == 0,
+            req.offset % lba == 0 && u64::from(req.bytes()) % lba == 0,
             "I/O of {} bytes at {} on {} is not a multiple of its {lba}-byte LBA",
-            req.buf.len,
+            req.bytes(),
             req.offset,
             dev.path.display()
         );
-        req.buf.len.div_ceil(dev.geometry.max_transfer_bytes)
+        req.bytes().div_ceil(dev.geometry.max_transfer_bytes)
     }
 
-    /// (start LBA, buffer) of command `i` of `req`; the buffer's length gives its LBAs.
-    fn part(&self, req: &IoRequest, i: u32) -> (u64, BufRef) {
+    /// (start LBA, claim) of command `i` of `req`; the claim's length gives its LBAs.
+    fn part(&self, req: &IoRequest, i: u32) -> (u64, IoBuf) {
         let g = &self.device(req).geometry;
         let done = i * g.max_transfer_bytes;
-        let len = (req.buf.len - done).min(g.max_transfer_bytes);
+        let len = (req.bytes() - done).min(g.max_transfer_bytes);
         (
             (req.offset + u64::from(done)) >> g.lba_shift,
-            BufRef {
-                region: req.buf.region,
-                offset: req.buf.offset + done as usize,
-                len,
-            },
+            req.buf.part(done as usize, len as usize),
         )
     }
 
@@ -271,22 +268,25 @@ impl Passthrough {
         let Some(p) = self.pending.get(&user_data) else {
             return true;
         };
-        let (req, mut next, parts) = (p.req, p.pushed, p.parts);
+        let (mut next, parts) = (p.pushed, p.parts);
+        let (device, region, op) = (p.req.device, p.req.region, opcode(p.req.kind));
         let (nsid, shift) = {
-            let g = &self.device(&req).geometry;
+            let g = &self.device(&p.req).geometry;
             (g.nsid, g.lba_shift)
         };
-        let op = opcode(req.kind);
         while next < parts {
             // Never more commands in flight than the completion queue holds: an overflowing
             // queue keeps completions in kernel memory, and loses them if that allocation fails.
             if ring.in_flight() >= ring.completion_capacity() {
                 break;
             }
-            let (slba, buf) = self.part(&req, next);
-            let file = u32::from(req.device);
+            let Some(p) = self.pending.get(&user_data) else {
+                unreachable!("a request being fed is pending");
+            };
+            let (slba, buf) = self.part(&p.req, next);
+            let file = u32::from(device);
             if ring
-                .push_nvme(user_data, file, op, nsid, slba, shift, buf)
+                .push_nvme(user_data, file, op, nsid, slba, shift, region, buf)
                 .is_err()
             {
                 break;
@@ -361,7 +361,7 @@ impl Passthrough {
             return Completion {
                 user_data: p.req.user_data,
                 // Block-sized transfers: far below 2 GiB.
-                result: i32::try_from(p.req.buf.len).unwrap_or(i32::MAX),
+                result: i32::try_from(p.req.bytes()).unwrap_or(i32::MAX),
             };
         };
         let dev = self.device(&p.req);
@@ -370,7 +370,7 @@ impl Passthrough {
             device: dev.path.clone(),
             op: opcode(p.req.kind),
             slba: p.req.offset >> shift,
-            lbas: p.req.buf.len >> shift,
+            lbas: p.req.bytes() >> shift,
             outcome: failed,
         };
         if let Some(suppressed) = self.log.admit() {
@@ -408,25 +408,42 @@ mod tests {
         ])
     }
 
+    /// A request for `len` bytes at byte 8 MiB of a region of its own.
     fn request(user_data: u64, kind: IoKind, offset: u64, len: u32) -> IoRequest {
+        let region = std::sync::Arc::new(
+            crate::Region::allocate((8 << 20) + len as usize, kvtier_sys::mem::HugePages::Off)
+                .expect("region"),
+        );
+        region.guard_blocks(4096).expect("guard");
+        request_in(&region, 8 << 20, user_data, kind, offset, len)
+    }
+
+    fn request_in(
+        region: &std::sync::Arc<crate::Region>,
+        at: usize,
+        user_data: u64,
+        kind: IoKind,
+        offset: u64,
+        len: u32,
+    ) -> IoRequest {
         IoRequest {
             user_data,
             kind,
             device: 1,
             offset,
-            buf: BufRef {
-                region: 0,
-                offset: 8 << 20,
-                len,
-            },
+            region: 0,
+            buf: region
+                .checkout(at, len as usize, kind == IoKind::Read)
+                .expect("free"),
             class: IoClass::Load,
         }
     }
 
     /// Pretends every part of `req` was pushed.
-    fn pushed(p: &mut Passthrough, req: &IoRequest) -> u32 {
+    fn pushed(p: &mut Passthrough, req: IoRequest) -> u32 {
+        let user_data = req.user_data;
         p.track(req);
-        let pending = p.pending.get_mut(&req.user_data).expect("tracked");
+        let pending = p.pending.get_mut(&user_data).expect("tracked");
         pending.pushed = pending.parts;
         p.parts_in_ring += pending.parts as usize;
         pending.parts
@@ -459,7 +476,7 @@ mod tests {
         assert_eq!(p.part_count(&req), 3);
         let got: Vec<(u64, u32, usize, u32)> = (0..3)
             .map(|i| p.part(&req, i))
-            .map(|(slba, buf)| (slba, buf.len >> 12, buf.offset, buf.len))
+            .map(|(slba, buf)| (slba, buf.len() as u32 >> 12, buf.offset(), buf.len() as u32))
             .collect();
         assert_eq!(
             got,
@@ -475,7 +492,7 @@ mod tests {
     fn parts_fold_into_one_completion_and_other_completions_pass() {
         let mut p = passthrough(512 << 10);
         let req = request(42, IoKind::Write, 0, 1 << 20);
-        assert_eq!(pushed(&mut p, &req), 2);
+        assert_eq!(pushed(&mut p, req), 2);
         assert_eq!(p.requests(), 1);
         assert_eq!(
             absorb(&mut p, 7, 4096),
@@ -490,7 +507,7 @@ mod tests {
     #[test]
     fn a_retryable_status_resubmits_and_do_not_retry_fails_at_once() {
         let mut p = passthrough(512 << 10);
-        pushed(&mut p, &request(9, IoKind::Read, 0, 1 << 20));
+        pushed(&mut p, request(9, IoKind::Read, 0, 1 << 20));
         // Namespace not ready, without DNR: the whole request goes again once both parts are in.
         assert_eq!(absorb(&mut p, 9, 0x0082), None);
         assert_eq!(absorb(&mut p, 9, 0), None);
@@ -503,21 +520,21 @@ mod tests {
         assert_eq!(absorb(&mut p, 9, 0), None);
         assert_eq!(absorb(&mut p, 9, 0), Some(cqe(9, 1 << 20)));
         // LBA out of range with DNR: no retry, EINVAL.
-        pushed(&mut p, &request(10, IoKind::Read, 0, 4096));
+        pushed(&mut p, request(10, IoKind::Read, 0, 4096));
         assert_eq!(
             absorb(&mut p, 10, 0x4080),
             Some(cqe(10, -(crate::Errno::EINVAL as i32)))
         );
         assert!(p.backlog.is_empty());
         // EIO is not retried; EINTR (a command aborted by a reset) is.
-        pushed(&mut p, &request(11, IoKind::Write, 0, 4096));
+        pushed(&mut p, request(11, IoKind::Write, 0, 4096));
         assert_eq!(absorb(&mut p, 11, -5), Some(cqe(11, -5)));
-        pushed(&mut p, &request(12, IoKind::Write, 0, 4096));
+        pushed(&mut p, request(12, IoKind::Write, 0, 4096));
         assert_eq!(absorb(&mut p, 12, -(crate::Errno::EINTR as i32)), None);
         resubmitted(&mut p, 12);
         assert_eq!(absorb(&mut p, 12, 0), Some(cqe(12, 4096)));
         // A retryable first failure, then a Do Not Retry part: no retry.
-        pushed(&mut p, &request(13, IoKind::Read, 0, 1 << 20));
+        pushed(&mut p, request(13, IoKind::Read, 0, 1 << 20));
         assert_eq!(absorb(&mut p, 13, 0x0082), None);
         assert_eq!(
             absorb(&mut p, 13, 0x4002),
@@ -530,7 +547,7 @@ mod tests {
     #[test]
     fn retries_stop_after_the_last_try() {
         let mut p = passthrough(1 << 20);
-        pushed(&mut p, &request(3, IoKind::Read, 0, 4096));
+        pushed(&mut p, request(3, IoKind::Read, 0, 4096));
         for _ in 1..TRIES {
             assert_eq!(
                 absorb(&mut p, 3, 0x0006),
@@ -563,7 +580,8 @@ mod tests {
         let region = std::sync::Arc::new(
             crate::Region::allocate(64 << 10, kvtier_sys::mem::HugePages::Off).expect("region"),
         );
-        ring.register_buffers(vec![region], 64 << 10)
+        region.guard_blocks(4096).expect("guard");
+        ring.register_buffers(vec![std::sync::Arc::clone(&region)], 64 << 10)
             .expect("buffers");
         let dir = tempfile::tempdir().expect("dir");
         let file = kvtier_sys::file::DeviceFile::open(
@@ -578,10 +596,10 @@ mod tests {
             .expect("files");
         let mut p = passthrough(4096);
         p.devices.swap(0, 1);
-        let mut req = request(77, IoKind::Read, 0, 32 << 10);
+        let mut req = request_in(&region, 0, 77, IoKind::Read, 0, 32 << 10);
         req.device = 0;
-        req.buf.offset = 0;
-        assert!(p.push(&mut ring, &req));
+        assert!(p.push(&mut ring, req));
+        assert!(region.is_leased(0), "claimed until the request completes");
         assert_eq!(p.parts_in_ring, 4, "the queue holds four");
         assert_eq!(p.backlog.len(), 1);
         let mut raw = Vec::new();

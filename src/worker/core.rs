@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::io::{IoBackend, Region};
+use crate::io::{IoBackend, IoBuf, Region};
 use crate::job::{JobState, KeyFailure, Shared};
 use crate::Errno;
 
@@ -55,6 +55,26 @@ impl<O: LayoutOp> Core<O> {
         self.shared
             .ops_given_up
             .fetch_add(self.backend.in_flight(), Ordering::AcqRel);
+    }
+
+    /// The claim of one transfer on `len` bytes at `offset` of the primary region, in blocks of
+    /// `job` (a claim to write them if `device_writes`: a read from the device). The backend
+    /// keeps it until it returns the transfer's completion, so the blocks stay leased that
+    /// long, however early the job is reported. Panics if the bytes are not the job's.
+    pub fn claim(&self, job: &JobState, offset: usize, len: usize, device_writes: bool) -> IoBuf {
+        let lease = job
+            .lease()
+            .expect("a job whose blocks reach a device holds a lease on them");
+        debug_assert!(lease.is_on(&self.region));
+        lease
+            .checkout(offset, len, device_writes)
+            .expect("a job's blocks went back while an op of it was still issuing")
+    }
+
+    /// The claim on job block `block`, whole.
+    pub fn claim_block(&self, job: &JobState, block: u32, device_writes: bool) -> IoBuf {
+        let bytes = self.block_bytes as usize;
+        self.claim(job, block as usize * bytes, bytes, device_writes)
     }
 
     /// Store `idx` is ready to write its data: plans its chunks and queues it for issue.

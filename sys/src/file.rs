@@ -221,6 +221,9 @@ impl DeviceFile {
         len: usize,
     ) -> Result<(), Errno> {
         let fd = self.raw_fd();
+        // The kernel copies like the region's accessors do, and holds the bytes the same way
+        // (panicking on a leased block or another thread's conflicting copy).
+        let _held = region.hold(region_offset, len, direction == Direction::Read);
         let base = region.range_ptr(region_offset, len);
         let mut done = 0_usize;
         while done < len {
@@ -228,10 +231,11 @@ impl DeviceFile {
             let (ptr, count) = (base.wrapping_add(done), len - done);
             let n = match direction {
                 // SAFETY: ptr..ptr+count lies inside the region (range_ptr checked the whole
-                // range), valid for writes while `region` is borrowed.
+                // range), valid for writes while `region` is borrowed; `_held` keeps every
+                // other access off it until the call returns.
                 Direction::Read => unsafe { libc::pread(fd, ptr.cast(), count, pos) },
                 // SAFETY: ptr..ptr+count lies inside the region (range_ptr checked the whole
-                // range), valid for reads while `region` is borrowed.
+                // range), valid for reads while `region` is borrowed; `_held` keeps writers off.
                 Direction::Write => unsafe {
                     libc::pwrite(fd, ptr.cast_const().cast(), count, pos)
                 },
@@ -264,7 +268,7 @@ impl AsFd for DeviceFile {
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Direction {
     Read,
     Write,

@@ -20,7 +20,7 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
-use crate::blocks::{Blocks, Busy, Lease};
+use crate::blocks::{Blocks, Busy, IoBuf, Lease};
 use crate::Errno;
 
 const PAGE_4K: usize = 4096;
@@ -93,17 +93,25 @@ pub struct Region {
     backing: Backing,
     /// True if this Region mapped the memory and must unmap it.
     owned: bool,
-    /// Per-block access states, once [`Region::guard_blocks`] (or [`Region::track_blocks`]) set
-    /// a block size.
+    /// Per-block access states, once [`Region::guard_blocks`] set a block size.
     blocks: OnceLock<Blocks>,
+    /// Until then, one access state for the whole region: the accessors' copies take it
+    /// (shared to read, exclusive to write), so two threads never race on its bytes.
+    whole: Blocks,
 }
 
 // SAFETY: a Region is a pointer and a length to memory valid for its whole life (owned mapping,
 // or foreign memory under `from_raw_parts`' contract); nothing in it is tied to a thread.
 unsafe impl Send for Region {}
-// SAFETY: `&Region` only allows raw-pointer copies into and out of the memory, never Rust
-// references (except the `unsafe` `slice`); the module contract makes callers keep one writer
-// per byte range at a time, as the kernel's DMA already requires.
+// SAFETY: through `&Region`, safe code reaches the bytes only with the accessors (`read`,
+// `write`, `fill`, `with_bytes`), and each takes the access states of what it touches for the
+// length of its copy (the blocks' on a guarded region, the whole region's before a block size is
+// set) and panics on a conflict: no two threads copy the same byte with one of them writing, and
+// none reaches a block a lease holds. A lease's holder reaches its blocks through the lease,
+// whose accessors count themselves in the blocks' states against the transfers in flight
+// (`crate::blocks`); a device transfer's memory is claimed by an `IoBuf` the ring keeps until
+// the completion is reaped. What is left is `unsafe` and says what its caller keeps off the
+// bytes: `slice`, and the raw transfers (`Ring::push_read_raw` and the others).
 unsafe impl Sync for Region {}
 
 impl fmt::Debug for Region {
@@ -117,7 +125,7 @@ impl fmt::Debug for Region {
                 "guarded_block_bytes",
                 &self.blocks.get().map(|b| b.block_bytes),
             )
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -171,6 +179,7 @@ impl Region {
             backing: Backing::Foreign,
             owned: false,
             blocks: OnceLock::new(),
+            whole: Blocks::whole(),
         })
     }
 
@@ -196,33 +205,24 @@ impl Region {
 
     /// Gives the region a block size: from now on the safe accessors check each block's
     /// access state, and jobs lease blocks ([`Region::lease`]). Idempotent for the same size;
-    /// `EINVAL` for 0 or a size above the region, `EBUSY` if another size was set (or the
-    /// region only tracks leases: [`Region::track_blocks`]).
+    /// `EINVAL` for 0 or a size above the region, `EBUSY` if another size was set.
     pub fn guard_blocks(&self, block_bytes: usize) -> Result<(), Errno> {
-        self.set_blocks(block_bytes, true)
-    }
-
-    /// Gives the region a block size for leases only: jobs lease blocks, conflicting leases
-    /// are refused and [`Region::is_leased`] answers, but the safe accessors check nothing, as
-    /// on a region without a guard. For a simulated device, which copies through those
-    /// accessors itself and checks with [`Region::first_unheld`] that a job still holds the
-    /// blocks. Errors as [`Region::guard_blocks`]; `EBUSY` also if the region is guarded.
-    pub fn track_blocks(&self, block_bytes: usize) -> Result<(), Errno> {
-        self.set_blocks(block_bytes, false)
-    }
-
-    fn set_blocks(&self, block_bytes: usize, enforced: bool) -> Result<(), Errno> {
         if block_bytes == 0 || block_bytes > self.len {
             return Err(Errno::EINVAL);
         }
         let set = self
             .blocks
-            .get_or_init(|| Blocks::new(block_bytes, self.len / block_bytes, enforced));
-        if set.block_bytes == block_bytes && set.enforced == enforced {
+            .get_or_init(|| Blocks::new(block_bytes, self.len / block_bytes));
+        if set.block_bytes == block_bytes {
             Ok(())
         } else {
             Err(Errno::EBUSY)
         }
+    }
+
+    /// The region's block size, once [`Region::guard_blocks`] set one.
+    pub fn block_bytes(&self) -> Option<usize> {
+        self.blocks().map(|g| g.block_bytes)
     }
 
     /// The first block of `offset..offset + len` that nothing holds now (no lease, no copy),
@@ -239,7 +239,7 @@ impl Region {
 
     /// Whether block `block` is held now: by a job in flight (or by one whose I/O outlived its
     /// deadline and may still move its bytes), or by another thread's copy. Always false
-    /// without a block size ([`Region::guard_blocks`], [`Region::track_blocks`]).
+    /// without a block size ([`Region::guard_blocks`]).
     pub fn is_leased(&self, block: u32) -> bool {
         self.blocks().is_some_and(|g| g.in_use(block))
     }
@@ -248,7 +248,7 @@ impl Region {
     /// device reads them), `exclusive` for a load (the device writes them). Until the lease is
     /// released, the safe accessors refuse those blocks. `Err` names a block that a caller's
     /// copy or another lease holds in a conflicting way; nothing is taken then. Without
-    /// [`Region::guard_blocks`] the lease checks nothing.
+    /// [`Region::guard_blocks`] the lease takes nothing (and mints no transfer token).
     pub fn lease(self: &Arc<Self>, blocks: &[u32], exclusive: bool) -> Result<Lease, Busy> {
         let mut blocks = blocks.to_vec();
         blocks.sort_unstable();
@@ -261,15 +261,35 @@ impl Region {
         Ok(Lease::new(Arc::clone(self), blocks, exclusive))
     }
 
-    /// Holds the blocks of `offset..offset + len` for one copy, or panics naming the conflict.
-    fn hold(&self, offset: usize, len: usize, exclusive: bool) -> Held<'_> {
-        let Some(g) = self.blocks().filter(|g| g.enforced) else {
-            return Held {
-                blocks: None,
-                range: 0..0,
-                exclusive,
-            };
-        };
+    /// The token of one device transfer on `len` bytes at `offset` of a guarded region that
+    /// no job leases (a worker's own pages): leases the blocks they span (exclusively if
+    /// `device_writes`) and hands the lease's claim to the token, so the blocks come back
+    /// when the token goes. `Err` names a block in use (leased, or a copy running). Panics
+    /// without a block size, or if the bytes are outside the region.
+    pub fn checkout(
+        self: &Arc<Self>,
+        offset: usize,
+        len: usize,
+        device_writes: bool,
+    ) -> Result<IoBuf, Busy> {
+        let g = self
+            .blocks()
+            .expect("a transfer token needs a region with a block size (Region::guard_blocks)");
+        self.range_ptr(offset, len);
+        let blocks: Vec<u32> = g.span(offset, len).collect();
+        let lease = Arc::new(self.lease(&blocks, device_writes)?);
+        let token = lease
+            .checkout(offset, len, device_writes)
+            .expect("a lease just taken holds its blocks");
+        lease.release();
+        Ok(token)
+    }
+
+    /// Holds the bytes `offset..offset + len` for one copy (shared to read them, `exclusive`
+    /// to write them) until the returned guard drops, or panics naming the conflict: the
+    /// blocks' states on a guarded region, the whole region's otherwise.
+    pub(crate) fn hold(&self, offset: usize, len: usize, exclusive: bool) -> Held<'_> {
+        let g = self.blocks().unwrap_or(&self.whole);
         let range = g.span(offset, len);
         if let Err(busy) = g.access(range.clone(), exclusive) {
             panic!(
@@ -278,7 +298,7 @@ impl Region {
             );
         }
         Held {
-            blocks: Some(g),
+            blocks: g,
             range,
             exclusive,
         }
@@ -306,13 +326,22 @@ impl Region {
         self.copy_in(offset, src);
     }
 
-    /// [`Region::write`] without the block check, for a lease holder ([`Lease::write`]).
+    /// [`Region::write`] without the block check, for a lease holder ([`Lease::write`]) or a
+    /// transfer's claim ([`IoBuf::device_write`]), which count themselves in the blocks.
     pub(crate) fn copy_in(&self, offset: usize, src: &[u8]) {
         let dst = self.range_ptr(offset, src.len());
         // SAFETY: `range_ptr` checked that dst..dst+len lies inside the region, valid for writes
         // for the Region's life; `src` is a Rust slice and cannot alias region memory, which is
         // never lent out as a Rust reference by safe code.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+    }
+
+    /// [`Region::read`] without the block check, for a transfer's claim ([`IoBuf::device_read`]).
+    pub(crate) fn copy_out(&self, offset: usize, dst: &mut [u8]) {
+        let src = self.range_ptr(offset, dst.len());
+        // SAFETY: `range_ptr` checked that src..src+len lies inside the region, valid for reads
+        // for the Region's life; `dst` is a distinct Rust buffer, so the ranges cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
     }
 
     /// Sets `len` bytes at `offset` to `byte`. Panics as [`Region::write`] does.
@@ -365,17 +394,15 @@ impl Region {
 }
 
 /// Blocks held for one accessor copy; given back on drop.
-struct Held<'a> {
-    blocks: Option<&'a Blocks>,
+pub(crate) struct Held<'a> {
+    blocks: &'a Blocks,
     range: std::ops::Range<u32>,
     exclusive: bool,
 }
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        if let Some(g) = self.blocks {
-            g.give_range(self.range.clone(), self.exclusive);
-        }
+        self.blocks.give_range(self.range.clone(), self.exclusive);
     }
 }
 
@@ -479,6 +506,7 @@ fn map_hugetlb(len: usize) -> Result<Region, Errno> {
         backing: Backing::HugeTlb2M,
         owned: true,
         blocks: OnceLock::new(),
+        whole: Blocks::whole(),
     })
 }
 
@@ -507,6 +535,7 @@ fn map_anonymous(len: usize, thp: bool) -> Result<Region, Errno> {
             backing: Backing::Pages4K,
             owned: true,
             blocks: OnceLock::new(),
+            whole: Blocks::whole(),
         });
     }
 
@@ -539,6 +568,7 @@ fn map_anonymous(len: usize, thp: bool) -> Result<Region, Errno> {
         backing,
         owned: true,
         blocks: OnceLock::new(),
+        whole: Blocks::whole(),
     })
 }
 

@@ -458,15 +458,18 @@ impl Namespace {
             offset: 0,
             len: self.geometry.lba_bytes(),
         };
-        ring.push_nvme(
-            0,
-            0,
-            Opcode::Read,
-            self.geometry.nsid,
-            0,
-            self.geometry.lba_shift,
-            one,
-        )
+        // SAFETY: `buf` is this function's own; it is read only after the completion below.
+        unsafe {
+            ring.push_nvme_raw(
+                0,
+                0,
+                Opcode::Read,
+                self.geometry.nsid,
+                0,
+                self.geometry.lba_shift,
+                one,
+            )
+        }
         .map_err(|e| e.to_string())?;
         let mut out = Vec::new();
         while out.is_empty() {
@@ -520,6 +523,8 @@ impl Namespace {
             offset.is_multiple_of(lba) && (len as u64).is_multiple_of(lba),
             "NVMe transfer of {len} bytes at {offset} is not a multiple of the {lba}-byte LBA"
         );
+        // Held as the region's accessors hold what they copy (panics on a leased block).
+        let _held = region.hold(region_offset, len, op == Opcode::Read);
         let base = region.range_ptr(region_offset, len);
         let mut done = 0_usize;
         while done < len {
@@ -542,8 +547,9 @@ impl Namespace {
                 outcome,
             };
             // SAFETY: the command names `part` bytes inside the region (range_ptr checked the
-            // whole range), valid for the ioctl's duration while `region` is borrowed; the
-            // kernel reads or writes exactly `data_len` bytes there and writes `cmd.result`.
+            // whole range), valid for the ioctl's duration while `region` is borrowed and kept
+            // from every other access by `_held`; the kernel reads or writes exactly `data_len`
+            // bytes there and writes `cmd.result`.
             let res = unsafe { libc::ioctl(self.raw_fd(), IOCTL_IO_CMD as _, &raw mut cmd) };
             match res {
                 0 => {}

@@ -101,7 +101,8 @@ fn open(dir: i32, path: &std::ffi::CStr) -> FileOp<'_> {
 
 /// Pushes one op, waits for its completion and returns its result.
 fn run(ring: &mut Ring, user_data: u64, op: &FileOp<'_>) -> i32 {
-    ring.push_file_op(user_data, op, 0).expect("push_file_op");
+    // SAFETY: the test reads its region only after the completion is waited for below.
+    unsafe { ring.push_file_io_raw(user_data, op, 0) }.expect("push_file_io");
     let done = wait_for(ring, 1);
     assert_eq!(done.len(), 1, "{done:?}");
     assert_eq!(done[0].user_data, user_data);
@@ -284,8 +285,8 @@ fn errors_the_layout_relies_on() {
 /// returns each result by index after checking that every op completed exactly once.
 fn run_batch(ring: &mut Ring, tag: u64, ops: &[FileOp<'_>]) -> Vec<i32> {
     for (i, op) in ops.iter().enumerate() {
-        ring.push_file_op(tag << 32 | i as u64, op, 0)
-            .expect("room in the SQ");
+        // SAFETY: the test reads its region only after every completion is waited for below.
+        unsafe { ring.push_file_io_raw(tag << 32 | i as u64, op, 0) }.expect("room in the SQ");
     }
     assert_eq!(ring.in_flight(), ops.len());
     let mut results = HashMap::new();
@@ -452,7 +453,8 @@ fn read_outside_the_region_panics() {
         offset: 0,
         buf: buf((1 << 20) - 4096, 8192),
     };
-    let _ = ring.push_file_op(1, &op, 0);
+    // SAFETY: the push panics before anything reaches the kernel.
+    let _ = unsafe { ring.push_file_io_raw(1, &op, 0) };
 }
 
 /// Env var that turns `shared_state_child_process` from a no-op into the child's work; its value

@@ -89,8 +89,8 @@ fn fixed_write_then_read_round_trips_a_block() {
         offset: 0,
         len: BLOCK as u32,
     };
-    ring.push_write(1, 0, 3 * BLOCK as u64, src, be)
-        .expect("push_write");
+    // SAFETY: the test touches its region only after the completions are waited for.
+    unsafe { ring.push_write_raw(1, 0, 3 * BLOCK as u64, src, be) }.expect("push_write");
     assert_eq!(ring.in_flight(), 1);
     assert_eq!(ring.submit(1), Ok(1));
     let done = wait_for(&mut ring, 1);
@@ -102,8 +102,8 @@ fn fixed_write_then_read_round_trips_a_block() {
         offset: 512 << 10,
         len: BLOCK as u32,
     };
-    ring.push_read(2, 0, 3 * BLOCK as u64, dst, 0)
-        .expect("push_read");
+    // SAFETY: the test touches its region only after the completions are waited for.
+    unsafe { ring.push_read_raw(2, 0, 3 * BLOCK as u64, dst, 0) }.expect("push_read");
     let done = wait_for(&mut ring, 1);
     assert_eq!((done[0].user_data, done[0].result), (2, BLOCK_I32));
     let mut back = vec![0_u8; BLOCK];
@@ -123,7 +123,8 @@ fn buffer_straddling_pieces_panics() {
         offset: (256 << 10) - 4096,
         len: 8192,
     };
-    let _ = ring.push_read(1, 0, 0, buf, 0);
+    // SAFETY: the push panics before anything reaches the kernel.
+    let _ = unsafe { ring.push_read_raw(1, 0, 0, buf, 0) };
 }
 
 #[test]
@@ -232,8 +233,8 @@ fn drop_with_io_in_flight_drains_first() {
             offset: (i as usize % 4) * BLOCK,
             len: BLOCK as u32,
         };
-        ring.push_write(i, 0, i * BLOCK as u64, buf, 0)
-            .expect("push");
+        // SAFETY: the kernel only reads the region, which the test no longer writes.
+        unsafe { ring.push_write_raw(i, 0, i * BLOCK as u64, buf, 0) }.expect("push");
     }
     ring.push_eventfd_read(100, &efd)
         .expect("push eventfd read");
@@ -244,7 +245,8 @@ fn drop_with_io_in_flight_drains_first() {
         offset: 0,
         len: 4096,
     };
-    ring.push_read(200, 0, 0, buf, 0).expect("push");
+    // SAFETY: the test no longer touches the region; the ring's drop waits for the kernel.
+    unsafe { ring.push_read_raw(200, 0, 0, buf, 0) }.expect("push");
     ring.push_eventfd_read(201, &efd).expect("push");
     assert_eq!(ring.in_flight(), 11);
     let t0 = Instant::now();
@@ -345,11 +347,63 @@ fn sqpoll_ring_round_trips_or_falls_back() {
         offset: i * BLOCK,
         len: BLOCK as u32,
     };
-    ring.push_write(1, 0, 0, block(0), 0).expect("push_write");
+    // SAFETY: the test touches its region only after the completions are waited for.
+    unsafe { ring.push_write_raw(1, 0, 0, block(0), 0) }.expect("push_write");
     assert_eq!(wait_for(&mut ring, 1)[0].result, BLOCK_I32);
-    ring.push_read(2, 0, 0, block(1), 0).expect("push_read");
+    // SAFETY: the test touches its region only after the completions are waited for.
+    unsafe { ring.push_read_raw(2, 0, 0, block(1), 0) }.expect("push_read");
     assert_eq!(wait_for(&mut ring, 1)[0].result, BLOCK_I32);
     let mut back = vec![0_u8; BLOCK];
     region.read(BLOCK, &mut back);
     assert!(back.iter().all(|&b| b == 0xC3));
+}
+
+/// A read pushed with a claim keeps its block leased until its completion is popped, even after
+/// the job that owned the lease let go of it (a deadline reported it): the caller cannot write
+/// the block, nor lease it to another job, while the kernel may still land bytes there. A
+/// write's claim keeps writers off the bytes the kernel reads.
+#[test]
+fn a_claimed_read_keeps_its_block_until_the_completion_is_popped() {
+    let dir = tempdir();
+    let Some((mut ring, region, _file)) = setup(dir.path()) else {
+        return;
+    };
+    region.guard_blocks(BLOCK).expect("guard");
+    region.fill(0, BLOCK, 0x5A);
+    let store = Arc::new(region.lease(&[0], false).expect("free"));
+    let src = store.checkout(0, BLOCK, false).expect("held");
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = ring.push_read(
+            9,
+            0,
+            0,
+            0,
+            store.checkout(0, BLOCK, false).expect("held"),
+            0,
+        );
+    }));
+    assert!(read.is_err(), "a read into bytes claimed only to be read");
+    ring.push_write(1, 0, 0, 0, src, 0).expect("push_write");
+    store.release();
+    assert!(region.is_leased(0), "the write still reads the block");
+    assert_eq!(wait_for(&mut ring, 1)[0].result, BLOCK_I32);
+    assert!(!region.is_leased(0), "the popped completion let it go");
+
+    let load = Arc::new(region.lease(&[1], true).expect("free"));
+    let dst = load.checkout(BLOCK, BLOCK, true).expect("held");
+    ring.push_read(2, 0, 0, 0, dst, 0).expect("push_read");
+    // The job is reported before the read lands: its holder lets go.
+    load.release();
+    assert!(region.is_leased(1));
+    let write = std::panic::catch_unwind(|| region.fill(BLOCK, 16, 0));
+    assert!(write.is_err(), "the caller cannot write under the kernel");
+    assert!(
+        region.lease(&[1], false).is_err(),
+        "nor lend it to another job"
+    );
+    assert_eq!(wait_for(&mut ring, 1)[0].result, BLOCK_I32);
+    assert!(!region.is_leased(1));
+    let mut back = vec![0_u8; BLOCK];
+    region.read(BLOCK, &mut back);
+    assert!(back.iter().all(|&b| b == 0x5A), "the read landed");
 }

@@ -138,14 +138,18 @@ struct Pending {
     blocks: Vec<u32>,
 }
 
+/// Keys a load job reported loaded, with their blocks.
+type Loaded = Vec<(u64, u32)>;
+
 struct Run {
     seed: u64,
     rng: Rng,
     region: Arc<Region>,
     free: Vec<u32>,
     /// Blocks of jobs reported before they were free (early results, or a stop that gave up
-    /// on a hung I/O): a caller reuses them only once the result's release is set.
-    held: Vec<(Release, Vec<u32>)>,
+    /// on a hung I/O): a caller reuses them only once the result's release is set, and reads
+    /// the loaded ones (key, block) only then (they stay leased until then).
+    held: Vec<(Release, Vec<u32>, Loaded)>,
     pending: HashMap<u64, Pending>,
     reported: HashSet<u64>,
     next_id: u64,
@@ -268,7 +272,7 @@ impl Run {
             .pending
             .drain()
             .flat_map(|(_, p)| p.blocks)
-            .chain(self.held.drain(..).flat_map(|(_, b)| b))
+            .chain(self.held.drain(..).flat_map(|(_, b, _)| b))
             .collect();
         self.free.extend(blocks);
         self.no_block_leased("after the process died")
@@ -278,10 +282,15 @@ impl Run {
     /// block of a job is still leased once kvtier says it is the caller's).
     fn reclaim(&mut self) -> Result<(), String> {
         let (back, still): (Vec<_>, Vec<_>) =
-            self.held.drain(..).partition(|(r, _)| r.is_released());
+            self.held.drain(..).partition(|(r, _, _)| r.is_released());
         self.held = still;
-        for (release, blocks) in back {
-            self.give_back(release.job_id(), blocks)?;
+        for (release, blocks, loaded) in back {
+            let job = release.job_id();
+            self.check_free(job, &blocks)?;
+            for (k, b) in loaded {
+                self.check_loaded(job, k, b)?;
+            }
+            self.give_back(job, blocks)?;
         }
         Ok(())
     }
@@ -289,14 +298,35 @@ impl Run {
     /// Job `job`'s blocks are the caller's again, says kvtier: none may still be leased (a
     /// device transfer could reach it), and the caller reuses them at once.
     fn give_back(&mut self, job: u64, blocks: Vec<u32>) -> Result<(), String> {
-        if let Some(b) = blocks.iter().find(|&&b| self.region.is_leased(b)) {
-            return Err(format!(
-                "job {job}: its blocks were given back while block {b} is still leased (an I/O \
-                 may still reach it)"
-            ));
-        }
+        self.check_free(job, &blocks)?;
         self.free.extend(blocks);
         Ok(())
+    }
+
+    fn check_free(&self, job: u64, blocks: &[u32]) -> Result<(), String> {
+        match blocks.iter().find(|&&b| self.region.is_leased(b)) {
+            Some(b) => Err(format!(
+                "job {job}: its blocks were given back while block {b} is still leased (an I/O \
+                 may still reach it)"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Key `k`, reported loaded into block `b` by job `job`, is there byte for byte.
+    fn check_loaded(&self, job: u64, k: u64, b: u32) -> Result<(), String> {
+        let at = b as usize * BLOCK as usize;
+        let want = content(k);
+        if self
+            .region
+            .with_bytes(at, BLOCK as usize, |got| got == want)
+        {
+            Ok(())
+        } else {
+            Err(format!(
+                "job {job}: key {k} reported loaded into block {b} with wrong bytes"
+            ))
+        }
     }
 
     /// Once nothing is in flight, no region block is leased (every lease ends with its job's
@@ -377,20 +407,17 @@ impl Run {
             let count = |reason| r.failures.iter().filter(|f| f.reason == reason).count() as u64;
             self.report.checksum_failures += count(crate::job::KeyFailure::Checksum);
             self.report.timeouts += count(crate::job::KeyFailure::Timeout);
+            // The caller reads what was loaded once the blocks are its own.
+            let free = r.release.as_ref().is_none_or(Release::is_released);
+            let mut loaded = Vec::new();
             for (i, (&k, &b)) in p.keys.iter().zip(&p.blocks).enumerate() {
                 let ok = !failed.contains(&i);
                 match (p.kind, ok) {
                     (JobKind::Load, true) => {
-                        let at = b as usize * BLOCK as usize;
-                        let want = content(k);
-                        let same = self
-                            .region
-                            .with_bytes(at, BLOCK as usize, |got| got == want);
-                        if !same {
-                            return Err(format!(
-                                "job {}: key {k} reported loaded into block {b} with wrong bytes",
-                                r.id
-                            ));
+                        if free {
+                            self.check_loaded(r.id, k, b)?;
+                        } else {
+                            loaded.push((k, b));
                         }
                         self.report.keys_loaded += 1;
                         if self.external.contains(&k) {
@@ -410,7 +437,7 @@ impl Run {
             match r.release {
                 Some(release) if !release.is_released() => {
                     self.report.held_past_result += 1;
-                    self.held.push((release, p.blocks));
+                    self.held.push((release, p.blocks, loaded));
                 }
                 _ => self.give_back(r.id, p.blocks)?,
             }
@@ -427,7 +454,7 @@ impl Run {
         cluster.check_quiet()?;
         self.report.released_late += cluster.released_late();
         self.reclaim()?;
-        if let Some((r, _)) = self.held.first() {
+        if let Some((r, _, _)) = self.held.first() {
             return Err(format!(
                 "job {}: settled, and its release never set",
                 r.job_id()

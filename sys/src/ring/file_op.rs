@@ -9,6 +9,7 @@ use std::os::fd::RawFd;
 use io_uring::{opcode, squeue, types};
 
 use super::{BufRef, Ring, SqFull};
+use crate::blocks::IoBuf;
 
 /// `renameat2` flag: fail with EEXIST instead of replacing an existing target.
 pub const RENAME_NOREPLACE: u32 = libc::RENAME_NOREPLACE;
@@ -233,7 +234,66 @@ impl Ring {
     /// the syscall (a new fd for `OpenAt`, bytes for `ReadFd`/`WriteFd`, 0 otherwise) or
     /// `-errno`. Check [`Ring::supports_file_ops`] first: on an older kernel the CQE carries
     /// -EINVAL.
+    ///
+    /// Panics on `ReadFd` and `WriteFd`: they move the caller's memory, and go through
+    /// [`Ring::push_file_io`] with a transfer token.
     pub fn push_file_op(
+        &mut self,
+        user_data: u64,
+        op: &FileOp<'_>,
+        ioprio: u16,
+    ) -> Result<(), SqFull> {
+        assert!(
+            !matches!(op, FileOp::ReadFd { .. } | FileOp::WriteFd { .. }),
+            "push_file_op: {op:?} moves caller memory; push it with push_file_io and a token"
+        );
+        // SAFETY: no ReadFd or WriteFd (asserted): nothing of the caller's outlives the call.
+        unsafe { self.push_file_io_raw(user_data, op, ioprio) }
+    }
+
+    /// Queues a `ReadFd` or `WriteFd` on the bytes `buf` claims, in the region registered as
+    /// `region` (the op's `buf` must name exactly them); the ring keeps `buf` until it pops the
+    /// completion, as [`Ring::push_read`] does. Panics on another operation, on a `ReadFd`
+    /// with a claim only to read, or if the op's buffer is not the claim's.
+    pub fn push_file_io(
+        &mut self,
+        user_data: u64,
+        op: &FileOp<'_>,
+        region: u16,
+        buf: IoBuf,
+        ioprio: u16,
+    ) -> Result<(), SqFull> {
+        let (named, writes_memory) = match *op {
+            FileOp::ReadFd { buf, .. } => (buf, true),
+            FileOp::WriteFd { buf, .. } => (buf, false),
+            _ => panic!("push_file_io: {op:?} moves no caller memory; use push_file_op"),
+        };
+        assert!(
+            !writes_memory || buf.device_writes(),
+            "a read into bytes claimed only to be read"
+        );
+        let claimed = self.claimed(region, &buf);
+        assert!(
+            (named.region, named.offset, named.len)
+                == (claimed.region, claimed.offset, claimed.len),
+            "push_file_io: the op names {named:?}, the claim {claimed:?}"
+        );
+        // SAFETY: `buf` claims exactly the op's bytes for this transfer (checked): the region's
+        // blocks are leased, and the lease's accessors refuse what the transfer may race with,
+        // until the ring drops the claim with the completion.
+        unsafe { self.push_file_io_raw(user_data, op, ioprio) }?;
+        self.claims.keep(user_data, buf);
+        Ok(())
+    }
+
+    /// [`Ring::push_file_op`] for any operation, `ReadFd` and `WriteFd` included.
+    ///
+    /// # Safety
+    ///
+    /// For `ReadFd` and `WriteFd`, the contract of [`Ring::push_read_raw`] and
+    /// [`Ring::push_write_raw`] on their `buf`. The other operations carry no caller memory past the call (paths and
+    /// values are copied) and have nothing to uphold.
+    pub unsafe fn push_file_io_raw(
         &mut self,
         user_data: u64,
         op: &FileOp<'_>,
@@ -265,7 +325,8 @@ impl Ring {
         // is popped and the SQE consumed, or after Drop has drained (a GetXattr buffer, which
         // the kernel writes before posting the completion, is handed to the caller only once
         // that completion is popped); a fixed buffer lies inside one registered piece of a
-        // region this ring keeps alive until Drop has drained (checked by fixed_buf); a plain
+        // region this ring keeps alive until Drop has drained (checked by fixed_buf), and the
+        // caller keeps other access off it until the completion (this fn's contract); a plain
         // fd closed early is EBADF, not memory.
         unsafe { self.push_entry(&entry) }?;
         if !paths.is_empty() || value.is_some() {

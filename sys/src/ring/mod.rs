@@ -40,6 +40,7 @@ pub(crate) use setup::setup_flag_supported;
 use file_op::PathStore;
 pub use file_op::{FileOp, StatxInfo, AT_FDCWD, RENAME_NOREPLACE, RESOLVE_CONFINED};
 
+use crate::blocks::IoBuf;
 use crate::eventfd::EventFd;
 use crate::file::DeviceFile;
 use crate::mem::Region;
@@ -120,7 +121,26 @@ impl fmt::Display for RingFeatures {
 }
 
 /// A byte range of a registered region. `region` indexes the Vec given to
-/// [`Ring::register_buffers`].
+/// [`Ring::register_buffers`]. A description only: the transfers that take one
+/// ([`Ring::push_read_raw`] and the other `_raw` pushes) are `unsafe`, and their caller proves
+/// that nothing else reaches the bytes meanwhile. The safe pushes take a transfer token
+/// ([`IoBuf`](crate::blocks::IoBuf)) instead, which is the proof.
+///
+/// ```compile_fail,E0133
+/// # use kvtier_sys::ring::{BufRef, Ring};
+/// // A raw transfer is unsafe: safe code cannot aim the kernel at bytes it did not claim.
+/// fn late_read(ring: &mut Ring, buf: BufRef) {
+///     let _ = ring.push_read_raw(1, 0, 0, buf, 0);
+/// }
+/// ```
+///
+/// ```compile_fail,E0308
+/// # use kvtier_sys::ring::{BufRef, Ring};
+/// // The safe read takes a claim, not a description of bytes (the hole before claims).
+/// fn late_read(ring: &mut Ring, buf: BufRef) {
+///     let _ = ring.push_read(1, 0, 0, 0, buf, 0);
+/// }
+/// ```
 #[derive(Clone, Copy, Debug)]
 pub struct BufRef {
     pub region: u16,
@@ -134,6 +154,47 @@ pub struct Completion {
     pub user_data: u64,
     /// Bytes transferred, or `-errno`.
     pub result: i32,
+}
+
+/// The transfer tokens of a ring's operations in flight, by `user_data` (a transfer cut into
+/// several commands shares one, so a `user_data` may hold several).
+#[derive(Default)]
+pub(crate) struct Claims {
+    one: std::collections::HashMap<u64, IoBuf>,
+    /// Further tokens under a `user_data` that `one` holds already.
+    more: Vec<(u64, IoBuf)>,
+}
+
+impl Claims {
+    pub(crate) fn with_capacity(n: usize) -> Claims {
+        Claims {
+            one: std::collections::HashMap::with_capacity(n),
+            more: Vec::new(),
+        }
+    }
+
+    pub(crate) fn keep(&mut self, user_data: u64, buf: IoBuf) {
+        if let std::collections::hash_map::Entry::Vacant(v) = self.one.entry(user_data) {
+            v.insert(buf);
+        } else {
+            self.more.push((user_data, buf));
+        }
+    }
+
+    /// Drops one token of `user_data` (a completion of it was popped); none if it has none.
+    pub(crate) fn release(&mut self, user_data: u64) {
+        if self.one.remove(&user_data).is_none() {
+            return;
+        }
+        if let Some(at) = self.more.iter().position(|(u, _)| *u == user_data) {
+            let (_, next) = self.more.swap_remove(at);
+            self.one.insert(user_data, next);
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.one.is_empty()
+    }
 }
 
 /// The submission queue has no free entry; nothing was queued. Submit, then retry.
@@ -218,6 +279,8 @@ pub struct Ring {
     pushed: u64,
     /// Path copies of queued file operations.
     paths: PathStore,
+    /// The transfer tokens of operations in flight, dropped as their completions are popped.
+    claims: Claims,
     /// Debug builds: in-flight operations per `user_data`, to assert that `push_file_op` gets a
     /// unique one.
     #[cfg(debug_assertions)]
@@ -244,13 +307,111 @@ impl Ring {
         self.features
     }
 
+    /// Queues a `READ_FIXED` from byte `offset` of registered file `file` into the bytes `buf`
+    /// claims, in the region registered as `region`. The ring keeps `buf` until it pops the
+    /// completion, so the claimed blocks stay leased, and out of reach of every Rust access,
+    /// for as long as the kernel may write them. Panics if `buf` is not a claim to write (see
+    /// [`crate::blocks::Lease::checkout`]), or is not in region `region`, and as
+    /// [`Ring::push_read_raw`] on a bad buffer or file. `Err(SqFull)`: nothing queued, `buf`
+    /// dropped.
+    pub fn push_read(
+        &mut self,
+        user_data: u64,
+        file: u32,
+        offset: u64,
+        region: u16,
+        buf: IoBuf,
+        ioprio: u16,
+    ) -> Result<(), SqFull> {
+        assert!(
+            buf.device_writes(),
+            "a read into bytes claimed only to be read"
+        );
+        let raw = self.claimed(region, &buf);
+        // SAFETY: `buf` claims the bytes for a transfer that writes them: the region's blocks
+        // are leased exclusively and the lease's own accessors refuse them while the claim
+        // lives; the ring keeps the claim until the completion is popped.
+        unsafe { self.push_read_raw(user_data, file, offset, raw, ioprio) }?;
+        self.claims.keep(user_data, buf);
+        Ok(())
+    }
+
+    /// Queues a `WRITE_FIXED` of the bytes `buf` claims (in the region registered as
+    /// `region`) to byte `offset` of registered file `file`; the ring keeps `buf` until it
+    /// pops the completion. Panics as [`Ring::push_read`] does (any claim serves).
+    pub fn push_write(
+        &mut self,
+        user_data: u64,
+        file: u32,
+        offset: u64,
+        region: u16,
+        buf: IoBuf,
+        ioprio: u16,
+    ) -> Result<(), SqFull> {
+        let raw = self.claimed(region, &buf);
+        // SAFETY: `buf` claims the bytes for a transfer: nothing writes them while it lives
+        // (leased blocks refuse the region's writers; the lease's writer waits for the claim),
+        // and the ring keeps it until the completion is popped.
+        unsafe { self.push_write_raw(user_data, file, offset, raw, ioprio) }?;
+        self.claims.keep(user_data, buf);
+        Ok(())
+    }
+
+    /// [`Ring::push_nvme_raw`] on the bytes `buf` claims (a claim to write for a read), in the
+    /// region registered as `region`; the ring keeps `buf` until it pops the completion.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_nvme(
+        &mut self,
+        user_data: u64,
+        file: u32,
+        op: crate::nvme::Opcode,
+        nsid: u32,
+        slba: u64,
+        lba_shift: u32,
+        region: u16,
+        buf: IoBuf,
+    ) -> Result<(), SqFull> {
+        assert!(
+            op != crate::nvme::Opcode::Read || buf.device_writes(),
+            "an NVMe read into bytes claimed only to be read"
+        );
+        let raw = self.claimed(region, &buf);
+        // SAFETY: as in `push_read` / `push_write`, by `op`.
+        unsafe { self.push_nvme_raw(user_data, file, op, nsid, slba, lba_shift, raw) }?;
+        self.claims.keep(user_data, buf);
+        Ok(())
+    }
+
+    /// The raw buffer of `buf`, after checking that region `region` is the claim's.
+    pub(crate) fn claimed(&self, region: u16, buf: &IoBuf) -> BufRef {
+        let Some(registered) = self.regions.get(usize::from(region)) else {
+            panic!(
+                "a claim names region {region} but {} regions are registered",
+                self.regions.len()
+            );
+        };
+        assert!(
+            Arc::ptr_eq(registered, buf.region()),
+            "a claim on another region than the one registered as {region}"
+        );
+        buf.buf_ref(region)
+    }
+
     /// Queues a `READ_FIXED` of `buf.len` bytes at byte `offset` of registered file `file` into
     /// `buf`. `ioprio` is the raw SQE priority (see [`ioprio`]; 0 = none).
     ///
     /// Panics if `buf` is empty, outside its region, straddles a registered piece or names an
     /// unregistered region, or if `file` is not registered. `Err(SqFull)` if the SQ has no room
     /// (nothing queued).
-    pub fn push_read(
+    ///
+    /// # Safety
+    ///
+    /// From this call until [`Ring::complete`] has returned the op's completion (or the ring
+    /// is dropped), the kernel writes the bytes `buf` names, whatever else runs: nothing may
+    /// read or write them meanwhile, neither through a Rust reference nor through the region's
+    /// accessors or another transfer. [`Ring::push_read`] is this with the proof: a transfer
+    /// token ([`IoBuf`](crate::blocks::IoBuf)) the ring keeps until then.
+    pub unsafe fn push_read_raw(
         &mut self,
         user_data: u64,
         file: u32,
@@ -266,13 +427,21 @@ impl Ring {
             .build()
             .user_data(user_data);
         // SAFETY: the buffer lies inside one registered piece of a region this ring keeps alive
-        // until Drop has drained every CQE (checked by fixed_buf); the file is registered.
+        // until Drop has drained every CQE (checked by fixed_buf); the file is registered; the
+        // caller keeps every other access off the buffer until the completion (this fn's
+        // contract).
         unsafe { self.push_entry(&entry) }
     }
 
     /// Queues a `WRITE_FIXED` of `buf` to byte `offset` of registered file `file`. Same rules
-    /// as [`Ring::push_read`].
-    pub fn push_write(
+    /// as [`Ring::push_read_raw`].
+    ///
+    /// # Safety
+    ///
+    /// Until the op's completion is returned by [`Ring::complete`] (or the ring is dropped),
+    /// the kernel reads the bytes `buf` names: nothing may write them meanwhile (a Rust
+    /// `&mut`, the region's accessors, a transfer that writes them).
+    pub unsafe fn push_write_raw(
         &mut self,
         user_data: u64,
         file: u32,
@@ -288,7 +457,9 @@ impl Ring {
             .build()
             .user_data(user_data);
         // SAFETY: the buffer lies inside one registered piece of a region this ring keeps alive
-        // until Drop has drained every CQE (checked by fixed_buf); the file is registered.
+        // until Drop has drained every CQE (checked by fixed_buf); the file is registered; the
+        // caller keeps every other access off the buffer until the completion (this fn's
+        // contract).
         unsafe { self.push_entry(&entry) }
     }
 
@@ -300,8 +471,13 @@ impl Ring {
     /// must have been built with [`RingConfig::big_entries`]. The completion's `result` is 0,
     /// `-errno`, or a positive NVMe status ([`crate::nvme::Outcome::from_result`]).
     // Every argument is one field of the NVMe command; a struct would only rename them.
+    ///
+    /// # Safety
+    ///
+    /// As [`Ring::push_read_raw`] for [`Opcode::Read`](crate::nvme::Opcode::Read) (the kernel
+    /// writes `buf`), as [`Ring::push_write_raw`] for a write (it reads `buf`).
     #[allow(clippy::too_many_arguments)]
-    pub fn push_nvme(
+    pub unsafe fn push_nvme_raw(
         &mut self,
         user_data: u64,
         file: u32,
@@ -333,7 +509,8 @@ impl Ring {
         // SAFETY: the command's data range is `buf`, which lies inside one registered piece of
         // a region this ring keeps alive until Drop has drained every CQE (checked by
         // fixed_buf), and the kernel maps it through that registered buffer (CMD_FIXED); the
-        // 80-byte command itself is copied into the SQE; the file is registered.
+        // 80-byte command itself is copied into the SQE; the file is registered; the caller
+        // keeps every other access off the buffer until the completion (this fn's contract).
         unsafe { self.push_entry_big(&entry) }
     }
 
@@ -433,6 +610,13 @@ impl Ring {
                 if *n == 0 {
                     self.live_user_data.remove(&c.user_data);
                 }
+            }
+        }
+        if !self.claims.is_empty() {
+            // The kernel is done with these bytes: their blocks may go back (and a result that
+            // waited for them be delivered) before the caller even sees the completions.
+            for c in &out[before..] {
+                self.claims.release(c.user_data);
             }
         }
         if !self.paths.is_empty() {
@@ -644,6 +828,8 @@ impl Drop for Ring {
                 std::mem::forget(region);
             }
             std::mem::forget(std::mem::take(&mut self.paths));
+            // Their blocks stay leased for good: the kernel may still write them.
+            std::mem::forget(std::mem::take(&mut self.claims));
             return;
         }
         let submitter = self.uring.submitter();

@@ -97,6 +97,7 @@ impl Ring {
 
     fn with(ring: Queues, features: RingFeatures) -> Ring {
         let sink = NonNull::from(Box::leak(Box::new(0_u64)));
+        let claims = super::Claims::with_capacity(ring.params().cq_entries() as usize);
         Ring {
             uring: ring,
             features,
@@ -111,6 +112,7 @@ impl Ring {
             sink,
             pushed: 0,
             paths: PathStore::default(),
+            claims,
             #[cfg(debug_assertions)]
             live_user_data: HashMap::new(),
             _not_send: PhantomData,
