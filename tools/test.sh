@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full test suite: formatting, lints, then every test of the workspace (unit, integration,
 # real-kernel, CLI end to end, and the criterion benches in quick test mode), then the Python
-# package's tests (the binding, and the vLLM tier against vLLM 0.33.0's real tiering code).
+# package's tests (the binding, and the vLLM tier against vLLM 0.33.0's real tiering code), and
+# the vLLM tests once more against vLLM 0.34.0's (the same installed package: nothing rebuilt).
 # Real-kernel tests that need root (ramfs mount, loop devices) skip with a message elsewhere;
 # the NVMe passthrough tests run inside a QEMU guest (tools/guest/nvme-tests.sh).
 set -euo pipefail
@@ -32,10 +33,13 @@ venv="${KVTIER_VENV:-$PWD/target/python-venv}"
   typing_extensions "prometheus_client>=0.20" "mfusepy>=3"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps ./python
 export KVTIER_VLLM_WHEEL_DIR="${KVTIER_VLLM_WHEEL_DIR:-$HOME/.cache/kvtier/vllm-wheel}"
-if ! ls "$KVTIER_VLLM_WHEEL_DIR"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
-  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps vllm==0.33.0 \
-    -d "$KVTIER_VLLM_WHEEL_DIR"
-fi
+vllm_versions="0.33.0 0.34.0"
+for v in $vllm_versions; do
+  if ! ls "$KVTIER_VLLM_WHEEL_DIR"/vllm-$v-*.whl >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps vllm==$v \
+      -d "$KVTIER_VLLM_WHEEL_DIR"
+  fi
+done
 : > /tmp/kvtier-test.log
 # Every suite runs even when one fails, so the summary below covers them all.
 rc=0
@@ -46,11 +50,21 @@ cargo test --workspace --all-targets --locked --features kvtier/sim 2>&1 | tee -
 bash tools/guest/nvme-tests.sh 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
 # Doc tests too (--all-targets skips them).
 cargo test --workspace --doc --locked --features kvtier/sim 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
-# The Python tests (from outside python/, so `import kvtier` is the installed package).
-(cd python/tests && "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs .) 2>&1 \
-  | tee /tmp/kvtier-pytest.log || rc=1
-# One summary line over all test binaries and pytest.
-py_count() { grep -Eo "[0-9]+ $1" /tmp/kvtier-pytest.log | tail -1 | grep -Eo "[0-9]+" || echo 0; }
+# The Python tests (from outside python/, so `import kvtier` is the installed package): all of
+# them against vLLM 0.33.0, then the vLLM ones (test_vllm_*) against 0.34.0.
+(cd python/tests && KVTIER_VLLM_VERSION=0.33.0 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs .) 2>&1 \
+  | tee /tmp/kvtier-pytest-0.33.0.log || rc=1
+(cd python/tests && KVTIER_VLLM_VERSION=0.34.0 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs \
+  test_vllm_*.py) 2>&1 | tee /tmp/kvtier-pytest-0.34.0.log || rc=1
+# One summary line over all test binaries and both pytest runs.
+py_count() {
+  local n=0 f c
+  for f in /tmp/kvtier-pytest-0.33.0.log /tmp/kvtier-pytest-0.34.0.log; do
+    c=$(grep -Eo "[0-9]+ $1" "$f" | tail -1 | grep -Eo "[0-9]+" || echo 0)
+    n=$((n + c))
+  done
+  echo "$n"
+}
 awk -v pp="$(py_count passed)" -v pf="$(py_count failed)" -v pe="$(py_count error)" -v ps="$(py_count skipped)" \
   '/^test result:/ { p += $4; f += $6; s += $8 } END { printf "%d passed, %d failed, %d skipped\n", p + pp, f + pf + pe, s + ps }' \
   /tmp/kvtier-test.log

@@ -1,4 +1,4 @@
-"""kvtier as a vLLM 0.33 secondary KV-offload tier: ``KvtierTierManager``.
+"""kvtier as a vLLM secondary KV-offload tier (0.33 and 0.34): ``KvtierTierManager``.
 
 A drop-in for vLLM's file-system tier (``"type": "fs"``): the same directory layout, file names
 and ``config.json`` (a directory written by either one is read by the other), with kvtier's
@@ -64,7 +64,7 @@ try:
     )
 except ImportError as _e:  # pragma: no cover - exercised by a test without vLLM
     raise ImportError(
-        "kvtier.vllm needs vLLM 0.33 (pip install vllm==0.33.0); "
+        "kvtier.vllm needs vLLM 0.33.0 or 0.34.0 (pip install vllm==0.34.0); "
         f"`import kvtier` works without it ({_e})"
     ) from _e
 
@@ -76,6 +76,25 @@ logger = logging.getLogger("kvtier.vllm")
 # chunks is reported at once with an event kvtier sets once they are free. Without it (0.33),
 # such a job is reported only once its chunks are free. Detected by feature, not version.
 _DEFERRED_RELEASE = "deferred_release" in {f.name for f in dataclasses.fields(JobResult)}
+# vLLM 0.34's OffloadingEvent.req_context: a stored event names the store job's request.
+_EVENT_REQ_CONTEXT = "req_context" in {f.name for f in dataclasses.fields(OffloadingEvent)}
+SUPPORTED_VLLM = ("0.33.0", "0.34.0")
+# What kvtier calls on vLLM's side; an API without them is not one kvtier knows (an older or a
+# later vLLM): refused at construction with the versions it supports, not deep in a job.
+_REQUIRED = {
+    TransferJob: ("job_id", "keys", "chunk_ids", "is_promotion", "req_context"),
+    JobResult: ("job_id", "success", "successful_keys", "transfer_time", "transfer_bytes"),
+    OffloadingEvent: ("keys", "medium", "removed", "locality"),
+}
+_MISSING = sorted(
+    f"{cls.__name__}.{name}"
+    for cls, names in _REQUIRED.items()
+    for name in names
+    if name not in {f.name for f in dataclasses.fields(cls)}
+)
+# Requests whose whole batched load failed at its first block: their keys are misses for
+# that request (as vLLM's fs tier answers) until it finishes; at most this many requests.
+_REQUEST_MISSES_MAX = 4096
 
 _LAYOUTS = ("files", "slab")
 _AUTO_WORKERS_MAX = 8
@@ -253,6 +272,11 @@ class KvtierTierManager(SecondaryTierManager):
         n_read_threads: int | None = None,
         n_write_threads: int | None = None,
     ) -> None:
+        if _MISSING:
+            raise RuntimeError(
+                f"kvtier.vllm supports vLLM {' and '.join(SUPPORTED_VLLM)}; this vLLM "
+                f"({_vllm_version()}) has no {', '.join(_MISSING)}"
+            )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # Validated exactly as vLLM's tiers do: "LOCAL" / "REMOTE" or a ValueError.
         self.locality = Locality(locality) if locality is not None else None
@@ -380,7 +404,12 @@ class KvtierTierManager(SecondaryTierManager):
         # engine's own buffer, in case the consumer stops taking them.
         self._events: collections.deque[OffloadingEvent] = collections.deque(maxlen=65536)
         # Keys of in-flight store jobs, for their stored event (only with events on).
-        self._store_keys: dict[int, list[bytes]] = {}
+        self._store_keys: dict[int, tuple[list[bytes], Any]] = {}
+        # Load jobs in flight: their keys (in the job's order) and request id.
+        self._load_jobs: dict[int, tuple[list[bytes], str | None]] = {}
+        # Per request: keys that are misses for it (its batched load failed at its first block).
+        self._request_misses: collections.OrderedDict[str, set[bytes]] = (
+            collections.OrderedDict())
         # Jobs submitted and not yet reported by get_finished_jobs.
         self._pending: set[int] = set()
         # Jobs refused at submission, reported failed by the next get_finished_jobs.
@@ -419,6 +448,10 @@ class KvtierTierManager(SecondaryTierManager):
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         if self._shut:
             return LookupResult.MISS  # nothing can be loaded any more
+        if self._request_misses:
+            missed = self._request_misses.get(getattr(req_context, "req_id", None))
+            if missed is not None and key in missed:
+                return LookupResult.MISS
         if self._failed:
             deadline = self._failed.get(key)
             if deadline is not None:
@@ -453,7 +486,10 @@ class KvtierTierManager(SecondaryTierManager):
             return
         self._pending.add(job.job_id)
         if store and self._events_enabled:
-            self._store_keys[job.job_id] = keys
+            self._store_keys[job.job_id] = (keys, getattr(job, "req_context", None))
+        if not store:
+            ctx = getattr(job, "req_context", None)
+            self._load_jobs[job.job_id] = (keys, getattr(ctx, "req_id", None))
         if store and self._failed:
             for k in keys:
                 self._failed.pop(k, None)
@@ -485,21 +521,35 @@ class KvtierTierManager(SecondaryTierManager):
             self._pending.discard(r.job_id)
             self._job_seconds[r.kind].append(r.transfer_seconds)
             successful = None
+            load = self._load_jobs.pop(r.job_id, None) if r.kind == "load" else None
             if r.kind == "load" and not r.success:
-                if r.successful_keys:
+                first_failed = any(i == 0 for (i, _, _, _) in r.failures)
+                if r.successful_keys and not first_failed:
                     successful = tuple(r.successful_keys)
                 # Failed keys stop being HITs, or the scheduler would promote them again at
                 # every step (vLLM issue #49176).
                 self._mark_failed(k for (_, k, _, _) in r.failures if k is not None)
+                if first_failed and load is not None and load[1] is not None:
+                    # Nothing of the request's prefix loaded: the rest of the batch is of no
+                    # use to it either (vLLM's fs tier answers MISS for the whole batch), so
+                    # it is not promoted again for this request; other requests still hit.
+                    self._request_misses.setdefault(load[1], set()).update(load[0])
+                    self._request_misses.move_to_end(load[1])
+                    while len(self._request_misses) > _REQUEST_MISSES_MAX:
+                        self._request_misses.popitem(last=False)
                 logger.debug(
                     "kvtier tier '%s': load job %s failed: %s",
                     self.tier_type, r.job_id, r.failures[:3],
                 )
             elif r.kind == "store":
-                keys = self._store_keys.pop(r.job_id, None)
-                if r.success and keys:
-                    self._events.append(OffloadingEvent(
-                        keys=keys, medium=self.medium, removed=False, locality=self.locality))
+                stored = self._store_keys.pop(r.job_id, None)
+                if r.success and stored and stored[0]:
+                    keys, ctx = stored
+                    event = OffloadingEvent(
+                        keys=keys, medium=self.medium, removed=False, locality=self.locality)
+                    if _EVENT_REQ_CONTEXT:
+                        event.req_context = ctx
+                    self._events.append(event)
                 if not r.success:
                     logger.debug(
                         "kvtier tier '%s': store job %s failed: %s",
@@ -512,7 +562,7 @@ class KvtierTierManager(SecondaryTierManager):
                 transfer_time=r.transfer_seconds,
                 transfer_bytes=r.transfer_bytes,
             )
-            if _DEFERRED_RELEASE and r.release is not None and not r.success:
+            if _DEFERRED_RELEASE and r.kind == "load" and r.release is not None and not r.success:
                 # Only a failed promotion gets here unreleased (0.34, or after a shutdown that
                 # gave up on a hung device): vLLM keeps the failed keys' chunks until it is set.
                 result.deferred_release = r.release
@@ -541,6 +591,9 @@ class KvtierTierManager(SecondaryTierManager):
             self._engine.touch(list(keys))
         except (ValueError, TypeError) as e:
             logger.debug("kvtier tier '%s': touch: %s", self.tier_type, e)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._request_misses.pop(getattr(req_context, "req_id", None), None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # Lookups answer from the index at once: there is no per-step batch to flush.
@@ -621,6 +674,15 @@ class KvtierTierManager(SecondaryTierManager):
 
     def config_info(self) -> Mapping[str, str | int | float | bool]:
         return dict(self._config_info)
+
+
+def _vllm_version() -> str:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version("vllm")
+    except Exception:  # noqa: BLE001 - the version is for the message only
+        return "version unknown"
 
 
 def _cores(cores: Any) -> Any:

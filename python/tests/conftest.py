@@ -1,4 +1,4 @@
-"""Shared fixtures: vLLM 0.33.0's real tiering modules, loaded once per session."""
+"""Shared fixtures: vLLM's real tiering modules (the harness's version), loaded once per session."""
 
 from __future__ import annotations
 

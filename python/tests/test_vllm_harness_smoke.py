@@ -40,7 +40,7 @@ def _random_rows(n: int, seed: int) -> np.ndarray:
 
 
 def test_loader_uses_real_modules_and_python_fallback(vllm):
-    assert vllm.version == "0.33.0"
+    assert vllm.version == H.VLLM_VERSION and vllm.version in H.SUPPORTED_VERSIONS
     assert len(vllm.modules) >= 25
     assert vllm.num_modules >= 38
     for name, mod in vllm.modules.items():

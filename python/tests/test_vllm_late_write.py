@@ -1,6 +1,6 @@
 """A promotion whose reads outlive their deadline never overwrites a chunk vLLM gave to
-another request: vLLM 0.33.0's real TieringOffloadingManager over kvtier, on a real device
-that stops answering.
+another request: vLLM's real TieringOffloadingManager (0.33.0 or 0.34.0, as the harness
+runs) over kvtier, on a real device that stops answering.
 
 The device: a loop device (O_DIRECT) whose backing file sits on an ext4 that is frozen
 (``fsfreeze``) mid-test, so a store's write blocks in the kernel and the promotion's reads
@@ -8,13 +8,15 @@ queue behind it; they time out (``io_timeout_ms`` = 300) while they are still in
 next request then takes every chunk vLLM's CPU pool has free and writes its own bytes there;
 the file system is thawed, the late reads land, and the next request's bytes are compared.
 
-* With kvtier as shipped (results wait until no I/O can reach their blocks), vLLM keeps the
-  promotion's chunks until the late reads have landed: the next request's bytes are intact,
+* With kvtier as shipped, vLLM keeps the promotion's chunks until the late reads have landed:
+  on 0.33 the promotion is reported only then; on 0.34 it is reported at the deadline with a
+  ``deferred_release`` event that kvtier sets only then. The next request's bytes are intact,
   and the chunks come back afterwards.
-* With results reported at the deadline and nothing telling vLLM 0.33 to wait (what kvtier
-  did before; forced here with ``set_early_results(True)``), vLLM hands the promotion's chunks
-  to the next request and the late reads overwrite its KV: the same byte compare fails. This
-  is the check that the test catches the bug, not a behaviour anyone gets.
+* With results reported at the deadline and nothing telling vLLM to wait (what kvtier did
+  before; forced here with ``set_early_results(True)``, and on 0.34 with the tier's
+  ``deferred_release`` hook turned off), vLLM hands the promotion's chunks to the next request
+  and the late reads overwrite its KV: the same byte compare fails. This is the check that the
+  test catches the bug, not a behaviour anyone gets.
 * Control: the same steps with the device never frozen load the promoted blocks byte-exact.
 
 Needs root (loop devices, mount, fsfreeze); skipped elsewhere, failed under CI=true.
@@ -34,6 +36,13 @@ import pytest
 
 import kvtier
 import vllm_harness as H
+
+
+def tier_module():
+    """kvtier.vllm, importable once the `vllm` fixture put vLLM's modules on the path."""
+    import kvtier.vllm
+
+    return kvtier.vllm
 
 BLOCK = 256 * 1024
 CHUNKS = 4
@@ -119,7 +128,7 @@ def wait_for(cond, what: str, orch, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def scenario(vllm, device: str, freeze, thaw, *, hang: bool, early: bool) -> dict:
+def scenario(vllm, device: str, freeze, thaw, *, hang: bool, early: bool | None = None) -> dict:
     """Stores A (2 blocks); with `hang`, freezes the device, starts a store W (its write
     hangs) and a promotion of A (its reads queue behind W and time out), lets the next request
     B take every free chunk and write its bytes, thaws, settles. Returns what B's chunks hold
@@ -129,8 +138,8 @@ def scenario(vllm, device: str, freeze, thaw, *, hang: bool, early: bool) -> dic
     orch = H.make_orchestrator(spec, [{**KVTIER, "config": config}], CHUNKS, BLOCK)
     mgr = orch.manager
     (tier,) = orch.secondary_tiers
-    if early:
-        tier.engine.set_early_results(True)
+    if early is not None:
+        tier.engine.set_early_results(early)
     out: dict = {}
     try:
         a_keys = [H.make_key(f"late-a-{i}") for i in range(2)]
@@ -216,10 +225,11 @@ def scenario(vllm, device: str, freeze, thaw, *, hang: bool, early: bool) -> dic
 
 def test_a_late_read_never_reaches_a_chunk_vllm_reused(vllm):
     with freezable_device() as (device, freeze, thaw):
-        out = scenario(vllm, device, freeze, thaw, hang=True, early=False)
-    # The promotion was not reported while its reads ran: vLLM kept its chunks out of the
-    # free pool, so the next request got others, and its bytes survived the late reads.
-    assert not out["promotion_reported_at_deadline"], out
+        out = scenario(vllm, device, freeze, thaw, hang=True)
+    # 0.33: the promotion was not reported while its reads ran; 0.34: it was, with a
+    # deferred_release event. Either way vLLM kept its chunks out of the free pool, so the
+    # next request got others, and its bytes survived the late reads.
+    assert out["promotion_reported_at_deadline"] == tier_module()._DEFERRED_RELEASE, out
     assert out["held_at_deadline"] >= 2, out  # A's two chunks (and W's)
     assert not set(out["b_chunks"]) & set(out["promotion_chunks"]), out
     assert out["b_intact"], out
@@ -231,9 +241,11 @@ def test_a_late_read_never_reaches_a_chunk_vllm_reused(vllm):
     assert out["shutdown_clean"], out
 
 
-def test_without_the_release_rule_the_late_read_overwrites_the_next_request(vllm):
-    """The check above can fail: results at the deadline (kvtier's old behaviour), and vLLM
-    0.33 has no deferred_release to hold the chunks, so the late reads corrupt request r2."""
+def test_without_the_release_rule_the_late_read_overwrites_the_next_request(vllm, monkeypatch):
+    """The check above can fail: results at the deadline (kvtier's old behaviour) with no
+    deferred_release to hold the chunks (0.33 has none; on 0.34 the tier's is turned off), so
+    the late reads corrupt request r2."""
+    monkeypatch.setattr(tier_module(), "_DEFERRED_RELEASE", False)
     with freezable_device() as (device, freeze, thaw):
         out = scenario(vllm, device, freeze, thaw, hang=True, early=True)
     assert out["promotion_reported_at_deadline"], out
@@ -243,7 +255,7 @@ def test_without_the_release_rule_the_late_read_overwrites_the_next_request(vllm
 
 def test_control_run_without_a_hung_device_promotes_byte_exact(vllm):
     with freezable_device() as (device, freeze, thaw):
-        out = scenario(vllm, device, freeze, thaw, hang=False, early=False)
+        out = scenario(vllm, device, freeze, thaw, hang=False)
     np.testing.assert_array_equal(out["promoted"], out["a_data"])
     assert out["shutdown_clean"], out
 

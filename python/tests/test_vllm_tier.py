@@ -463,7 +463,7 @@ def test_import_without_vllm_is_a_clear_error(tmp_path):
         has_vllm = False
     if has_vllm:
         pytest.skip("a real vLLM is installed in this interpreter")
-    assert "IMPORTERROR kvtier.vllm needs vLLM 0.33 (pip install vllm==0.33.0)" in out.stdout
+    assert "IMPORTERROR kvtier.vllm needs vLLM 0.33.0 or 0.34.0 (pip install vllm==0.34.0)" in out.stdout
 
 
 @pytest.mark.parametrize("touched", [True, False])
@@ -630,3 +630,58 @@ print("EXCHANGED")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=here, timeout=120)
     assert "EXCHANGED" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("bad", [0, 2])
+def test_batched_load_failure_follows_vllm_fs_tier(vllm, spec, tmp_path, bad):
+    """vLLM's fs tier rule for a batched promotion (its test_batched_load_first_block_fails_
+    marks_whole_batch and test_batched_partial_load_failure_keeps_loaded_blocks): a failed
+    first block reports no successful keys and makes the whole batch a miss for that request
+    (nothing of its prefix loaded: promoting the rest again would be wasted); a failed later
+    block reports the keys that loaded, which stay hits. Another request still finds the good
+    blocks."""
+    primary = H.make_primary(8, BLOCK)
+    tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path))
+    try:
+        keys = [H.make_key(f"batch-{bad}-{i}") for i in range(3)]
+        _store_rows(vllm, tier, primary, keys, rows(3, 11), 1)
+        with open(tier.file_mapper.get_file_name(keys[bad]), "wb") as f:
+            f.write(b"x" * 10)  # a short file: its load fails
+        ctx = vllm.ReqContext(req_id=f"batch-{bad}")
+        assert [tier.lookup(k, ctx) for k in keys] == [vllm.LookupResult.HIT] * 3
+        tier.submit_load(H.make_job(keys, [0, 1, 2], 2, ctx, is_promotion=True))
+        (r,) = H.drain(tier)
+        assert not r.success
+        miss, hit = vllm.LookupResult.MISS, vllm.LookupResult.HIT
+        if bad == 0:
+            assert r.successful_keys is None
+            assert [tier.lookup(k, ctx) for k in keys] == [miss] * 3
+        else:
+            assert set(r.successful_keys) == {keys[0], keys[1]}
+            assert [tier.lookup(k, ctx) for k in keys] == [hit, hit, miss]
+        # The request ends: another one finds the good blocks; the bad one stays a miss.
+        tier.on_request_finished(ctx)
+        fresh = vllm.ReqContext(req_id=f"fresh-{bad}")
+        want = [hit] * 3
+        want[bad] = miss
+        assert [tier.lookup(k, fresh) for k in keys] == want
+    finally:
+        tier.shutdown()
+
+
+def test_stored_event_names_the_store_request(vllm, tiermod, spec, tmp_path):
+    """vLLM 0.34 gave OffloadingEvent a req_context: a stored event carries the store job's
+    (as vLLM's fs tier does); on 0.33 the event has no such field."""
+    primary = H.make_primary(8, BLOCK)
+    tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path), enable_kv_events=True)
+    try:
+        keys = [H.make_key(f"event-{i}") for i in range(2)]
+        _store_rows(vllm, tier, primary, keys, rows(2, 12), 1)
+        (event,) = [e for e in tier.take_events() if not e.removed]
+        assert list(event.keys) == keys
+        if tiermod._EVENT_REQ_CONTEXT:
+            assert event.req_context is not None and event.req_context.req_id == "s1"
+        else:
+            assert not hasattr(event, "req_context")
+    finally:
+        tier.shutdown()

@@ -1,4 +1,7 @@
-"""Run vLLM 0.33.0's real KV-offload tiering code on CPU, without torch.
+"""Run vLLM's real KV-offload tiering code (0.33.0 or 0.34.0) on CPU, without torch.
+
+The version is ``$KVTIER_VLLM_VERSION`` (default 0.33.0; ``SUPPORTED_VERSIONS``), read once
+at import: ``tools/test.sh`` runs the vLLM tests once per version.
 
 vLLM's package ``__init__`` files pull in the whole engine (and torch), so this
 harness does not ``pip install`` vLLM. It opens the wheel with ``zipfile``,
@@ -78,7 +81,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-VLLM_VERSION = "0.33.0"
+SUPPORTED_VERSIONS = ("0.33.0", "0.34.0")
+VLLM_VERSION = os.environ.get("KVTIER_VLLM_VERSION", "0.33.0")
+if VLLM_VERSION not in SUPPORTED_VERSIONS:
+    raise RuntimeError(
+        f"KVTIER_VLLM_VERSION={VLLM_VERSION}: the harness runs vLLM "
+        f"{' or '.join(SUPPORTED_VERSIONS)}"
+    )
 WHEEL_GLOB = f"vllm-{VLLM_VERSION}-*.whl"
 DEFAULT_WHEEL_DIRS = ("/work/cache",)
 # Bump when the extracted file set or layout changes, so old caches are not reused.
@@ -95,6 +104,8 @@ REAL_MODULES: tuple[str, ...] = (
     "vllm.v1.kv_hints",  # only when msgspec is importable
     "vllm.v1.kv_offload.config",
     "vllm.v1.kv_offload.base",
+    # 0.34: device pointer groups (imported by the CPU manager's spec)
+    *(("vllm.v1.kv_offload.pointer_utils",) if VLLM_VERSION != "0.33.0" else ()),
     "vllm.v1.kv_offload.factory",
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping",
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
@@ -229,7 +240,9 @@ def _wheel_members() -> tuple[list[str], set[str]]:
 
 def _wheel_key(wheel: str) -> str:
     st = os.stat(wheel)
-    ident = f"{os.path.basename(wheel)}|{st.st_size}|{st.st_mtime_ns}|{_LAYOUT_VERSION}"
+    # The module list too: a harness that extracts more reuses no older extraction.
+    ident = (f"{os.path.basename(wheel)}|{st.st_size}|{st.st_mtime_ns}|{_LAYOUT_VERSION}|"
+             f"{','.join(REAL_MODULES)}")
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -506,8 +519,9 @@ class HarnessSharedOffloadRegion:
 
 
 def _make_region_standin() -> types.ModuleType:
+    # REGION_SEGMENTS: 0.34's cpu/spec.py imports it (segments of the /dev/shm mapping).
     return _standin("vllm.v1.kv_offload.cpu.shared_offload_region",
-                    SharedOffloadRegion=HarnessSharedOffloadRegion)
+                    SharedOffloadRegion=HarnessSharedOffloadRegion, REGION_SEGMENTS=32)
 
 
 def _make_gpu_worker_standin() -> types.ModuleType:
