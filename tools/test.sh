@@ -56,10 +56,26 @@ cargo test --workspace --doc --locked --features kvtier/sim 2>&1 | tee -a /tmp/k
   | tee /tmp/kvtier-pytest-0.33.0.log || rc=1
 (cd python/tests && KVTIER_VLLM_VERSION=0.34.0 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs \
   test_vllm_*.py) 2>&1 | tee /tmp/kvtier-pytest-0.34.0.log || rc=1
+# vLLM's own fs-tier tests (tests/v1/kv_offload/tiering/test_fs_tier.py from each version's
+# sdist, about 50 MB, downloaded once to ~/.cache/kvtier/vllm-sdist), unmodified: first against
+# vLLM's own tier (the baseline), then with kvtier's class in its place
+# (python/tests/vllm_own/vllm_own_plugin.py lists the tests of vLLM's internals it skips, and why).
+own_logs=""
+for v in $vllm_versions; do
+  own=$(cd python/tests/vllm_own && KVTIER_VLLM_VERSION=$v "$venv/bin/python" extract.py) || rc=1
+  for target in vllm kvtier; do
+    log=/tmp/kvtier-pytest-own-$v-$target.log
+    (cd python/tests/vllm_own && KVTIER_VLLM_VERSION=$v KVTIER_VLLM_OWN_TARGET=$target \
+      KVTIER_VLLM_FS_IO_C=1 PYTHONPATH=$PWD "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+      -p vllm_own_plugin -rs "$own") 2>&1 | tee "$log" || rc=1
+    printf 'vLLM %s own fs-tier tests against %s: %s\n' "$v" "$target" "$(tail -1 "$log")"
+    own_logs="$own_logs $log"
+  done
+done
 # One summary line over all test binaries and both pytest runs.
 py_count() {
   local n=0 f c
-  for f in /tmp/kvtier-pytest-0.33.0.log /tmp/kvtier-pytest-0.34.0.log; do
+  for f in /tmp/kvtier-pytest-0.33.0.log /tmp/kvtier-pytest-0.34.0.log $own_logs; do
     c=$(grep -Eo "[0-9]+ $1" "$f" | tail -1 | grep -Eo "[0-9]+" || echo 0)
     n=$((n + c))
   done

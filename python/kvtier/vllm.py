@@ -92,9 +92,12 @@ _MISSING = sorted(
     for name in names
     if name not in {f.name for f in dataclasses.fields(cls)}
 )
-# Requests whose whole batched load failed at its first block: their keys are misses for
-# that request (as vLLM's fs tier answers) until it finishes; at most this many requests.
-_REQUEST_MISSES_MAX = 4096
+# Keys of a failed batched load after its first failed block that did load: vLLM's fs tier
+# stops a batch at its first bad block and makes the rest a miss, so the scheduler does not
+# promote them again for the request (they are of no use to it: its prefix is broken there).
+# They stay misses until the load's request finishes, or this long; at most this many.
+_DOOMED_TTL_S = 30.0
+_DOOMED_MAX = 65536
 
 _LAYOUTS = ("files", "slab")
 _AUTO_WORKERS_MAX = 8
@@ -407,8 +410,8 @@ class KvtierTierManager(SecondaryTierManager):
         self._store_keys: dict[int, tuple[list[bytes], Any]] = {}
         # Load jobs in flight: their keys (in the job's order) and request id.
         self._load_jobs: dict[int, tuple[list[bytes], str | None]] = {}
-        # Per request: keys that are misses for it (its batched load failed at its first block).
-        self._request_misses: collections.OrderedDict[str, set[bytes]] = (
+        # Keys past a failed load's first failure (see _DOOMED_TTL_S): (request id, deadline).
+        self._doomed: collections.OrderedDict[bytes, tuple[str | None, float]] = (
             collections.OrderedDict())
         # Jobs submitted and not yet reported by get_finished_jobs.
         self._pending: set[int] = set()
@@ -448,10 +451,12 @@ class KvtierTierManager(SecondaryTierManager):
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         if self._shut:
             return LookupResult.MISS  # nothing can be loaded any more
-        if self._request_misses:
-            missed = self._request_misses.get(getattr(req_context, "req_id", None))
-            if missed is not None and key in missed:
-                return LookupResult.MISS
+        if self._doomed:
+            doomed = self._doomed.get(key)
+            if doomed is not None:
+                if time.monotonic() < doomed[1]:
+                    return LookupResult.MISS
+                del self._doomed[key]
         if self._failed:
             deadline = self._failed.get(key)
             if deadline is not None:
@@ -523,20 +528,24 @@ class KvtierTierManager(SecondaryTierManager):
             successful = None
             load = self._load_jobs.pop(r.job_id, None) if r.kind == "load" else None
             if r.kind == "load" and not r.success:
-                first_failed = any(i == 0 for (i, _, _, _) in r.failures)
-                if r.successful_keys and not first_failed:
-                    successful = tuple(r.successful_keys)
-                # Failed keys stop being HITs, or the scheduler would promote them again at
-                # every step (vLLM issue #49176).
+                # As vLLM's fs tier: the keys before the first failed one loaded and are
+                # reported (None if the first failed), the failed keys stop being HITs (or the
+                # scheduler would promote them again at every step, vLLM issue #49176), and
+                # the keys after the first failure are misses for the request.
+                failed_at = sorted(i for (i, _, _, _) in r.failures)
+                first = failed_at[0] if failed_at else 0
+                if load is not None and first > 0:
+                    successful = tuple(load[0][:first])
                 self._mark_failed(k for (_, k, _, _) in r.failures if k is not None)
-                if first_failed and load is not None and load[1] is not None:
-                    # Nothing of the request's prefix loaded: the rest of the batch is of no
-                    # use to it either (vLLM's fs tier answers MISS for the whole batch), so
-                    # it is not promoted again for this request; other requests still hit.
-                    self._request_misses.setdefault(load[1], set()).update(load[0])
-                    self._request_misses.move_to_end(load[1])
-                    while len(self._request_misses) > _REQUEST_MISSES_MAX:
-                        self._request_misses.popitem(last=False)
+                if load is not None:
+                    deadline = time.monotonic() + _DOOMED_TTL_S
+                    failed = set(failed_at)
+                    for i, k in enumerate(load[0][first + 1:], start=first + 1):
+                        if i not in failed:
+                            self._doomed[k] = (load[1], deadline)
+                            self._doomed.move_to_end(k)
+                    while len(self._doomed) > _DOOMED_MAX:
+                        self._doomed.popitem(last=False)
                 logger.debug(
                     "kvtier tier '%s': load job %s failed: %s",
                     self.tier_type, r.job_id, r.failures[:3],
@@ -593,7 +602,17 @@ class KvtierTierManager(SecondaryTierManager):
             logger.debug("kvtier tier '%s': touch: %s", self.tier_type, e)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._request_misses.pop(getattr(req_context, "req_id", None), None)
+        # The keys its failed batch doomed are good blocks: other requests may load them.
+        if self._doomed:
+            req_id = getattr(req_context, "req_id", None)
+            for k in [k for k, (r, _) in self._doomed.items() if r == req_id]:
+                del self._doomed[k]
+
+    @property
+    def events(self) -> collections.deque[OffloadingEvent] | None:
+        """The stored/removed events not taken yet; None when events are off (as vLLM's
+        tiers expose it)."""
+        return self._events if self._events_enabled else None
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # Lookups answer from the index at once: there is no per-step batch to flush.

@@ -685,3 +685,19 @@ def test_stored_event_names_the_store_request(vllm, tiermod, spec, tmp_path):
             assert not hasattr(event, "req_context")
     finally:
         tier.shutdown()
+
+
+@pytest.mark.parametrize("tier_flag,global_flag", [(False, True), (True, False), (False, False)])
+def test_events_off_without_both_switches(vllm, tiermod, tmp_path, tier_flag, global_flag):
+    """Events need the tier's enable_kv_events and vLLM's global KV events switch (as vLLM's
+    tiers: its test_events_disabled_by_default, test_events_require_global_kv_events_flag):
+    otherwise `events` is None and a store emits nothing."""
+    spec = H.make_spec(vllm, num_blocks=8, block_bytes=BLOCK, enable_kv_cache_events=global_flag)
+    primary = H.make_primary(8, BLOCK)
+    tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path), enable_kv_events=tier_flag)
+    try:
+        assert tier.events is None
+        _store_rows(vllm, tier, primary, [H.make_key("quiet")], rows(1, 13), 1)
+        assert list(tier.take_events()) == []
+    finally:
+        tier.shutdown()

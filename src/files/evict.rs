@@ -154,6 +154,10 @@ impl FilesLayout {
             core.log_error(&msg);
         }
         self.removals_in_flight -= 1;
+        if let Some(failure) = core.ops[idx as usize].pending_failure.take() {
+            // A corrupt block's load: its failure goes out now that the file is removed.
+            Self::finish_load(core, idx, Err(failure));
+        }
         self.release(core, idx);
     }
 }

@@ -374,6 +374,10 @@ impl Layout for FilesLayout {
             // waits on it, and its steps left (close, unlink) touch no region block.
             Kind::Load | Kind::Store if op.resolved => Vec::new(),
             Kind::Load | Kind::Store => own_key(op.job.as_ref(), op.item),
+            // A corrupt block's removal carries its load's failure until the unlink is done.
+            Kind::Remove if op.pending_failure.is_some() && !op.resolved => {
+                own_key(op.job.as_ref(), op.item)
+            }
             Kind::Remove | Kind::Probe => Vec::new(),
         }
     }

@@ -226,7 +226,12 @@ impl FilesLayout {
                 e.pins = 1;
             }
         }
-        Self::finish_load(core, idx, outcome);
+        if bad {
+            // Reported once the file is gone (`on_unlink`); the index forgets it now.
+            core.ops[idx as usize].pending_failure = outcome.err();
+        } else {
+            Self::finish_load(core, idx, outcome);
+        }
         if bad {
             // Remove the file after closing it; the removal is this op's trailing step.
             let entry = self.unindex(core, &key);

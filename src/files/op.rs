@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::job::JobState;
+use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
 use crate::worker::{Chunks, LayoutOp, TableOp};
 
@@ -76,6 +76,9 @@ pub(crate) struct Op {
     pub bytes: u64,
     /// The key's outcome has been reported; the op only cleans up now.
     pub resolved: bool,
+    /// A load whose file was short or corrupt: its failure, reported once the file is
+    /// removed (a caller that sees the failure finds the file gone, as vLLM's fs tier does).
+    pub pending_failure: Option<(KeyFailure, String)>,
     pub mkdir_tried: bool,
     /// A store preparing (before its write): counted in `FilesLayout::stores_opening`.
     pub opening: bool,
@@ -112,6 +115,7 @@ impl Op {
 impl TableOp for Op {
     fn clear(&mut self) {
         self.job = None;
+        self.pending_failure = None;
     }
 }
 
@@ -143,6 +147,7 @@ impl Op {
             failed: false,
             bytes: 0,
             resolved: false,
+            pending_failure: None,
             mkdir_tried: false,
             opening: false,
             mkdir_parent_tried: false,

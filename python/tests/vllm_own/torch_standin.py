@@ -1,0 +1,123 @@
+"""The few torch calls vLLM's own fs-tier tests make (``tests/v1/kv_offload/tiering/
+test_fs_tier.py``), on numpy, so those tests run without a 2 GB torch install: tensors are only
+made, filled, sliced, viewed and compared there; the tier under test takes a memoryview.
+
+Provided: the dtypes the tests name, ``zeros``, ``rand``, ``tensor``, ``allclose``, ``Tensor``
+(``data_ptr``, ``element_size``, ``view`` by dtype or shape, ``numpy``, indexing and slice
+assignment, ``shape``, ``dtype``). Anything else raises ``AttributeError``, so a test needing
+more of torch fails loudly instead of passing on a stand-in.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+
+
+class dtype:  # noqa: N801 - torch's name
+    def __init__(self, name: str, np_dtype: Any) -> None:
+        self.name = name
+        self.np = np.dtype(np_dtype)
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+float32 = float = dtype("float32", np.float32)
+float16 = half = dtype("float16", np.float16)
+bfloat16 = dtype("bfloat16", np.uint16)  # same width; the tests only move bytes
+uint8 = dtype("uint8", np.uint8)
+int8 = dtype("int8", np.int8)
+int32 = dtype("int32", np.int32)
+int64 = long = dtype("int64", np.int64)
+_BY_NP = {d.np: d for d in (float32, float16, uint8, int8, int32, int64)}
+
+
+class Tensor:
+    def __init__(self, array: np.ndarray) -> None:
+        self._a = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._a.shape
+
+    @property
+    def dtype(self) -> dtype:
+        return _BY_NP[self._a.dtype]
+
+    def data_ptr(self) -> int:
+        return self._a.ctypes.data
+
+    def element_size(self) -> int:
+        return self._a.itemsize
+
+    def numel(self) -> int:
+        return self._a.size
+
+    def numpy(self) -> np.ndarray:
+        return self._a
+
+    def view(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], dtype):
+            return Tensor(self._a.view(shape[0].np))
+        if len(shape) == 1 and isinstance(shape[0], tuple):
+            shape = shape[0]
+        return Tensor(self._a.reshape(shape))
+
+    def clone(self) -> Tensor:
+        return Tensor(self._a.copy())
+
+    def __getitem__(self, idx: Any) -> Tensor:
+        return Tensor(self._a[_unwrap(idx)])
+
+    def __setitem__(self, idx: Any, value: Any) -> None:
+        self._a[_unwrap(idx)] = _unwrap(value)
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __eq__(self, other: Any) -> Tensor:  # type: ignore[override]
+        return Tensor(self._a == _unwrap(other))
+
+    def all(self) -> bool:
+        return bool(self._a.all())
+
+    def __bool__(self) -> bool:
+        return bool(self._a)
+
+
+def _unwrap(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return x._a
+    if isinstance(x, tuple):
+        return tuple(_unwrap(i) for i in x)
+    return x
+
+
+def zeros(*shape: Any, dtype: dtype = float32) -> Tensor:
+    if len(shape) == 1 and isinstance(shape[0], tuple):
+        shape = shape[0]
+    return Tensor(np.zeros(shape, dtype=dtype.np))
+
+
+def rand(*shape: Any, dtype: dtype = float32) -> Tensor:
+    if len(shape) == 1 and isinstance(shape[0], tuple):
+        shape = shape[0]
+    return Tensor(np.random.default_rng().random(shape).astype(dtype.np))
+
+
+def tensor(data: Any, dtype: dtype = float32) -> Tensor:
+    return Tensor(np.asarray(data, dtype=dtype.np))
+
+
+def allclose(a: Tensor, b: Tensor, rtol: float = 1e-05, atol: float = 1e-08) -> bool:
+    return bool(np.allclose(_unwrap(a), _unwrap(b), rtol=rtol, atol=atol))
+
+
+def module() -> types.ModuleType:
+    """This stand-in as a module named ``torch``."""
+    import sys
+
+    return sys.modules[__name__]
