@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""kvtier's vLLM tier against vLLM 0.33.0's own file-system tier, through the same calls.
+"""kvtier's vLLM tier against vLLM's own file-system tier (0.33.0 or 0.34.0), through the same calls.
 
 Both tiers are built by vLLM's real SecondaryTierFactory over the same primary buffer (an
 anonymous, page-aligned mmap, the shape vLLM's CPU tier hands its tiers) and driven through the
@@ -23,7 +23,8 @@ kvtier/vLLM ratios of the medians.
     python tools/vllm_compare.py --block-size 256KiB --shape one --layout files slab --json out.json
 
 Needs: the kvtier package installed (pip install ./python), numpy, typing_extensions, and
-vLLM's wheel (pip download vllm==0.33.0 --no-deps -d DIR; --wheel or KVTIER_VLLM_WHEEL_DIR).
+vLLM's wheel (pip download vllm==0.34.0 --no-deps -d DIR; --wheel or KVTIER_VLLM_WHEEL_DIR), of
+the version --vllm-version names (0.33.0, the default, or 0.34.0).
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ import kvtier
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
                                 "tests"))
+VLLM_VERSIONS = ("0.33.0", "0.34.0")
+
+
+def _vllm_version_first() -> None:
+    """--vllm-version picks the harness's vLLM, which reads it when imported: read it first."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--vllm-version", choices=VLLM_VERSIONS)
+    known, _ = pre.parse_known_args()
+    if known.vllm_version:
+        os.environ["KVTIER_VLLM_VERSION"] = known.vllm_version
+
+
+_vllm_version_first()
 import vllm_harness as H  # noqa: E402
 
 def cpu_seconds() -> float:
@@ -227,7 +241,9 @@ def main() -> int:
     ap.add_argument("--layout", nargs="+", default=["files", "slab"], choices=["files", "slab"])
     ap.add_argument("--bytes", default="256MiB", help="bytes stored and loaded per cell and round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--wheel", default=None, help="vLLM 0.33.0 wheel (else found as the "
+    ap.add_argument("--vllm-version", choices=VLLM_VERSIONS, default=H.VLLM_VERSION,
+                    help="the vLLM whose tiering code and fs tier run (its wheel is needed)")
+    ap.add_argument("--wheel", default=None, help="that vLLM's wheel (else found as the "
                     "harness finds it)")
     ap.add_argument("--json", default=None, help="write the results as JSON here ('-': stdout)")
     ap.add_argument("--vllm-io", choices=["c", "python"], default="c",
@@ -303,7 +319,8 @@ def main() -> int:
             print(f"| {show_size(c['block_bytes'])} | {c['jobs']} | {n} | {m['store_mib_s']:.0f} "
                   f"| {m['store_cpu_s']:.2f} | {m['load_mib_s']:.0f} | {m['load_cpu_s']:.2f} | "
                   + " | ".join(ratios) + " |")
-    print(f"vLLM fs tier I/O: {'C extension (fs_io_C)' if vllm.fs_io_C_available else 'Python'}")
+    print(f"vLLM {vllm.version}; its fs tier's I/O: "
+          f"{'C extension (fs_io_C)' if vllm.fs_io_C_available else 'Python'}")
     report = {"dir": args.dir, "primary_dir": args.primary_dir, "rounds": args.rounds,
               "bytes_per_cell": total,
               "vllm_version": vllm.version, "fs_io_C": vllm.fs_io_C_available, "cells": cells}

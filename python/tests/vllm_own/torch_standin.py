@@ -2,6 +2,8 @@
 test_fs_tier.py``), on numpy, so those tests run without a 2 GB torch install: tensors are only
 made, filled, sliced, viewed and compared there; the tier under test takes a memoryview.
 
+Also what vLLM's real ``SharedOffloadRegion`` calls to wrap its mapping (``frombuffer``).
+
 Provided: the dtypes the tests name, ``zeros``, ``rand``, ``tensor``, ``allclose``, ``Tensor``
 (``data_ptr``, ``element_size``, ``view`` by dtype or shape, ``numpy``, indexing and slice
 assignment, ``shape``, ``dtype``). Anything else raises ``AttributeError``, so a test needing
@@ -110,6 +112,11 @@ def rand(*shape: Any, dtype: dtype = float32) -> Tensor:
 
 def tensor(data: Any, dtype: dtype = float32) -> Tensor:
     return Tensor(np.asarray(data, dtype=dtype.np))
+
+
+def frombuffer(buffer: Any, dtype: dtype = uint8) -> Tensor:
+    """Zero-copy, as torch's: vLLM's SharedOffloadRegion wraps its mmap with it."""
+    return Tensor(np.frombuffer(buffer, dtype=dtype.np))
 
 
 def allclose(a: Tensor, b: Tensor, rtol: float = 1e-05, atol: float = 1e-08) -> bool:
