@@ -79,6 +79,10 @@ _DEFERRED_RELEASE = "deferred_release" in {f.name for f in dataclasses.fields(Jo
 # vLLM 0.34's OffloadingEvent.req_context: a stored event names the store job's request.
 _EVENT_REQ_CONTEXT = "req_context" in {f.name for f in dataclasses.fields(OffloadingEvent)}
 SUPPORTED_VLLM = ("0.33.0", "0.34.0")
+# vLLM 0.33 calls touch(keys) for blocks a request reuses; 0.34 has no touch: there a lookup
+# that hits is what keeps a block recent (batched per scheduler step, in on_schedule_end).
+_VLLM_TOUCHES = hasattr(SecondaryTierManager, "touch")
+_HITS_PER_STEP_MAX = 65536
 # What kvtier calls on vLLM's side; an API without them is not one kvtier knows (an older or a
 # later vLLM): refused at construction with the versions it supports, not deep in a job.
 _REQUIRED = {
@@ -410,6 +414,8 @@ class KvtierTierManager(SecondaryTierManager):
         self._store_keys: dict[int, tuple[list[bytes], Any]] = {}
         # Load jobs in flight: their keys (in the job's order) and request id.
         self._load_jobs: dict[int, tuple[list[bytes], str | None]] = {}
+        # Keys that hit since the last scheduler step (0.34: recency comes from lookups).
+        self._hits: dict[bytes, None] = {}
         # Keys past a failed load's first failure (see _DOOMED_TTL_S): (request id, deadline).
         self._doomed: collections.OrderedDict[bytes, tuple[str | None, float]] = (
             collections.OrderedDict())
@@ -472,6 +478,8 @@ class KvtierTierManager(SecondaryTierManager):
             return LookupResult.MISS
         if answer == "pending":
             return LookupResult.RETRY
+        if not _VLLM_TOUCHES and len(self._hits) < _HITS_PER_STEP_MAX:
+            self._hits[key] = None
         return LookupResult.HIT
 
     def _submit(self, job: TransferJob, store: bool) -> None:
@@ -615,8 +623,11 @@ class KvtierTierManager(SecondaryTierManager):
         return self._events if self._events_enabled else None
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        # Lookups answer from the index at once: there is no per-step batch to flush.
-        return
+        # Lookups answer from the index at once: the only per-step batch is the recency of the
+        # keys that hit (vLLM 0.34, which no longer calls touch): one queue message a step.
+        if self._hits:
+            keys, self._hits = list(self._hits), {}
+            self.touch(keys, None)
 
     def drain_jobs(self) -> None:
         # vLLM's contract: every job's result available and every deferred_release set when

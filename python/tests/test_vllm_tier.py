@@ -466,11 +466,13 @@ def test_import_without_vllm_is_a_clear_error(tmp_path):
     assert "IMPORTERROR kvtier.vllm needs vLLM 0.33.0 or 0.34.0 (pip install vllm==0.34.0)" in out.stdout
 
 
-@pytest.mark.parametrize("touched", [True, False])
-def test_touch_keeps_blocks_from_eviction(vllm, spec, tmp_path, touched):
-    """A capacity-bound files directory evicts least recently used blocks; vLLM's touch (for
-    chunks it served from the CPU tier) makes the touched ones recent. Without the touch, the
+@pytest.mark.parametrize("refresh", ["touch", "lookup", "none"])
+def test_touch_keeps_blocks_from_eviction(vllm, tiermod, spec, tmp_path, refresh):
+    """A capacity-bound files directory evicts least recently used blocks; vLLM 0.33's touch
+    (for chunks it served from the CPU tier) makes the touched ones recent, and on 0.34, which
+    has no touch, a lookup that hits does (flushed at the step's end). Without either, the
     oldest block is the one evicted (the control run)."""
+    touched = refresh == "touch" or (refresh == "lookup" and not tiermod._VLLM_TOUCHES)
     primary = H.make_primary(8, BLOCK)
     capacity = 16 << 20  # 64 blocks of 256 KiB
     tier = make_tier(vllm, spec, primary, root_dir=str(tmp_path), capacity_bytes=capacity,
@@ -487,8 +489,11 @@ def test_touch_keeps_blocks_from_eviction(vllm, spec, tmp_path, touched):
                                          is_promotion=False))
             assert [r.success for r in H.drain(tier)] == [True]
         assert tier.engine.stats()["evictions"] == 0
-        if touched:
+        if refresh == "touch":
             tier.touch(keys[:2], ctx)
+        elif refresh == "lookup":
+            assert [tier.lookup(k, ctx) for k in keys[:2]] == [vllm.LookupResult.HIT] * 2
+            H.step(tier)
         tier.submit_store(H.make_job(keys[n:], [0], 1000, ctx, is_promotion=False))
         assert [r.success for r in H.drain(tier)] == [True]
         assert tier.engine.stats()["evictions"] >= 1
