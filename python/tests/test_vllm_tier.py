@@ -706,3 +706,17 @@ def test_events_off_without_both_switches(vllm, tiermod, tmp_path, tier_flag, gl
         assert list(tier.take_events()) == []
     finally:
         tier.shutdown()
+
+
+def test_an_unknown_tier_api_is_refused_naming_the_versions(vllm, tiermod, spec, tmp_path,
+                                                             monkeypatch):
+    """A vLLM whose tier API lacks what kvtier uses (an older or a later one) is refused when
+    the tier is built, with the supported versions named, not deep inside a job."""
+    monkeypatch.setattr(tiermod, "_MISSING", ["TransferJob.req_context"])
+    primary = H.make_primary(8, BLOCK)
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.33\.0 and 0\.34\.0.*"
+                                           r"has no TransferJob\.req_context"):
+        make_tier(vllm, spec, primary, root_dir=str(tmp_path))
+    # The versions this harness runs have everything.
+    monkeypatch.undo()
+    assert tiermod._MISSING == []
