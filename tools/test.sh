@@ -77,6 +77,11 @@ py_count() {
   local n=0 f c
   for f in /tmp/kvtier-pytest-0.33.0.log /tmp/kvtier-pytest-0.34.0.log $own_logs; do
     c=$(grep -Eo "[0-9]+ $1" "$f" | tail -1 | grep -Eo "[0-9]+" || echo 0)
+    # A run that ended without pytest's summary (it could not even collect) counts as one
+    # failure, so the line below never says 0 failed for it.
+    if [ "$1" = failed ] && ! tail -1 "$f" | grep -Eq "[0-9]+ (passed|failed|skipped|error)"; then
+      c=$((c + 1))
+    fi
     n=$((n + c))
   done
   echo "$n"

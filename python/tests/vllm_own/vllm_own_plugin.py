@@ -30,6 +30,9 @@ sys.modules.setdefault("torch", torch_standin)
 
 import vllm_harness as H  # noqa: E402
 
+# Now, before pytest imports the tests' conftest.py (which imports vLLM's config module).
+H.load_vllm()
+
 TARGET = os.environ.get("KVTIER_VLLM_OWN_TARGET", "kvtier")
 if TARGET not in ("kvtier", "vllm"):
     raise RuntimeError(f"KVTIER_VLLM_OWN_TARGET={TARGET}: 'kvtier' or 'vllm'")
@@ -62,10 +65,6 @@ NOT_THE_CONTRACT: dict[str, str] = {
         "also reads the fs tier's private _store_jobs map; the contract part (events is None, "
         "take_events() empty) is test_vllm_tier.py::test_events_off_without_both_switches",
 }
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    H.load_vllm()
 
 
 class _LookupManagerShim:
