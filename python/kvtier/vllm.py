@@ -503,9 +503,11 @@ class KvtierTierManager(SecondaryTierManager):
         if not store:
             ctx = getattr(job, "req_context", None)
             self._load_jobs[job.job_id] = (keys, getattr(ctx, "req_id", None))
-        if store and self._failed:
+        if store and (self._failed or self._doomed):
+            # A key stored again is a hit again (vLLM 0.34's mark_present), for every request.
             for k in keys:
                 self._failed.pop(k, None)
+                self._doomed.pop(k, None)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, store=True)

@@ -670,6 +670,9 @@ def test_batched_load_failure_follows_vllm_fs_tier(vllm, spec, tmp_path, bad):
         want = [hit] * 3
         want[bad] = miss
         assert [tier.lookup(k, fresh) for k in keys] == want
+        # Stored again (its file rewritten), the bad key is a hit at once (0.34's mark_present).
+        _store_rows(vllm, tier, primary, [keys[bad]], rows(1, 14), 3)
+        assert tier.lookup(keys[bad], fresh) is hit
     finally:
         tier.shutdown()
 
