@@ -50,11 +50,6 @@ pub struct IoRequest {
 }
 
 impl IoRequest {
-    /// The bytes moved, in the backend's buffer `region`.
-    pub fn buf_ref(&self) -> BufRef {
-        self.buf.buf_ref(self.region)
-    }
-
     /// Bytes moved (a claim is never empty).
     pub fn bytes(&self) -> u32 {
         u32::try_from(self.buf.len()).expect("one transfer moves less than 4 GiB")

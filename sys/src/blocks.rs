@@ -180,6 +180,16 @@ impl Blocks {
         }
     }
 
+    /// [`Blocks::visit`] until the returned guard drops (a panic in the visitor included).
+    pub(crate) fn stay(&self, range: std::ops::Range<u32>, visit: Visit) -> Leave<'_> {
+        self.visit(range.clone(), visit);
+        Leave {
+            blocks: self,
+            span: range,
+            visit,
+        }
+    }
+
     /// Undoes [`Blocks::visit`].
     pub(crate) fn leave(&self, range: std::ops::Range<u32>, visit: Visit) {
         for b in range {
@@ -460,15 +470,10 @@ impl Lease {
             return self.region.with_bytes(offset, len, f);
         };
         self.check(offset, len);
-        let span = g.span(offset, len);
-        if self.exclusive {
-            g.visit(span.clone(), Visit::HolderReads);
-        }
-        let _leave = Leave {
-            blocks: self.exclusive.then_some(g),
-            span,
-            visit: Visit::HolderReads,
-        };
+        // A shared lease's blocks are written by no one: nothing to count.
+        let _stay = self
+            .exclusive
+            .then(|| g.stay(g.span(offset, len), Visit::HolderReads));
         // SAFETY: the bytes lie in blocks this lease holds (checked), so the region's accessors
         // and other leases cannot write them; a shared lease's blocks are written by no one, an
         // exclusive one's are counted as read by the holder, which keeps transfers that write
@@ -487,13 +492,7 @@ impl Lease {
             return self.region.write(offset, src);
         };
         self.check(offset, src.len());
-        let span = g.span(offset, src.len());
-        g.visit(span.clone(), Visit::HolderWrites);
-        let _leave = Leave {
-            blocks: Some(g),
-            span,
-            visit: Visit::HolderWrites,
-        };
+        let _stay = g.stay(g.span(offset, src.len()), Visit::HolderWrites);
         self.region.copy_in(offset, src);
     }
 
@@ -569,18 +568,16 @@ impl std::fmt::Debug for Lease {
     }
 }
 
-/// Leaves a [`Blocks::visit`] when dropped (a panic in the visitor included).
-struct Leave<'a> {
-    blocks: Option<&'a Blocks>,
+/// Leaves a [`Blocks::visit`] when dropped ([`Blocks::stay`]).
+pub(crate) struct Leave<'a> {
+    blocks: &'a Blocks,
     span: std::ops::Range<u32>,
     visit: Visit,
 }
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
-        if let Some(g) = self.blocks {
-            g.leave(self.span.clone(), self.visit);
-        }
+        self.blocks.leave(self.span.clone(), self.visit);
     }
 }
 
@@ -712,15 +709,9 @@ impl IoBuf {
         let g = region
             .blocks()
             .expect("tokens exist on guarded regions only");
-        let span = g.span(self.offset + at, src.len());
         // An exclusive lease's blocks (a claim to write has one): the copy also excludes the
         // holder's accessors and other simulated copies.
-        g.visit(span.clone(), Visit::CopyIn);
-        let _leave = Leave {
-            blocks: Some(g),
-            span,
-            visit: Visit::CopyIn,
-        };
+        let _stay = g.stay(g.span(self.offset + at, src.len()), Visit::CopyIn);
         region.copy_in(self.offset + at, src);
     }
 
@@ -738,15 +729,9 @@ impl IoBuf {
             .region
             .blocks()
             .expect("tokens exist on guarded regions only");
-        let span = g.span(self.offset + at, dst.len());
-        if lease.exclusive {
-            g.visit(span.clone(), Visit::CopyOut);
-        }
-        let _leave = Leave {
-            blocks: lease.exclusive.then_some(g),
-            span,
-            visit: Visit::CopyOut,
-        };
+        let _stay = lease
+            .exclusive
+            .then(|| g.stay(g.span(self.offset + at, dst.len()), Visit::CopyOut));
         lease.region.copy_out(self.offset + at, dst);
     }
 }

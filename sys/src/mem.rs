@@ -220,11 +220,6 @@ impl Region {
         }
     }
 
-    /// The region's block size, once [`Region::guard_blocks`] set one.
-    pub fn block_bytes(&self) -> Option<usize> {
-        self.blocks().map(|g| g.block_bytes)
-    }
-
     /// The first block of `offset..offset + len` that nothing holds now (no lease, no copy),
     /// on a region with a block size; `None` if every block there is held, or the region has
     /// no block size. A device's transfer must only ever reach held blocks.

@@ -12,7 +12,6 @@ more of torch fails loudly instead of passing on a stand-in.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import numpy as np
@@ -122,9 +121,3 @@ def frombuffer(buffer: Any, dtype: dtype = uint8) -> Tensor:
 def allclose(a: Tensor, b: Tensor, rtol: float = 1e-05, atol: float = 1e-08) -> bool:
     return bool(np.allclose(_unwrap(a), _unwrap(b), rtol=rtol, atol=atol))
 
-
-def module() -> types.ModuleType:
-    """This stand-in as a module named ``torch``."""
-    import sys
-
-    return sys.modules[__name__]
