@@ -109,7 +109,11 @@ impl StatsSource {
         s.jobs = self.shared.metrics.jobs();
         s.lookups = self.shared.metrics.lookups();
         s.jobs_in_flight = self.shared.jobs_in_flight.load(Ordering::Acquire) as u64;
+        let (io_kernel, s3) = worker::shared::thread_class_cpu_ns();
+        s.io_kernel_cpu_seconds = io_kernel as f64 / 1e9;
+        s.s3_cpu_seconds = s3 as f64 / 1e9;
         s.blocks_held_by_hung_io = self.shared.held.blocks();
+        s.jobs_released_late = self.shared.held.released_late();
         s.s3 = self.cold.get().map(|c| c.stats());
         s.events_dropped = self.shared.events.dropped();
         s

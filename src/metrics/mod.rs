@@ -518,9 +518,19 @@ pub struct Stats {
     /// write whose key failed first): the caller gets them back when it completes, never if it
     /// does not. `kvtier_blocks_held_by_hung_io`.
     pub blocks_held_by_hung_io: u64,
+    /// Jobs whose blocks an I/O gave back after the job had resolved (a held block that came
+    /// back): `kvtier_jobs_released_late_total`.
+    pub jobs_released_late: u64,
     pub events_dropped: u64,
     /// CPU time used by the worker threads, in seconds.
     pub worker_cpu_seconds: f64,
+    /// CPU time of this process's io_uring kernel threads, in seconds: `iou-wrk-*` (the
+    /// writes and file operations the kernel could not issue inline from a worker's submit)
+    /// and `iou-sqp-*` (submission-queue polling). Threads alive now: an io worker that
+    /// exited after idling takes its time with it. Process-wide (every ring of the process).
+    pub io_kernel_cpu_seconds: f64,
+    /// CPU time of the S3 tier's reactor threads (`kvtier-s3`), in seconds; 0 without one.
+    pub s3_cpu_seconds: f64,
     /// Per-block device latency of loads and stores (push to completion), microseconds.
     pub load_latency_us: HistogramSnapshot,
     pub store_latency_us: HistogramSnapshot,

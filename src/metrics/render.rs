@@ -14,6 +14,7 @@
 //! | `kvtier_load_job_under_stores_seconds` | histogram | |
 //! | `kvtier_jobs_in_flight` | gauge | |
 //! | `kvtier_blocks_held_by_hung_io` | gauge | |
+//! | `kvtier_jobs_released_late_total` | counter | |
 //! | `kvtier_backpressure_refusals_total` | counter | `limit` |
 //! | `kvtier_lookups_total` | counter | `answer` (hit_nvme, hit_s3, miss, pending) |
 //! | `kvtier_blocks_total` | counter | `op`, `result` (ok, failed, miss, present) |
@@ -28,6 +29,7 @@
 //! | `kvtier_worker_queued_blocks` | gauge | `worker`, `op` |
 //! | `kvtier_worker_inflight_ios` | gauge | `worker` |
 //! | `kvtier_worker_cpu_seconds_total`, `..._submits_total`, `..._wakeups_total` | counter | `worker` |
+//! | `kvtier_thread_cpu_seconds_total` | counter | `class` (io_kernel, s3_reactor) |
 //! | `kvtier_table_writes_total`, `kvtier_events_dropped_total` | counter | |
 //! | `kvtier_recovered_blocks`, `kvtier_recovery_dropped_entries` | gauge | (`reason`) |
 //! | `kvtier_demotions_total` | counter | `result` (read, dropped) |
@@ -263,6 +265,11 @@ fn jobs(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
          caller gets them back when it completes.",
         None,
         vec![(Vec::new(), gauge(s.blocks_held_by_hung_io))],
+    )?;
+    o.counter(
+        "kvtier_jobs_released_late",
+        "Jobs whose region blocks an I/O gave back after the job had resolved.",
+        s.jobs_released_late,
     )?;
     o.counters(
         "kvtier_backpressure_refusals",
@@ -518,6 +525,22 @@ fn workers(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
         "CPU time used by each worker thread.",
         Some(&Unit::Seconds),
         &cpu,
+    )?;
+    o.family(
+        "kvtier_thread_cpu",
+        "CPU time of the process's threads besides the workers, by class: io_uring's kernel \
+         threads (io_kernel) and the S3 tier's reactor (s3_reactor); threads alive now.",
+        Some(&Unit::Seconds),
+        &[
+            (
+                l1("class", "io_kernel"),
+                ConstCounter::new(s.io_kernel_cpu_seconds),
+            ),
+            (
+                l1("class", "s3_reactor"),
+                ConstCounter::new(s.s3_cpu_seconds),
+            ),
+        ],
     )?;
     o.counters(
         "kvtier_worker_submits",

@@ -37,6 +37,10 @@ pub(crate) trait Jobs {
     fn tick(&mut self) {}
 }
 
+/// The longest wait for a result while every stream is full: how late an interrupt or a
+/// stall is noticed then.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+
 /// Jobs in flight on one engine over a pool of region blocks.
 pub(crate) struct Driver<'e> {
     engine: &'e Engine,
@@ -99,8 +103,16 @@ impl<'e> Driver<'e> {
             if !busy && (!open || !(0..streams.len()).any(|s| jobs.has_work(s))) {
                 return Ok(());
             }
+            // With every stream full (or out of work), nothing can happen before a result
+            // arrives, and the wait ends at the first one: sleep long. A stream that wants to
+            // submit and could not (backpressure, no key yet) polls at the short wait. A
+            // short wait with nothing to do costs CPU per unit of time, not per job, and so
+            // more per GiB the slower the device.
+            let stuck =
+                open && (0..streams.len()).any(|s| in_flight[s] < streams[s].1 && jobs.has_work(s));
+            let wait = if stuck { self.wait } else { IDLE_WAIT };
             self.results.clear();
-            if self.engine.wait_finished(&mut self.results, self.wait) > 0 {
+            if self.engine.wait_finished(&mut self.results, wait) > 0 {
                 last_result = Instant::now();
             } else if let Some(limit) = limits.stall.filter(|&l| busy && last_result.elapsed() > l)
             {

@@ -61,6 +61,8 @@ impl Tally {
 pub(super) struct PhaseOutcome {
     pub(super) seconds: f64,
     pub(super) cpu_seconds: f64,
+    pub(super) io_kernel_cpu_seconds: f64,
+    pub(super) s3_cpu_seconds: f64,
     pub(super) bench_cpu_seconds: f64,
     pub(super) tallies: [Tally; 2],
 }
@@ -97,6 +99,17 @@ impl PhaseOutcome {
             p999_us: percentile(&lat, 0.999),
             cpu_seconds: self.cpu_seconds,
             cpu_s_per_gib: (cpu_bytes > 0).then(|| self.cpu_seconds / output::gib(cpu_bytes)),
+            io_kernel_cpu_seconds: self.io_kernel_cpu_seconds,
+            s3_cpu_seconds: self.s3_cpu_seconds,
+            cpu_s_per_gib_by_thread: (cpu_bytes > 0).then(|| {
+                let per = |s: f64| s / output::gib(cpu_bytes);
+                ThreadCpu {
+                    caller: per(self.bench_cpu_seconds),
+                    workers: per(self.cpu_seconds),
+                    io_kernel: per(self.io_kernel_cpu_seconds),
+                    s3_reactor: per(self.s3_cpu_seconds),
+                }
+            }),
             verified_blocks: t.verified,
             corrupt_blocks: t.corrupt,
             missed_blocks: t.missed,
@@ -203,7 +216,7 @@ impl<'e> Bench<'e> {
     }
 
     pub(super) fn run_phase(&mut self, phase: &Phase) -> CliResult<PhaseOutcome> {
-        let cpu_before = self.engine.stats().worker_cpu_seconds;
+        let before = self.engine.stats();
         let bench_before = thread_cpu_time();
         let start = Instant::now();
         let depth = self.state.queue_depth;
@@ -229,9 +242,13 @@ impl<'e> Bench<'e> {
         self.driver.run(&mut jobs, limits)?;
         let seconds = start.elapsed().as_secs_f64();
         jobs.bar.finish_and_clear();
+        let after = self.engine.stats();
+        let delta = |f: fn(&kvtier::Stats) -> f64| (f(&after) - f(&before)).max(0.0);
         Ok(PhaseOutcome {
             seconds,
-            cpu_seconds: (self.engine.stats().worker_cpu_seconds - cpu_before).max(0.0),
+            cpu_seconds: delta(|s| s.worker_cpu_seconds),
+            io_kernel_cpu_seconds: delta(|s| s.io_kernel_cpu_seconds),
+            s3_cpu_seconds: delta(|s| s.s3_cpu_seconds),
             bench_cpu_seconds: thread_cpu_time().saturating_sub(bench_before).as_secs_f64(),
             tallies: jobs.tallies,
         })

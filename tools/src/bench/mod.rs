@@ -46,13 +46,13 @@ mod report;
 use driver::{key_of, Bench, Phase, StoreUntil, Stream};
 use patterns::Patterns;
 use report::render;
-pub(crate) use report::WorkloadRow;
+pub(crate) use report::{ThreadCpu, WorkloadRow};
 
 /// Distinct pseudorandom block patterns; a key's content is one of them, stamped with the key.
 const PATTERNS: u64 = 16;
 /// Seed of the pattern generator and of the load key choice: runs are reproducible.
 const SEED: u64 = 0x6b76_7469_6572_0001;
-/// How long one wait for results may block before the loop checks its deadline again.
+/// How long one wait for results may block while a stream waits to submit (see `jobs::Driver`).
 const WAIT: Duration = Duration::from_millis(2);
 /// How often the progress bar is redrawn.
 const PROGRESS_EVERY: Duration = Duration::from_millis(200);

@@ -16,6 +16,12 @@ pub(crate) struct WorkloadRow {
     pub(crate) cpu_seconds: f64,
     /// `null` when nothing was moved.
     pub(crate) cpu_s_per_gib: Option<f64>,
+    /// io_uring's kernel threads of this process over the phase (`Stats::io_kernel_cpu_seconds`).
+    pub(crate) io_kernel_cpu_seconds: f64,
+    /// The S3 tier's reactor threads over the phase.
+    pub(crate) s3_cpu_seconds: f64,
+    /// CPU per GiB moved, by thread class; `null` when nothing was moved.
+    pub(crate) cpu_s_per_gib_by_thread: Option<ThreadCpu>,
     pub(crate) verified_blocks: u64,
     pub(crate) corrupt_blocks: u64,
     pub(crate) missed_blocks: u64,
@@ -28,6 +34,20 @@ pub(crate) struct WorkloadRow {
     pub(crate) lookup_skips: u64,
     /// "workload", or "phase" when cpu figures cover both streams of the mixed phase.
     pub(crate) cpu_scope: &'static str,
+}
+
+/// CPU per GiB by the class of thread that spent it.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct ThreadCpu {
+    /// The thread that submits jobs and takes their results (here: the bench's, which also
+    /// writes and checks the blocks' data).
+    pub(crate) caller: f64,
+    /// The engine's worker threads.
+    pub(crate) workers: f64,
+    /// io_uring's kernel threads (`iou-wrk-*`, `iou-sqp-*`) of this process.
+    pub(crate) io_kernel: f64,
+    /// The S3 tier's reactor threads.
+    pub(crate) s3_reactor: f64,
 }
 
 pub(super) fn render(rows: &[WorkloadRow]) -> String {
@@ -71,6 +91,16 @@ pub(super) fn render(rows: &[WorkloadRow]) -> String {
         "cpu s: engine worker threads over the phase (mixed rows: the whole mixed phase, loads \
          and stores together); bench cpu s: the bench thread (copying and verifying data)\n",
     );
+    for r in rows {
+        if let Some(t) = r.cpu_s_per_gib_by_thread {
+            let _ = writeln!(
+                text,
+                "{} cpu s/GiB by thread: caller {:.3}, workers {:.3}, io_uring kernel threads \
+                 {:.3}, S3 reactor {:.3}",
+                r.workload, t.caller, t.workers, t.io_kernel, t.s3_reactor
+            );
+        }
+    }
     for r in rows.iter().filter(|r| r.lookup_skips > 0) {
         let _ = writeln!(
             text,

@@ -52,6 +52,7 @@ impl FioEngine {
 }
 
 /// A cell to measure, with its fio job filled in.
+#[derive(Clone)]
 pub(super) struct CellPlan {
     pub(super) kind: Kind,
     pub(super) block_bytes: u64,
@@ -59,7 +60,24 @@ pub(super) struct CellPlan {
     pub(super) numjobs: u32,
     pub(super) iodepth: u32,
     pub(super) job: String,
+    /// Store cells: fio's store job with the checksum kvtier computes ([`CHECKSUM_OPTIONS`]),
+    /// run beside the plain one in every pair; `None` for other cells or with
+    /// `--no-fio-checksum`.
+    pub(super) checksum_job: Option<String>,
 }
+
+/// What turns fio's store job into the reference with kvtier's checksum work: a crc32c of every
+/// block, which fio writes into a verify header at the block's start as it prepares the write
+/// (`do_verify=0`: nothing is read back). The buffer holds a fixed pattern, written once per
+/// buffer (`verify_pattern` with `refill_buffers=0`): with a verify mode and no pattern fio
+/// would also fill every buffer with fresh random bytes before every write, twice over
+/// (`refill_buffers`, then the verify fill), work neither kvtier nor plain fio does
+/// (docs/perf.md measures it).
+pub(super) const CHECKSUM_OPTIONS: &str =
+    "verify=crc32c\nverify_pattern=0x6b767472\nrefill_buffers=0\ndo_verify=0\n";
+
+/// The name fio's store job with the checksum runs under (and `--show-fio` prints).
+pub(super) const CHECKSUM_JOB_NAME: &str = "randwrite-crc32c.fio";
 
 impl CellPlan {
     pub(super) fn new(
@@ -67,6 +85,7 @@ impl CellPlan {
         prep: &Prepared,
         queue_depth: u32,
         runtime: Duration,
+        checksum: bool,
     ) -> CliResult<CellPlan> {
         let mut iodepth = queue_depth.div_ceil(prep.numjobs);
         let mut fio_bs = prep.block_bytes;
@@ -94,6 +113,9 @@ impl CellPlan {
         let job = fill_template(kind.template(), &vars)
             .map_err(|e| CliError::runtime(format!("tools/fio/{}: {e}", kind.fio_file())))?;
         let job = strip_comments(&job);
+        // The store job's one section is its last: the options land in it.
+        let checksum_job =
+            (checksum && kind == Kind::Store).then(|| format!("{job}{CHECKSUM_OPTIONS}"));
         Ok(CellPlan {
             kind,
             block_bytes: prep.block_bytes,
@@ -101,6 +123,7 @@ impl CellPlan {
             numjobs: prep.numjobs,
             iodepth,
             job,
+            checksum_job,
         })
     }
 
@@ -271,21 +294,21 @@ impl Fio {
     /// hugetlb pool is shared with everything else on the host and may run dry between runs.
     pub(super) fn run_cell(
         &self,
-        plan: &CellPlan,
+        name: &str,
+        job: &str,
         runtime: Duration,
         label: &str,
     ) -> CliResult<(Value, &'static str)> {
         const HUGE: &str = "iomem=mmaphuge\n";
-        let name = plan.kind.fio_file();
-        match self.run(name, &plan.job, runtime, label) {
-            Ok(doc) if plan.job.contains(HUGE) => Ok((doc, "mmaphuge")),
+        match self.run(name, job, runtime, label) {
+            Ok(doc) if job.contains(HUGE) => Ok((doc, "mmaphuge")),
             Ok(doc) => Ok((doc, "malloc")),
-            Err(e) if plan.job.contains(HUGE) && !interrupt::requested() => {
+            Err(e) if job.contains(HUGE) && !interrupt::requested() => {
                 tracing::warn!(
                     "fio failed with hugetlb buffers (is the pool exhausted?); running this one \
                      with iomem=malloc, so this pair compares different memory: {e}"
                 );
-                let job = plan.job.replace(HUGE, "iomem=malloc\n");
+                let job = job.replace(HUGE, "iomem=malloc\n");
                 Ok((self.run(name, &job, runtime, label)?, "malloc"))
             }
             Err(e) => Err(e),

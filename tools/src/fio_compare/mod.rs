@@ -73,10 +73,15 @@ mod fio;
 mod plot;
 mod report;
 mod target;
+mod throttle;
 
-use fio::{fill_job, max_command_bytes, CellPlan, Fio, FioEngine, Prepared};
-use report::{fio_result, kvtier_result, render, Cell, CellSummary, MixAgainstAlone, Pair};
+use fio::{fill_job, max_command_bytes, CellPlan, Fio, FioEngine, Prepared, CHECKSUM_JOB_NAME};
+use report::{
+    fio_result, kvtier_result, render, render_drift, Cell, CellSummary, MixAgainstAlone, Pair,
+    SpeedDrift,
+};
 use target::Target;
+use throttle::{Limit, Throttle};
 
 const FILL_JOB: &str = include_str!("../../fio/fill.fio");
 const RANDREAD_JOB: &str = include_str!("../../fio/randread.fio");
@@ -173,6 +178,23 @@ pub struct FioCompareArgs {
     /// Allow a target that holds data (a kvtier store, a filesystem): it is destroyed.
     #[arg(long)]
     overwrite: bool,
+    /// Skip the store cells' second fio reference, fio with a crc32c of every block it writes
+    /// (the checksum work kvtier does; see `--show-fio`), which each pair otherwise runs.
+    #[arg(long)]
+    no_fio_checksum: bool,
+    #[arg(
+        long = "device-limit",
+        value_name = "RATE",
+        value_parser = throttle::parse_limit,
+        num_args = 1..,
+        value_delimiter = ',',
+        action = ArgAction::Append,
+        help = "Run every cell once per limit on the target disk's reads and writes, e.g. \
+                `none,1GiB,256MiB` (bytes per second each; `none`: the disk as it is), to see \
+                what CPU per GiB does on a slower device. This process and fio move into a \
+                cgroup (v2 io.max, else v1 blkio.throttle) for the run; needs root"
+    )]
+    device_limit: Vec<Limit>,
 }
 
 /// One workload of the comparison.
@@ -260,7 +282,13 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
     for kind in kinds(args.workload) {
         for prep in &preps {
             for &qd in &queue_depths {
-                plan.push(CellPlan::new(kind, prep, qd, duration)?);
+                plan.push(CellPlan::new(
+                    kind,
+                    prep,
+                    qd,
+                    duration,
+                    !args.no_fio_checksum,
+                )?);
             }
         }
     }
@@ -294,6 +322,14 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
                 cell.queue_depth
             );
             text.push_str(&cell.job);
+            if let Some(job) = &cell.checksum_job {
+                let _ = writeln!(
+                    text,
+                    "\n# ---- {CHECKSUM_JOB_NAME}: the same stores with a crc32c of every block \
+                     (the reference for kvtier's checksum work; --no-fio-checksum skips it)"
+                );
+                text.push_str(job);
+            }
         }
         human.print(&text);
         if args.json.is_some() {
@@ -337,16 +373,51 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
     fio.run("fill", &fill, Duration::from_secs(fill_secs), "fill")?;
     let fill_seconds = fill_started.elapsed().as_secs_f64();
 
-    let mut cells: Vec<Cell> = Vec::with_capacity(plan.len());
-    let total_runs = plan.len() * args.pairs as usize;
+    // Made after the fill, which runs at the disk's own speed.
+    let limits: Vec<Limit> = if args.device_limit.is_empty() {
+        vec![None]
+    } else {
+        args.device_limit.clone()
+    };
+    let throttle = if args.device_limit.is_empty() {
+        None
+    } else {
+        let t = Throttle::new(&target.path)?;
+        eprintln!(
+            "device limits {}: {}",
+            limits
+                .iter()
+                .map(|&l| throttle::limit_label(l))
+                .collect::<Vec<_>>()
+                .join(", "),
+            t.describe()
+        );
+        Some(t)
+    };
+    let mut cells: Vec<Cell> = Vec::with_capacity(plan.len() * limits.len());
+    let total_runs = plan.len() * args.pairs as usize * limits.len();
     let mut done_runs = 0;
     let started = Instant::now();
-    for cell_plan in plan {
+    let runs = limits
+        .iter()
+        .flat_map(|&limit| plan.iter().map(move |c| (limit, c)));
+    let mut limit_now = None;
+    for (limit, cell_plan) in runs {
+        if let Some(t) = &throttle {
+            if limit_now != Some(limit) {
+                t.set(limit)?;
+                limit_now = Some(limit);
+            }
+        }
         let mut cell = Cell {
-            plan: cell_plan,
+            plan: cell_plan.clone(),
+            device_limit: limit,
             pairs: Vec::new(),
         };
-        let label = cell.plan.label();
+        let mut label = cell.plan.label();
+        if throttle.is_some() {
+            let _ = write!(label, " at {}", throttle::limit_label(limit));
+        }
         let prep = preps
             .iter()
             .find(|p| p.block_bytes == cell.plan.block_bytes)
@@ -355,11 +426,23 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
             if interrupt::requested() {
                 break;
             }
-            let (fio_doc, fio_iomem) = fio.run_cell(&cell.plan, duration, &label)?;
+            let (fio_doc, fio_iomem) =
+                fio.run_cell(cell.plan.kind.fio_file(), &cell.plan.job, duration, &label)?;
             if interrupt::requested() {
                 break;
             }
             let fio_run = fio_result(&fio_doc, cell.plan.kind)?;
+            let fio_crc32c = match &cell.plan.checksum_job {
+                Some(job) => {
+                    let label = format!("{label} +crc32c");
+                    let (doc, _) = fio.run_cell(CHECKSUM_JOB_NAME, job, duration, &label)?;
+                    if interrupt::requested() {
+                        break;
+                    }
+                    Some(fio_result(&doc, cell.plan.kind)?)
+                }
+                None => None,
+            };
             target.wipe_header()?;
             let engine = bench::run_engine(
                 &prep.config,
@@ -380,7 +463,7 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
                 );
             }
             done_runs += 1;
-            let p = Pair::new(fio_run, kv_run, &engine, fio_iomem);
+            let p = Pair::new(fio_run, fio_crc32c, kv_run, &engine, fio_iomem);
             eprintln!(
                 "[{done_runs:>3}/{total_runs}] {label} pair {}/{}: fio {:.2} GiB/s, kvtier {:.2} \
                  GiB/s, ratio {:.2}{}",
@@ -401,6 +484,7 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
             break;
         }
     }
+    drop(throttle);
     if target.scratch.is_none() {
         // Leave no store behind that fio has scribbled over: a rerun needs no --overwrite.
         target.wipe_header()?;
@@ -418,7 +502,24 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
         args.duration,
         started.elapsed().as_secs_f64() + fill_seconds
     );
-    text.push_str(&render(&summaries, first));
+    let mut shown: Vec<Limit> = Vec::new();
+    for c in &summaries {
+        if shown.contains(&c.device_limit) {
+            continue;
+        }
+        shown.push(c.device_limit);
+        if !args.device_limit.is_empty() {
+            let _ = writeln!(
+                text,
+                "device limit: {}",
+                throttle::limit_label(c.device_limit)
+            );
+        }
+        text.push_str(&render(&summaries, c.device_limit, first));
+        text.push('\n');
+    }
+    let drifts = SpeedDrift::of(&summaries);
+    text.push_str(&render_drift(&drifts));
     if let Some(note) = memory_note(first, &plan_summary(&summaries)) {
         let _ = writeln!(text, "{note}");
     } else {
@@ -450,6 +551,7 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
                 .into_iter()
                 .map(MixAgainstAlone::to_json)
                 .collect::<Vec<Value>>(),
+            "cpu_by_device_speed": drifts.iter().map(SpeedDrift::to_json).collect::<Vec<Value>>(),
             "target": {
                 "path": target.path.display().to_string(),
                 "kind": first.info.devices[0].kind,
@@ -630,20 +732,79 @@ mod tests {
         let one = report::Spread::of([1.0]);
         CellSummary {
             kind,
+            device_limit: None,
             block_bytes: block,
             queue_depth: 8,
             numjobs: 2,
             iodepth: 4,
             fio: run(fio, 100.0, store.map(|_| fio / 2.0)),
+            fio_crc32c: None,
             kvtier: run(main.0, main.1, store),
             fio_cpu_s_per_gib: 1.0,
+            fio_crc32c_cpu_s_per_gib: None,
             kvtier_cpu_s_per_gib: 1.0,
             ratio: one,
             store_ratio: None,
             cpu_ratio: one,
+            cpu_ratio_crc32c: None,
+            ratio_crc32c: None,
+            kvtier_thread_cpu: None,
             job: String::new(),
             pairs: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_checksum_options_land_in_the_store_section() {
+        // CellPlan::new appends them to the filled store job: its last section must be the
+        // one job section, and the options must turn on the checksum without a read-back or
+        // a refill.
+        let last_section = RANDWRITE_JOB
+            .lines()
+            .rfind(|l| l.starts_with('['))
+            .expect("a section");
+        assert_eq!(last_section, "[stores]");
+        for want in [
+            "verify=crc32c",
+            "do_verify=0",
+            "refill_buffers=0",
+            "verify_pattern=",
+        ] {
+            assert!(
+                fio::CHECKSUM_OPTIONS.lines().any(|l| l.starts_with(want)),
+                "{want}"
+            );
+        }
+    }
+
+    #[test]
+    fn cpu_drift_compares_the_slowest_limit_with_the_fastest() {
+        let mib2 = 2 << 20;
+        let at = |limit: Limit, kvtier_cpu: f64, fio_cpu: f64| {
+            let mut c = cell(Kind::Store, mib2, (1.0, 100.0), None, 1.0);
+            c.device_limit = limit;
+            c.kvtier_cpu_s_per_gib = kvtier_cpu;
+            c.fio_cpu_s_per_gib = fio_cpu;
+            c
+        };
+        let cells = [
+            at(Some(256 << 20), 0.09, 0.06),
+            at(None, 0.06, 0.03),
+            at(Some(1 << 30), 0.07, 0.04),
+            // Another cell at one limit only: no drift for it.
+            cell(Kind::Load, mib2, (1.0, 100.0), None, 1.0),
+        ];
+        let drifts = SpeedDrift::of(&cells);
+        assert_eq!(drifts.len(), 1);
+        let d = &drifts[0];
+        let order: Vec<Limit> = d.at.iter().map(|c| c.device_limit).collect();
+        assert_eq!(order, [None, Some(1 << 30), Some(256 << 20)]);
+        assert!((d.kvtier().expect("kvtier") - 1.5).abs() < 1e-9);
+        assert!((d.fio().expect("fio") - 2.0).abs() < 1e-9);
+        assert_eq!(d.fio_crc32c(), None);
+        let json = d.to_json();
+        assert_eq!(json["speeds"].as_array().map(Vec::len), Some(3));
+        assert!(render_drift(&drifts).contains("slowest/fastest"));
     }
 
     #[test]

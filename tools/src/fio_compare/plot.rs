@@ -1,4 +1,5 @@
-//! The SVG chart: bandwidth (left) and latency (right) of every cell, fio beside kvtier.
+//! The SVG chart: bandwidth, latency and CPU per GiB of every cell, fio beside kvtier (and,
+//! on the CPU panel of store cells, fio with a crc32c of every block as an outlined bar).
 use std::path::Path;
 
 use plotters::coord::ranged1d::{SegmentValue, SegmentedCoord};
@@ -19,7 +20,7 @@ const BAR_GAP_PX: u32 = 3;
 
 pub(super) fn draw(path: &Path, cells: &[CellSummary]) -> CliResult<()> {
     let panel = (220 + 70 * cells.len() as u32).clamp(520, 1600);
-    let root = SVGBackend::new(path, (2 * panel, HEIGHT)).into_drawing_area();
+    let root = SVGBackend::new(path, (3 * panel, HEIGHT)).into_drawing_area();
     draw_on(&root, cells)
         .map_err(|e| CliError::runtime(format!("drawing the chart {}: {e}", path.display())))?;
     root.present()
@@ -30,7 +31,9 @@ type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 fn draw_on(root: &DrawingArea<SVGBackend<'_>, Shift>, cells: &[CellSummary]) -> Result<()> {
     root.fill(&WHITE)?;
-    let (left, right) = root.split_horizontally(root.dim_in_pixel().0 / 2);
+    let third = root.dim_in_pixel().0 / 3;
+    let (left, rest) = root.split_horizontally(third);
+    let (right, cpu_area) = rest.split_horizontally(third);
     let labels: Vec<String> = cells.iter().map(CellSummary::label).collect();
     // A segmented range over integers holds both ends: 0..n-1 makes n slots.
     let n = cells.len().max(1);
@@ -115,6 +118,93 @@ fn draw_on(root: &DrawingArea<SVGBackend<'_>, Shift>, cells: &[CellSummary]) -> 
         }))?
         .label("kvtier")
         .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], KVTIER.filled()));
+    legend(&mut chart)?;
+    draw_cpu(root, &cpu_area, cells, &labels)
+}
+
+/// The CPU panel: CPU per GiB of fio, fio with a crc32c per block (outlined), and kvtier.
+fn draw_cpu(
+    root: &DrawingArea<SVGBackend<'_>, Shift>,
+    area: &DrawingArea<SVGBackend<'_>, Shift>,
+    cells: &[CellSummary],
+    labels: &[String],
+) -> Result<()> {
+    let n = cells.len().max(1);
+    let ratio_style =
+        TextStyle::from(("sans-serif", 13).into_font()).pos(Pos::new(HPos::Center, VPos::Bottom));
+    let cpu_max = cells
+        .iter()
+        .map(|c| {
+            c.fio_cpu_s_per_gib
+                .max(c.kvtier_cpu_s_per_gib)
+                .max(c.fio_crc32c_cpu_s_per_gib.unwrap_or(0.0))
+        })
+        .fold(0.0_f64, f64::max)
+        .max(0.001);
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            "CPU per GiB (s; outline: fio with a crc32c per block; label: kvtier / fio)",
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(110)
+        .y_label_area_size(70)
+        .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..cpu_max * 1.18)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .light_line_style(TRANSPARENT)
+        .x_labels(1)
+        .x_label_formatter(&|_| String::new())
+        .y_labels(8)
+        .y_label_formatter(&|v: &f64| format!("{v:.3}"))
+        .y_desc("CPU s/GiB")
+        .draw()?;
+    x_labels(root, &chart, labels)?;
+    chart
+        .draw_series(
+            cells
+                .iter()
+                .enumerate()
+                .map(|(i, c)| half_bar(i, true, c.fio_cpu_s_per_gib, FIO)),
+        )?
+        .label("fio")
+        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], FIO.filled()));
+    chart
+        .draw_series(cells.iter().enumerate().filter_map(|(i, c)| {
+            let v = c.fio_crc32c_cpu_s_per_gib?;
+            let mut bar = Rectangle::new(
+                [
+                    (SegmentValue::Exact(i), v),
+                    (SegmentValue::CenterOf(i), 0.0),
+                ],
+                BLACK.stroke_width(2),
+            );
+            bar.set_margin(0, 0, 3 * BAR_GAP_PX, 0);
+            Some(bar)
+        }))?
+        .label("fio+crc32c")
+        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], BLACK.stroke_width(2)));
+    chart
+        .draw_series(
+            cells
+                .iter()
+                .enumerate()
+                .map(|(i, c)| half_bar(i, false, c.kvtier_cpu_s_per_gib, KVTIER)),
+        )?
+        .label("kvtier")
+        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], KVTIER.filled()));
+    chart.draw_series(cells.iter().enumerate().map(|(i, c)| {
+        let top = c
+            .fio_cpu_s_per_gib
+            .max(c.kvtier_cpu_s_per_gib)
+            .max(c.fio_crc32c_cpu_s_per_gib.unwrap_or(0.0));
+        Text::new(
+            format!("{:.2}x", c.cpu_ratio.median),
+            (SegmentValue::CenterOf(i), top + cpu_max * 0.02),
+            ratio_style.clone(),
+        )
+    }))?;
     legend(&mut chart)?;
     Ok(())
 }

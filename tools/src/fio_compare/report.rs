@@ -124,11 +124,17 @@ pub(super) fn kvtier_result(rows: &[WorkloadRow], kind: Kind) -> CliResult<Run> 
 /// One fio run and the kvtier run after it.
 pub(super) struct Pair {
     pub(super) fio: Run,
+    /// Store cells: fio's stores with a crc32c of every block (`fio::CHECKSUM_OPTIONS`).
+    pub(super) fio_crc32c: Option<Run>,
     pub(super) kvtier: Run,
     pub(super) ratio: f64,
     pub(super) store_ratio: Option<f64>,
     pub(super) cpu_ratio: f64,
+    /// kvtier's CPU per GiB over fio-with-crc32c's.
+    pub(super) cpu_ratio_crc32c: Option<f64>,
     pub(super) kvtier_caller_cpu_s: f64,
+    /// kvtier's CPU per GiB by thread class (caller, workers, io_uring kernel threads, S3).
+    pub(super) kvtier_thread_cpu: Option<bench::ThreadCpu>,
     pub(super) kvtier_verified: u64,
     pub(super) kvtier_corrupt: u64,
     pub(super) kvtier_failed: u64,
@@ -144,6 +150,7 @@ pub(super) struct Pair {
 impl Pair {
     pub(super) fn new(
         fio: Run,
+        fio_crc32c: Option<Run>,
         kvtier: Run,
         engine: &bench::EngineRun,
         fio_iomem: &'static str,
@@ -158,8 +165,10 @@ impl Pair {
             ratio: ratio(kvtier.main.gib_per_s, fio.main.gib_per_s),
             store_ratio,
             cpu_ratio: ratio(kvtier.cpu_s_per_gib(), fio.cpu_s_per_gib()),
+            cpu_ratio_crc32c: fio_crc32c.map(|f| ratio(kvtier.cpu_s_per_gib(), f.cpu_s_per_gib())),
             // A mixed phase's two rows carry the same phase-wide caller CPU: count it once.
             kvtier_caller_cpu_s: rows.first().map_or(0.0, |r| r.bench_cpu_seconds),
+            kvtier_thread_cpu: rows.first().and_then(|r| r.cpu_s_per_gib_by_thread),
             kvtier_verified: rows.iter().map(|r| r.verified_blocks).sum(),
             kvtier_corrupt: rows.iter().map(|r| r.corrupt_blocks).sum(),
             kvtier_failed: rows.iter().map(|r| r.failed_blocks + r.missed_blocks).sum(),
@@ -183,6 +192,7 @@ impl Pair {
                 "store_device_p99_us": engine.stats.store_latency_us.quantile(0.99),
             }),
             fio,
+            fio_crc32c,
             kvtier,
         }
     }
@@ -190,13 +200,17 @@ impl Pair {
     pub(super) fn to_json(&self) -> Value {
         json!({
             "fio": self.fio,
+            "fio_crc32c": self.fio_crc32c,
             "kvtier": self.kvtier,
             "fio_cpu_s_per_gib": self.fio.cpu_s_per_gib(),
+            "fio_crc32c_cpu_s_per_gib": self.fio_crc32c.as_ref().map(Run::cpu_s_per_gib),
+            "cpu_ratio_crc32c": self.cpu_ratio_crc32c,
             "kvtier_cpu_s_per_gib": self.kvtier.cpu_s_per_gib(),
             "ratio": self.ratio,
             "store_ratio": self.store_ratio,
             "cpu_ratio": self.cpu_ratio,
             "kvtier_caller_cpu_s": self.kvtier_caller_cpu_s,
+            "kvtier_cpu_s_per_gib_by_thread": self.kvtier_thread_cpu,
             "kvtier_verified_blocks": self.kvtier_verified,
             "kvtier_corrupt_blocks": self.kvtier_corrupt,
             "kvtier_failed_blocks": self.kvtier_failed,
@@ -211,24 +225,36 @@ impl Pair {
 
 pub(super) struct Cell {
     pub(super) plan: CellPlan,
+    /// The `--device-limit` it ran under (`None`: the disk as it is).
+    pub(super) device_limit: Limit,
     pub(super) pairs: Vec<Pair>,
 }
 
 /// Medians over a cell's pairs.
 pub(super) struct CellSummary {
     pub(super) kind: Kind,
+    pub(super) device_limit: Limit,
     pub(super) block_bytes: u64,
     pub(super) queue_depth: u32,
     pub(super) numjobs: u32,
     pub(super) iodepth: u32,
     /// Medians of each number over the pairs.
     pub(super) fio: Run,
+    /// Store cells with the checksum reference: fio's stores with a crc32c of every block.
+    pub(super) fio_crc32c: Option<Run>,
     pub(super) kvtier: Run,
     pub(super) fio_cpu_s_per_gib: f64,
+    pub(super) fio_crc32c_cpu_s_per_gib: Option<f64>,
     pub(super) kvtier_cpu_s_per_gib: f64,
     pub(super) ratio: Spread,
     pub(super) store_ratio: Option<Spread>,
     pub(super) cpu_ratio: Spread,
+    /// kvtier's CPU per GiB over fio-with-crc32c's, per pair.
+    pub(super) cpu_ratio_crc32c: Option<Spread>,
+    /// kvtier's bandwidth over fio-with-crc32c's, per pair.
+    pub(super) ratio_crc32c: Option<Spread>,
+    /// Medians over the pairs of kvtier's CPU per GiB by thread class.
+    pub(super) kvtier_thread_cpu: Option<bench::ThreadCpu>,
     pub(super) job: String,
     pub(super) pairs: Vec<Value>,
 }
@@ -275,8 +301,15 @@ impl Cell {
     pub(super) fn summary(&self) -> CellSummary {
         let pairs = &self.pairs;
         let store_ratios: Vec<f64> = pairs.iter().filter_map(|p| p.store_ratio).collect();
+        let crc: Vec<(&Pair, &Run)> = pairs
+            .iter()
+            .filter_map(|p| p.fio_crc32c.as_ref().map(|f| (p, f)))
+            .collect();
+        // Only when every pair ran it: medians over a subset would compare other pairs.
+        let crc = (!crc.is_empty() && crc.len() == pairs.len()).then_some(crc);
         CellSummary {
             kind: self.plan.kind,
+            device_limit: self.device_limit,
             block_bytes: self.plan.block_bytes,
             queue_depth: self.plan.queue_depth,
             numjobs: self.plan.numjobs,
@@ -284,10 +317,38 @@ impl Cell {
             fio: median_run(&pairs.iter().map(|p| &p.fio).collect::<Vec<_>>()),
             kvtier: median_run(&pairs.iter().map(|p| &p.kvtier).collect::<Vec<_>>()),
             fio_cpu_s_per_gib: median(pairs.iter().map(|p| p.fio.cpu_s_per_gib())),
+            fio_crc32c: crc
+                .as_ref()
+                .map(|c| median_run(&c.iter().map(|&(_, f)| f).collect::<Vec<_>>())),
+            fio_crc32c_cpu_s_per_gib: crc
+                .as_ref()
+                .map(|c| median(c.iter().map(|(_, f)| f.cpu_s_per_gib()))),
+            cpu_ratio_crc32c: crc
+                .as_ref()
+                .map(|c| Spread::of(c.iter().filter_map(|(p, _)| p.cpu_ratio_crc32c))),
+            ratio_crc32c: crc.as_ref().map(|c| {
+                Spread::of(c.iter().map(|(p, f)| {
+                    if f.main.gib_per_s > 0.0 {
+                        p.kvtier.main.gib_per_s / f.main.gib_per_s
+                    } else {
+                        0.0
+                    }
+                }))
+            }),
             kvtier_cpu_s_per_gib: median(pairs.iter().map(|p| p.kvtier.cpu_s_per_gib())),
             ratio: Spread::of(pairs.iter().map(|p| p.ratio)),
             store_ratio: (!store_ratios.is_empty()).then(|| Spread::of(store_ratios)),
             cpu_ratio: Spread::of(pairs.iter().map(|p| p.cpu_ratio)),
+            kvtier_thread_cpu: {
+                let t: Vec<bench::ThreadCpu> =
+                    pairs.iter().filter_map(|p| p.kvtier_thread_cpu).collect();
+                (!t.is_empty()).then(|| bench::ThreadCpu {
+                    caller: median(t.iter().map(|t| t.caller)),
+                    workers: median(t.iter().map(|t| t.workers)),
+                    io_kernel: median(t.iter().map(|t| t.io_kernel)),
+                    s3_reactor: median(t.iter().map(|t| t.s3_reactor)),
+                })
+            },
             job: self.plan.job.clone(),
             pairs: pairs.iter().map(Pair::to_json).collect(),
         }
@@ -309,6 +370,7 @@ impl CellSummary {
         let store_lat = |r: &Run, p99: bool| r.store.map(|s| if p99 { s.p99_us } else { s.p50_us });
         json!({
             "workload": self.kind.name(),
+            "device_limit_bytes_per_s": self.device_limit,
             "block_size": self.block_bytes,
             "queue_depth": self.queue_depth,
             "fio_numjobs": self.numjobs,
@@ -325,6 +387,14 @@ impl CellSummary {
             "fio_cpu_s_per_gib": self.fio_cpu_s_per_gib,
             "kvtier_cpu_s_per_gib": self.kvtier_cpu_s_per_gib,
             "cpu_ratio_median": self.cpu_ratio.median,
+            "fio_crc32c_gib_per_s": self.fio_crc32c.map(|r| r.main.gib_per_s),
+            "fio_crc32c_p50_us": self.fio_crc32c.map(|r| r.main.p50_us),
+            "fio_crc32c_p99_us": self.fio_crc32c.map(|r| r.main.p99_us),
+            "fio_crc32c_cpu_s_per_gib": self.fio_crc32c_cpu_s_per_gib,
+            "ratio_crc32c_median": self.ratio_crc32c.map(|s| s.median),
+            "cpu_ratio_crc32c_median": self.cpu_ratio_crc32c.map(|s| s.median),
+            "cpu_ratio_crc32c_min": self.cpu_ratio_crc32c.map(|s| s.min),
+            "cpu_ratio_crc32c_max": self.cpu_ratio_crc32c.map(|s| s.max),
             "fio_store_gib_per_s": store(&self.fio),
             "kvtier_store_gib_per_s": store(&self.kvtier),
             "store_ratio_median": self.store_ratio.map(|s| s.median),
@@ -332,6 +402,7 @@ impl CellSummary {
             "fio_store_p99_us": store_lat(&self.fio, true),
             "kvtier_store_p50_us": store_lat(&self.kvtier, false),
             "kvtier_store_p99_us": store_lat(&self.kvtier, true),
+            "kvtier_cpu_s_per_gib_by_thread": self.kvtier_thread_cpu,
             "fio_job": self.job,
             "pairs": self.pairs,
         })
@@ -375,6 +446,7 @@ impl Kept {
 /// the same run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct MixAgainstAlone {
+    pub(super) device_limit: Limit,
     pub(super) block_bytes: u64,
     pub(super) queue_depth: u32,
     pub(super) kvtier: Kept,
@@ -386,7 +458,10 @@ impl MixAgainstAlone {
     pub(super) fn of(cells: &[CellSummary]) -> Vec<MixAgainstAlone> {
         let find = |kind: Kind, c: &CellSummary| {
             cells.iter().find(|o| {
-                o.kind == kind && o.block_bytes == c.block_bytes && o.queue_depth == c.queue_depth
+                o.kind == kind
+                    && o.block_bytes == c.block_bytes
+                    && o.queue_depth == c.queue_depth
+                    && o.device_limit == c.device_limit
             })
         };
         cells
@@ -395,6 +470,7 @@ impl MixAgainstAlone {
             .filter_map(|c| {
                 let (load, store) = (find(Kind::Load, c)?, find(Kind::Store, c)?);
                 Some(MixAgainstAlone {
+                    device_limit: c.device_limit,
                     block_bytes: c.block_bytes,
                     queue_depth: c.queue_depth,
                     kvtier: Kept::of(&c.kvtier, &load.kvtier, &store.kvtier)?,
@@ -412,6 +488,7 @@ impl MixAgainstAlone {
 
     pub(super) fn to_json(self) -> Value {
         json!({
+            "device_limit_bytes_per_s": self.device_limit,
             "block_size": self.block_bytes,
             "queue_depth": self.queue_depth,
             "kvtier": self.kvtier.to_json(),
@@ -460,7 +537,33 @@ fn render_mix(mix: &[MixAgainstAlone]) -> String {
     text
 }
 
-pub(super) fn render(cells: &[CellSummary], first: &Prepared) -> String {
+/// The row under a store row: fio with a crc32c per block, and kvtier against it.
+fn checksum_row(c: &CellSummary) -> Option<Vec<String>> {
+    let (f, fc, r, cr) = (
+        c.fio_crc32c?,
+        c.fio_crc32c_cpu_s_per_gib?,
+        c.ratio_crc32c?,
+        c.cpu_ratio_crc32c?,
+    );
+    let lat = |s: &Stream| format!("{:.0}/{:.0}", s.p50_us, s.p99_us);
+    Some(vec![
+        "  fio+crc32c".to_owned(),
+        output::size(c.block_bytes),
+        c.queue_depth.to_string(),
+        format!("{:.3}", f.main.gib_per_s),
+        format!("{:.3}", c.kvtier.main.gib_per_s),
+        format!("{:.3} ({:.2}-{:.2})", r.median, r.min, r.max),
+        lat(&f.main),
+        lat(&c.kvtier.main),
+        format!("{fc:.3}"),
+        format!("{:.3}", c.kvtier_cpu_s_per_gib),
+        format!("{:.2}", cr.median),
+    ])
+}
+
+/// The table of the cells run at `limit` (every cell when the run had no `--device-limit`).
+pub(super) fn render(all: &[CellSummary], limit: Limit, first: &Prepared) -> String {
+    let cells: Vec<&CellSummary> = all.iter().filter(|c| c.device_limit == limit).collect();
     let mut table = Table::new(&[
         "workload",
         "block",
@@ -479,7 +582,7 @@ pub(super) fn render(cells: &[CellSummary], first: &Prepared) -> String {
         let flag = if s.median < RATIO_GOAL { " <" } else { "" };
         format!("{:.3} ({:.2}-{:.2}){flag}", s.median, s.min, s.max)
     };
-    for c in cells {
+    for &c in &cells {
         let name = if c.kind == Kind::Mixed {
             "mixed: loads"
         } else {
@@ -498,6 +601,9 @@ pub(super) fn render(cells: &[CellSummary], first: &Prepared) -> String {
             format!("{:.3}", c.kvtier_cpu_s_per_gib),
             format!("{:.2}", c.cpu_ratio.median),
         ]);
+        if let Some(row) = checksum_row(c) {
+            table.row(row);
+        }
         if let (Some(f), Some(k), Some(r)) = (c.fio.store, c.kvtier.store, c.store_ratio) {
             table.row(vec![
                 "mixed: stores".to_owned(),
@@ -522,6 +628,8 @@ pub(super) fn render(cells: &[CellSummary], first: &Prepared) -> String {
          cpu s/GiB: fio usr+sys of its jobs, kvtier its worker threads (mixed: both streams; \
          kvtier's caller thread is in the JSON as kvtier_caller_cpu_s); cpu ratio: kvtier / fio, \
          lower is better for kvtier.\n\
+         fio+crc32c (under a store row): fio's stores with a crc32c of every block written into \
+         its verify header, the checksum work kvtier does (see --show-fio); ratios against it.\n\
          fio ran {} job(s) per stream, iodepth = ceil(QD / {}), cpus_allowed={} ({}), \
          iomem={}; latencies are fio's total (submit to completion) and kvtier's job latency.",
         first.numjobs, first.numjobs, first.cpus, first.cpus_policy, first.iomem
@@ -533,11 +641,15 @@ pub(super) fn render(cells: &[CellSummary], first: &Prepared) -> String {
             first.numjobs
         );
     }
-    text.push_str(&render_mix(&MixAgainstAlone::of(cells)));
+    let mix: Vec<MixAgainstAlone> = MixAgainstAlone::of(all)
+        .into_iter()
+        .filter(|m| m.device_limit == limit)
+        .collect();
+    text.push_str(&render_mix(&mix));
     let below: Vec<String> = cells
         .iter()
         .filter(|c| c.ratio.median < RATIO_GOAL)
-        .map(CellSummary::label)
+        .map(|c| c.label())
         .collect();
     if !below.is_empty() {
         let _ = writeln!(
@@ -546,5 +658,128 @@ pub(super) fn render(cells: &[CellSummary], first: &Prepared) -> String {
             below.join(", ")
         );
     }
+    text
+}
+
+/// One cell (workload, block size, queue depth) at every device limit of the run, fastest
+/// first: what CPU per GiB did as the device slowed.
+pub(super) struct SpeedDrift<'a> {
+    pub(super) at: Vec<&'a CellSummary>,
+}
+
+impl<'a> SpeedDrift<'a> {
+    /// One per cell measured at more than one limit; limits ordered `None` (the disk as it
+    /// is) first, then from the highest rate down.
+    pub(super) fn of(cells: &'a [CellSummary]) -> Vec<SpeedDrift<'a>> {
+        let mut out: Vec<SpeedDrift<'a>> = Vec::new();
+        for c in cells {
+            let same = |o: &&CellSummary| {
+                o.kind == c.kind && o.block_bytes == c.block_bytes && o.queue_depth == c.queue_depth
+            };
+            match out.iter_mut().find(|d| same(&d.at[0])) {
+                Some(d) => d.at.push(c),
+                None => out.push(SpeedDrift { at: vec![c] }),
+            }
+        }
+        out.retain(|d| d.at.len() > 1);
+        for d in &mut out {
+            d.at.sort_by_key(|c| std::cmp::Reverse(c.device_limit.unwrap_or(u64::MAX)));
+        }
+        out
+    }
+
+    /// CPU per GiB at the slowest limit over the fastest, for `cpu` of a cell.
+    fn drift(&self, cpu: impl Fn(&CellSummary) -> Option<f64>) -> Option<f64> {
+        let (fast, slow) = (cpu(self.at.first()?)?, cpu(self.at.last()?)?);
+        (fast > 0.0).then(|| slow / fast)
+    }
+
+    pub(super) fn kvtier(&self) -> Option<f64> {
+        self.drift(|c| Some(c.kvtier_cpu_s_per_gib))
+    }
+
+    pub(super) fn fio(&self) -> Option<f64> {
+        self.drift(|c| Some(c.fio_cpu_s_per_gib))
+    }
+
+    pub(super) fn fio_crc32c(&self) -> Option<f64> {
+        self.drift(|c| c.fio_crc32c_cpu_s_per_gib)
+    }
+
+    pub(super) fn to_json(&self) -> Value {
+        let c = self.at[0];
+        json!({
+            "workload": c.kind.name(),
+            "block_size": c.block_bytes,
+            "queue_depth": c.queue_depth,
+            "speeds": self.at.iter().map(|c| json!({
+                "device_limit_bytes_per_s": c.device_limit,
+                "fio_gib_per_s": c.fio.main.gib_per_s,
+                "kvtier_gib_per_s": c.kvtier.main.gib_per_s,
+                "fio_cpu_s_per_gib": c.fio_cpu_s_per_gib,
+                "fio_crc32c_cpu_s_per_gib": c.fio_crc32c_cpu_s_per_gib,
+                "kvtier_cpu_s_per_gib": c.kvtier_cpu_s_per_gib,
+            })).collect::<Vec<Value>>(),
+            "kvtier_cpu_drift": self.kvtier(),
+            "fio_cpu_drift": self.fio(),
+            "fio_crc32c_cpu_drift": self.fio_crc32c(),
+        })
+    }
+}
+
+/// CPU per GiB by device speed: each cell at every limit, and its drift (slowest / fastest).
+pub(super) fn render_drift(drifts: &[SpeedDrift<'_>]) -> String {
+    if drifts.is_empty() {
+        return String::new();
+    }
+    let mut table = Table::new(&[
+        "cpu by device speed",
+        "block",
+        "QD",
+        "device limit",
+        "fio GiB/s",
+        "kvtier GiB/s",
+        "fio cpu s/GiB",
+        "fio+crc32c cpu",
+        "kvtier cpu s/GiB",
+        "cpu ratio",
+    ]);
+    let opt = |v: Option<f64>, digits: usize| {
+        v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
+    };
+    for d in drifts {
+        for c in &d.at {
+            table.row(vec![
+                c.kind.name().to_owned(),
+                output::size(c.block_bytes),
+                c.queue_depth.to_string(),
+                throttle::limit_label(c.device_limit),
+                format!("{:.3}", c.fio.main.gib_per_s),
+                format!("{:.3}", c.kvtier.main.gib_per_s),
+                format!("{:.3}", c.fio_cpu_s_per_gib),
+                opt(c.fio_crc32c_cpu_s_per_gib, 3),
+                format!("{:.3}", c.kvtier_cpu_s_per_gib),
+                format!("{:.2}", c.cpu_ratio.median),
+            ]);
+        }
+        table.row(vec![
+            "  drift".to_owned(),
+            String::new(),
+            String::new(),
+            "slowest/fastest".to_owned(),
+            String::new(),
+            String::new(),
+            opt(d.fio(), 2),
+            opt(d.fio_crc32c(), 2),
+            opt(d.kvtier(), 2),
+            String::new(),
+        ]);
+    }
+    let mut text = format!("\n{table}");
+    let _ = writeln!(
+        text,
+        "drift: CPU per GiB at the slowest device limit over the fastest (1.00: flat); the \
+         JSON has it as cpu_by_device_speed."
+    );
     text
 }
