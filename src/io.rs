@@ -96,6 +96,10 @@ pub trait IoBackend {
     /// Hands queued requests to the device. With `wait`, blocks until at least one completion
     /// is available or the worker's wake-up event fires.
     fn submit(&mut self, wait: bool) -> std::io::Result<()>;
+    /// Calls into the device so far (`io_uring_enter` system calls; a simulated backend's
+    /// submits): `kvtier_worker_submits_total`. A submit with nothing to hand over and no wait
+    /// may make none.
+    fn enters(&self) -> u64;
     /// Appends every available completion to `out`.
     fn complete(&mut self, out: &mut Vec<Completion>);
     /// Requests pushed whose completion has not yet been returned.

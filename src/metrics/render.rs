@@ -544,7 +544,7 @@ fn workers(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
     )?;
     o.counters(
         "kvtier_worker_submits",
-        "io_uring_enter calls that submitted I/O, per worker.",
+        "io_uring_enter system calls (submitting or waiting), per worker.",
         None,
         s.workers
             .iter()

@@ -163,6 +163,10 @@ impl IoBackend for SimBackend {
         true
     }
 
+    fn enters(&self) -> u64 {
+        self.round
+    }
+
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
         self.round += 1;
         let max_delay = u64::from(self.faults().max_delay_rounds);

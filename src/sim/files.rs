@@ -602,6 +602,10 @@ impl IoBackend for FilesBackend {
         true
     }
 
+    fn enters(&self) -> u64 {
+        self.round
+    }
+
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
         self.round += 1;
         let max_delay = u64::from(self.state.faults().max_delay_rounds);

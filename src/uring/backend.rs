@@ -230,6 +230,10 @@ impl IoBackend for UringBackend {
             .map_err(|e| std::io::Error::from_raw_os_error(e as i32))
     }
 
+    fn enters(&self) -> u64 {
+        self.ring.enters()
+    }
+
     fn complete(&mut self, out: &mut Vec<Completion>) {
         let start = out.len();
         if self.passthrough.any() {

@@ -141,7 +141,9 @@ pub(crate) fn submit_or_sleep(
     }
     let r = backend.submit(wait);
     me.sleeping.store(false, Ordering::SeqCst);
-    me.metrics.submits.fetch_add(1, Ordering::Relaxed);
+    me.metrics
+        .submits
+        .store(backend.enters(), Ordering::Relaxed);
     if wait {
         me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
     }

@@ -261,6 +261,8 @@ pub struct Ring {
     features: RingFeatures,
     /// SQEs pushed whose CQE has not been popped.
     in_flight: usize,
+    /// `io_uring_enter` calls made by [`Ring::submit`] and [`Ring::submit_wait_timeout`].
+    enters: u64,
     /// Registered regions; `first_piece[i]` is the kernel buffer index of region i's first
     /// piece. Empty until `register_buffers`.
     regions: Vec<Arc<Region>>,
@@ -305,6 +307,11 @@ impl Ring {
     /// The setup flags the kernel accepted.
     pub fn features(&self) -> RingFeatures {
         self.features
+    }
+
+    /// `io_uring_enter` system calls made to submit or wait so far.
+    pub fn enters(&self) -> u64 {
+        self.enters
     }
 
     /// Queues a `READ_FIXED` from byte `offset` of registered file `file` into the bytes `buf`
@@ -554,6 +561,7 @@ impl Ring {
         // Waiting for more completions than can ever arrive would sleep forever.
         let want = wait_nr.min(self.in_flight);
         loop {
+            self.enters += 1;
             match self.uring.submit_and_wait(want) {
                 Ok(n) => return Ok(n),
                 Err(e) => match errno_of(&e) {
@@ -581,6 +589,7 @@ impl Ring {
             .nsec(timeout.subsec_nanos());
         let args = types::SubmitArgs::new().timespec(&ts);
         loop {
+            self.enters += 1;
             match self.uring.submit_with_args(want, &args) {
                 Ok(n) => return Ok(n),
                 Err(e) => match errno_of(&e) {

@@ -102,6 +102,7 @@ impl Ring {
             uring: ring,
             features,
             in_flight: 0,
+            enters: 0,
             regions: Vec::new(),
             first_piece: Vec::new(),
             piece_bytes: 0,

@@ -72,9 +72,10 @@ pub(super) struct CellPlan {
 /// buffer (`verify_pattern` with `refill_buffers=0`): with a verify mode and no pattern fio
 /// would also fill every buffer with fresh random bytes before every write, twice over
 /// (`refill_buffers`, then the verify fill), work neither kvtier nor plain fio does
-/// (docs/perf.md measures it).
-pub(super) const CHECKSUM_OPTIONS: &str =
-    "verify=crc32c\nverify_pattern=0x6b767472\nrefill_buffers=0\ndo_verify=0\n";
+/// (docs/perf.md measures it). `verify_state_save=0`: no state file of what was written (fio
+/// would leave one per job in its working directory).
+pub(super) const CHECKSUM_OPTIONS: &str = "verify=crc32c\nverify_pattern=0x6b767472\n\
+     refill_buffers=0\ndo_verify=0\nverify_state_save=0\n";
 
 /// The name fio's store job with the checksum runs under (and `--show-fio` prints).
 pub(super) const CHECKSUM_JOB_NAME: &str = "randwrite-crc32c.fio";
@@ -239,6 +240,8 @@ impl Fio {
         let stderr = std::fs::File::create(&err_path).map_err(|e| io("creating", &err_path, e))?;
         let _ = std::fs::remove_file(&out_path);
         let mut child = Command::new("fio")
+            // Whatever fio leaves behind (state files) stays in the private directory.
+            .current_dir(&self.dir)
             .arg("--output-format=json")
             .arg(format!("--output={}", out_path.display()))
             .arg(&job_path)
