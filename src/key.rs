@@ -57,7 +57,7 @@ impl Key {
     /// Parses a key from hex (as printed by `kvtier inspect`).
     pub fn from_hex(hex: &str) -> Result<Key, Error> {
         let hex = hex.trim();
-        if hex.len() % 2 != 0 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        if !hex.len().is_multiple_of(2) || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(Error::InvalidKey(format!(
                 "`{hex}` is not an even-length hex string"
             )));

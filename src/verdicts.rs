@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn answers_replace_their_own_question_only() {
-        let mut v = Verdicts::new(8, Duration::from_secs(60));
+        let mut v = Verdicts::new(8, Duration::from_mins(1));
         let first = v.begin(key(1));
         assert_eq!(v.get(&key(1)), Some(Verdict::Pending));
         let second = v.begin(key(1));
@@ -184,7 +184,7 @@ mod tests {
 
     #[test]
     fn bounded_oldest_first() {
-        let mut v = Verdicts::new(3, Duration::from_secs(60));
+        let mut v = Verdicts::new(3, Duration::from_mins(1));
         for i in 0..5 {
             v.set(key(i), Verdict::Absent);
         }

@@ -27,7 +27,7 @@ fn concurrent_submitters_each_get_their_own_results() {
     let region = region(THREADS * 4);
     let engine = match Engine::open(&cfg, region.clone()) {
         Ok(e) => Arc::new(e),
-        Err(Error::Ring(m)) => return println!("skipping: io_uring unavailable: {m}"),
+        Err(Error::Ring(m)) => return kvtier_sys::skip!("io_uring unavailable: {m}"),
         Err(e) => panic!("{e}"),
     };
     // Phase 1: every thread stores its keys, 4 blocks per job, from its own 4 region blocks.

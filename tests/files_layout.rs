@@ -131,7 +131,7 @@ fn a_directory_written_by_vllm_is_read_and_crash_leftovers_cleaned() {
     std::fs::write(m.config_file_path(), m.config_json_text()).expect("config.json");
     let stale = FileMapper::temp_path(&path_of(dir.path(), 100), 42);
     std::fs::write(&stale, b"half a block").expect("stale tmp");
-    let old = SystemTime::now() - Duration::from_secs(3600);
+    let old = SystemTime::now() - Duration::from_hours(1);
     std::fs::File::options()
         .write(true)
         .open(&stale)
@@ -303,7 +303,7 @@ fn a_corrupt_full_size_file_is_caught_by_its_checksum() {
     let r = load(&engine, &region, 2, &[1]);
     if r.success {
         // The file system keeps no xattrs: nothing to check against (like vLLM).
-        println!("skipping: no user xattrs on this file system");
+        kvtier_sys::skip!("no user xattrs on this file system");
         return;
     }
     assert_eq!(
@@ -411,7 +411,7 @@ fn enospc_fails_cleanly_and_loads_keep_working() {
         .status()
         .is_ok_and(|s| s.success());
     if !mounted {
-        return println!("skipping: cannot mount a small tmpfs here (needs root)");
+        return kvtier_sys::skip!("cannot mount a small tmpfs here (needs root)");
     }
     let _umount = Umount(point.clone());
     let cfg = files_config(&point, Some(64 << 20));

@@ -55,7 +55,7 @@ impl SmallFs {
             .args(["-q", "-F", "-m", "0"])
             .arg(&image))
         {
-            println!("skipping: mkfs.ext4 failed or is missing");
+            kvtier_sys::skip!("mkfs.ext4 failed or is missing");
             return None;
         }
         if !ok(std::process::Command::new("mount")
@@ -63,9 +63,7 @@ impl SmallFs {
             .arg(&image)
             .arg(&point))
         {
-            println!(
-                "skipping: cannot loop-mount a file system here (needs root and loop devices)"
-            );
+            kvtier_sys::skip!("cannot loop-mount a file system here (needs root and loop devices)");
             return None;
         }
         Some(SmallFs { point, _dir: dir })

@@ -41,7 +41,7 @@ fn mount_ramfs(dir: &Path) -> Option<Mount> {
 fn ramfs_falls_back_to_buffered_io_when_auto() {
     let dir = scratch_dir();
     let Some(mount) = mount_ramfs(dir.path()) else {
-        return println!("skipping: cannot mount ramfs here (needs root)");
+        return kvtier_sys::skip!("cannot mount ramfs here (needs root)");
     };
     let mut cfg = file_config(&mount.0.join("dev.slab"), 32 << 20, 1);
     cfg.direct_io = DirectIo::Auto;
@@ -79,7 +79,7 @@ fn raw_block_device_through_a_loop_device() {
     std::fs::write(&backing, vec![0u8; 64 << 20]).expect("pre-write");
     let attached = match LoopDevice::attach(&backing, true) {
         Ok(d) => d,
-        Err(why) => return println!("skipping: {why}"),
+        Err(why) => return kvtier_sys::skip!("{why}"),
     };
     let dev = attached.0.clone();
     let mut cfg = file_config(Path::new(&dev), 64 << 20, 2);
@@ -248,22 +248,22 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     std::fs::write(&outer_img, vec![0u8; 96 << 20]).expect("outer image");
     let outer = match LoopDevice::attach(&outer_img, false) {
         Ok(d) => d,
-        Err(why) => return println!("skipping: {why}"),
+        Err(why) => return kvtier_sys::skip!("{why}"),
     };
     let mnt = dir.path().join("mnt");
     std::fs::create_dir_all(&mnt).expect("mount point");
     if let Err(why) = run_ok(Command::new("mkfs.ext4").args(["-q", &outer.0])) {
-        return println!("skipping: {why}");
+        return kvtier_sys::skip!("{why}");
     }
     if let Err(why) = run_ok(Command::new("mount").arg(&outer.0).arg(&mnt)) {
-        return println!("skipping: {why}");
+        return kvtier_sys::skip!("{why}");
     }
     let _mounted = LazyMount(mnt.clone());
     let inner_img = mnt.join("inner.img");
     std::fs::write(&inner_img, vec![0u8; 48 << 20]).expect("inner image");
     let inner = match LoopDevice::attach(&inner_img, true) {
         Ok(d) => d,
-        Err(why) => return println!("skipping: {why}"),
+        Err(why) => return kvtier_sys::skip!("{why}"),
     };
     let mut cfg = file_config(Path::new(&inner.0), 48 << 20, 1);
     cfg.devices[0].capacity_bytes = None;
@@ -276,7 +276,7 @@ fn a_device_that_stops_writing_times_out_stores_and_shutdown_returns() {
     let ids: Vec<u64> = (0..8).collect();
     assert!(store(&engine, &region, 1, &ids).success);
     if let Err(why) = run_ok(Command::new("fsfreeze").arg("-f").arg(&mnt)) {
-        return println!("skipping: {why}");
+        return kvtier_sys::skip!("{why}");
     }
     let _thaw = Thaw(mnt.clone());
     // One key: one timeout (three within ten deadlines mark the device failed).

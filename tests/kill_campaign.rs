@@ -413,7 +413,7 @@ fn sigkill_campaign_raw_loop_device() {
     std::fs::write(&backing, vec![0u8; (CAPACITY_BLOCKS * BLOCK) as usize]).expect("backing file");
     let dev = match LoopDevice::attach(&backing, true) {
         Ok(d) => d,
-        Err(why) => return println!("skipping: {why}"),
+        Err(why) => return kvtier_sys::skip!("{why}"),
     };
     campaign("raw loop device", Kind::Slab, dev.path(), 1);
 }

@@ -129,7 +129,7 @@ fn shutdown_with_io_in_flight_reports_every_job_once() {
     let region = region(64);
     let engine = match Engine::open(&cfg, region.clone()) {
         Ok(e) => e,
-        Err(Error::Ring(m)) => return println!("skipping: io_uring unavailable: {m}"),
+        Err(Error::Ring(m)) => return kvtier_sys::skip!("io_uring unavailable: {m}"),
         Err(e) => panic!("{e}"),
     };
     for j in 0..64u64 {
@@ -180,7 +180,7 @@ fn an_idle_engine_sleeps_in_the_kernel() {
     let region = region(4);
     let engine = match Engine::open(&cfg, region.clone()) {
         Ok(e) => e,
-        Err(Error::Ring(m)) => return println!("skipping: io_uring unavailable: {m}"),
+        Err(Error::Ring(m)) => return kvtier_sys::skip!("io_uring unavailable: {m}"),
         Err(e) => panic!("{e}"),
     };
     assert!(store(&engine, &region, 1, &[1]).success);

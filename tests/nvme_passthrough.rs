@@ -30,8 +30,8 @@ const BLOCK: u64 = 1 << 20;
 fn device() -> Option<PathBuf> {
     let path = std::env::var_os("KVTIER_NVME_DEVICE").map(PathBuf::from);
     if path.is_none() {
-        println!(
-            "skipping: set KVTIER_NVME_DEVICE=/dev/ngXnY (a disposable namespace) to run; \
+        kvtier_sys::skip!(
+            "set KVTIER_NVME_DEVICE=/dev/ngXnY (a disposable namespace) to run; \
              tools/guest/nvme-tests.sh runs these in a QEMU guest"
         );
     }
@@ -311,7 +311,7 @@ fn shutdown_with_io_in_flight_loses_nothing_acknowledged() {
             .expect("submit");
     }
     assert!(
-        common::shutdown_returns(engine, Duration::from_secs(60)),
+        common::shutdown_returns(engine, Duration::from_mins(1)),
         "shutdown with passthrough I/O in flight did not return"
     );
     // Whatever was acknowledged or not, a reopen serves every key exactly or not at all.
@@ -395,7 +395,7 @@ fn without_permission_it_falls_back_to_the_block_device() {
     }
     // /proc/self belongs to the process's effective user.
     if std::fs::metadata("/proc/self").map_or(1, |m| m.uid()) != 0 {
-        return println!("skipping: needs root to run the child as another user");
+        return kvtier_sys::skip!("needs root to run the child as another user");
     }
     let ns = Namespace::open(&path).expect("namespace");
     let block = ns.geometry().block_device.clone();

@@ -73,7 +73,7 @@ fn keys_survive_a_restart_on_a_real_file() {
     {
         let engine = match Engine::open(&cfg, std::sync::Arc::clone(&region)) {
             Ok(e) => e,
-            Err(kvtier::Error::Ring(m)) => return println!("skipping: io_uring unavailable: {m}"),
+            Err(kvtier::Error::Ring(m)) => return kvtier_sys::skip!("io_uring unavailable: {m}"),
             Err(e) => panic!("{e}"),
         };
         assert!(store(&engine, &region, 1, &ids).success);

@@ -15,7 +15,7 @@ fn open(dir: &std::path::Path, blocks: u64) -> Option<(Engine, std::sync::Arc<kv
     match Engine::open(&cfg, region.clone()) {
         Ok(e) => Some((e, region)),
         Err(Error::Ring(m)) => {
-            println!("skipping: io_uring unavailable: {m}");
+            kvtier_sys::skip!("io_uring unavailable: {m}");
             None
         }
         Err(e) => panic!("{e}"),

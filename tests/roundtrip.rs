@@ -141,7 +141,7 @@ fn real_file_round_trip_through_io_uring() {
     let engine = match kvtier::Engine::open(&cfg, std::sync::Arc::clone(&region)) {
         Ok(e) => e,
         Err(kvtier::Error::Ring(msg)) => {
-            println!("skipping: io_uring unavailable: {msg}");
+            kvtier_sys::skip!("io_uring unavailable: {msg}");
             return;
         }
         Err(e) => panic!("open: {e}"),

@@ -417,7 +417,7 @@ impl PyEngine {
                  (a multiple of block_size is accepted)"
             )));
         }
-        if (ptr as usize) % REGION_ALIGN_BYTES != 0 {
+        if !(ptr as usize).is_multiple_of(REGION_ALIGN_BYTES) {
             return Err(PyValueError::new_err(format!(
                 "region: the buffer starts at {ptr:p}, which is not {REGION_ALIGN_BYTES}-byte \
                  aligned; O_DIRECT and registered buffers need page-aligned memory: allocate it \

@@ -63,7 +63,7 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
         let fraction_digits: u128 = fraction.parse().map_err(|_| SizeError::Malformed)?;
         let scale = 10u128.pow(u32::try_from(fraction.len()).map_err(|_| SizeError::Malformed)?);
         let scaled = fraction_digits * u128::from(unit_bytes);
-        if scaled % scale != 0 {
+        if !scaled.is_multiple_of(scale) {
             return Err(SizeError::NotWholeBytes);
         }
         bytes += scaled / scale;
@@ -91,7 +91,7 @@ pub(super) fn unit_bytes(unit: &str) -> Option<u64> {
 pub(super) fn whole_binary_units(bytes: u64) -> Option<String> {
     [(TIB, "TiB"), (GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")]
         .into_iter()
-        .find(|&(unit, _)| bytes >= unit && bytes % unit == 0)
+        .find(|&(unit, _)| bytes >= unit && bytes.is_multiple_of(unit))
         .map(|(unit, name)| format!("{} {name}", bytes / unit))
 }
 

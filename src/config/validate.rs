@@ -54,7 +54,8 @@ impl Config {
     pub fn validate(&self) -> Result<Derived, ConfigError> {
         let block_size = self.block_size;
         ensure(
-            block_size % ALIGN_BYTES == 0 && (ALIGN_BYTES..=BLOCK_SIZE_MAX).contains(&block_size),
+            block_size.is_multiple_of(ALIGN_BYTES)
+                && (ALIGN_BYTES..=BLOCK_SIZE_MAX).contains(&block_size),
             "block_size",
             show_size(block_size),
             BLOCK_SIZE_FORMS,
@@ -191,7 +192,7 @@ impl Config {
             format!("an integer from 1 to ring_entries ({})", self.ring_entries),
         )?;
         ensure(
-            s.store_chunk_bytes >= ALIGN_BYTES && s.store_chunk_bytes % ALIGN_BYTES == 0,
+            s.store_chunk_bytes >= ALIGN_BYTES && s.store_chunk_bytes.is_multiple_of(ALIGN_BYTES),
             "scheduler.store_chunk_bytes",
             show_size(s.store_chunk_bytes),
             "a multiple of 4096 bytes, at least 4 KiB, e.g. \"512 KiB\"",

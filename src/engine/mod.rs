@@ -20,9 +20,9 @@ use crate::error::Result;
 use crate::events::Event;
 use crate::files::device::ScanReport;
 use crate::io::Region;
+use crate::job::release::ShutdownReport;
 use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::metrics::Stats;
-use crate::release::ShutdownReport;
 use crate::route::Router;
 use crate::slab::Geometry;
 use crate::worker::{self, Msg, WorkerShared};
@@ -34,7 +34,6 @@ pub(crate) mod start;
 pub(crate) mod stats;
 
 pub use crate::tier::{Lookup, Tier};
-pub(crate) use stats::StatsSource;
 
 /// One device as opened.
 #[derive(Clone, Debug)]

@@ -135,7 +135,7 @@ impl Engine {
             return Err(e);
         }
         if let Some(addr) = config.metrics.listen {
-            match MetricsServer::start(addr, Arc::clone(&engine.stats)) {
+            match MetricsServer::start(addr, Arc::clone(&engine.stats) as _) {
                 Ok(server) => engine.metrics_server = Mutex::new(Some(server)),
                 Err(e) => {
                     engine.shutdown();

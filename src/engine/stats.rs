@@ -27,6 +27,12 @@ pub(crate) struct StatsSource {
     pub layout: &'static str,
 }
 
+impl crate::metrics::serve::StatsSnapshot for StatsSource {
+    fn stats(&self) -> Stats {
+        StatsSource::stats(self)
+    }
+}
+
 impl StatsSource {
     pub fn new(
         router: &Router,
@@ -109,7 +115,7 @@ impl StatsSource {
         s.jobs = self.shared.metrics.jobs();
         s.lookups = self.shared.metrics.lookups();
         s.jobs_in_flight = self.shared.jobs_in_flight.load(Ordering::Acquire) as u64;
-        let (io_kernel, s3) = worker::shared::thread_class_cpu_ns();
+        let (io_kernel, s3) = thread_class_cpu_ns();
         s.io_kernel_cpu_seconds = io_kernel as f64 / 1e9;
         s.s3_cpu_seconds = s3 as f64 / 1e9;
         s.blocks_held_by_hung_io = self.shared.held.blocks();
@@ -118,4 +124,29 @@ impl StatsSource {
         s.events_dropped = self.shared.events.dropped();
         s
     }
+}
+
+/// CPU time (ns) of this process's threads other than the engine's own: io_uring's kernel
+/// threads (`iou-wrk-*`, `iou-sqp-*`) and the S3 tier's reactor (`kvtier-s3`), by their names
+/// in `/proc/self/task/*/comm`.
+fn thread_class_cpu_ns() -> (u64, u64) {
+    let (mut io_kernel, mut s3) = (0, 0);
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return (0, 0);
+    };
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let class = if comm.starts_with("iou-wrk-") || comm.starts_with("iou-sqp-") {
+            &mut io_kernel
+        } else if comm.starts_with(crate::s3::REACTOR_THREAD) {
+            &mut s3
+        } else {
+            continue;
+        };
+        *class += std::fs::read_to_string(task.path().join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+            .unwrap_or(0);
+    }
+    (io_kernel, s3)
 }

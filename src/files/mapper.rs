@@ -387,7 +387,7 @@ fn decode_lower_hex(text: &str) -> Option<Vec<u8>> {
             _ => None,
         }
     }
-    if text.is_empty() || text.len() % 2 != 0 {
+    if text.is_empty() || !text.len().is_multiple_of(2) {
         return None;
     }
     text.as_bytes()

@@ -243,7 +243,7 @@ impl Passthrough {
         let dev = self.device(req);
         let lba = u64::from(dev.geometry.lba_bytes());
         assert!(
-            req.offset % lba == 0 && u64::from(req.bytes()) % lba == 0,
+            req.offset.is_multiple_of(lba) && u64::from(req.bytes()) % lba == 0,
             "I/O of {} bytes at {} on {} is not a multiple of its {lba}-byte LBA",
             req.bytes(),
             req.offset,
@@ -575,7 +575,7 @@ mod tests {
             big_entries: true,
             ..RingConfig::default()
         }) else {
-            return println!("skipping: io_uring unavailable");
+            return kvtier_sys::skip!("io_uring unavailable");
         };
         let region = std::sync::Arc::new(
             crate::Region::allocate(64 << 10, kvtier_sys::mem::HugePages::Off).expect("region"),

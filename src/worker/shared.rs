@@ -94,31 +94,6 @@ pub(crate) fn thread_cpu_ns(tid: i32) -> u64 {
         .unwrap_or(0)
 }
 
-/// CPU time (ns) of this process's threads other than the engine's own: io_uring's kernel
-/// threads (`iou-wrk-*`, `iou-sqp-*`) and the S3 tier's reactor (`kvtier-s3`), by their names
-/// in `/proc/self/task/*/comm`.
-pub(crate) fn thread_class_cpu_ns() -> (u64, u64) {
-    let (mut io_kernel, mut s3) = (0, 0);
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return (0, 0);
-    };
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        let class = if comm.starts_with("iou-wrk-") || comm.starts_with("iou-sqp-") {
-            &mut io_kernel
-        } else if comm.starts_with(crate::s3::REACTOR_THREAD) {
-            &mut s3
-        } else {
-            continue;
-        };
-        *class += std::fs::read_to_string(task.path().join("schedstat"))
-            .ok()
-            .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
-            .unwrap_or(0);
-    }
-    (io_kernel, s3)
-}
-
 /// Submits what the worker queued; with no `progress` this turn, sleeps in the kernel until a
 /// completion or a submitter's wake-up. The sleeping flag and the fence pair with
 /// [`WorkerShared::nudge`], so a job sent while the worker decides to sleep is never missed.

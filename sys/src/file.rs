@@ -416,7 +416,7 @@ mod tests {
     #[test]
     fn sync_io_round_trip_with_o_direct() {
         if probe_o_direct(&dir()) != Ok(true) {
-            println!("SKIP: /var/tmp refuses O_DIRECT");
+            crate::skip!("/var/tmp refuses O_DIRECT");
             return;
         }
         let tmp = tempfile::Builder::new()
@@ -475,7 +475,7 @@ mod tests {
         match fsetxattr(fd, c"user.kvtier.test", &value) {
             Ok(()) => {}
             Err(Errno::ENOTSUP) => {
-                println!("SKIP: /var/tmp has no user xattrs (ENOTSUP)");
+                crate::skip!("/var/tmp has no user xattrs (ENOTSUP)");
                 return;
             }
             Err(e) => panic!("fsetxattr: {e}"),

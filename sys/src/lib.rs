@@ -34,6 +34,7 @@ pub mod probe;
 pub mod ring;
 pub mod shared;
 pub mod smaps;
+pub mod testing;
 
 /// Converts a `std::io::Error` from a syscall wrapper into the errno it carries (EIO if none).
 pub(crate) fn errno_of(err: &std::io::Error) -> Errno {

@@ -201,7 +201,7 @@ mod tests {
         let u = probe_uring();
         println!("{u:?}");
         if !u.available {
-            println!("SKIP: io_uring unavailable: {:?}", u.error);
+            crate::skip!("io_uring unavailable: {:?}", u.error);
             return;
         }
         assert!(

@@ -34,18 +34,18 @@ fn tempdir() -> tempfile::TempDir {
 /// A ring with file ops and one 1 MiB region registered in 256 KiB pieces, or None (skip).
 fn setup(dir: &Path) -> Option<(Ring, Arc<Region>)> {
     if probe_o_direct(dir) != Ok(true) {
-        println!("SKIP: {} refuses O_DIRECT", dir.display());
+        kvtier_sys::skip!("{} refuses O_DIRECT", dir.display());
         return None;
     }
     let mut ring = match Ring::new(&RingConfig::default()) {
         Ok(ring) => ring,
         Err(e) => {
-            println!("SKIP: io_uring unavailable: {e}");
+            kvtier_sys::skip!("io_uring unavailable: {e}");
             return None;
         }
     };
     if !ring.supports_file_ops() {
-        println!("SKIP: kernel lacks the io_uring file opcodes (5.15+)");
+        kvtier_sys::skip!("kernel lacks the io_uring file opcodes (5.15+)");
         return None;
     }
     let region = Arc::new(Region::allocate(1 << 20, HugePages::Off).expect("allocate"));

@@ -20,7 +20,7 @@ fn ring_or_skip() -> Option<Ring> {
     match Ring::new(&RingConfig::default()) {
         Ok(r) => Some(r),
         Err(e) => {
-            println!("SKIP: io_uring unavailable: {e}");
+            kvtier_sys::skip!("io_uring unavailable: {e}");
             None
         }
     }
@@ -29,7 +29,7 @@ fn ring_or_skip() -> Option<Ring> {
 /// A ring with one 1 MiB region (registered in 256 KiB pieces) and one 4 MiB `O_DIRECT` file.
 fn setup(dir: &Path) -> Option<(Ring, Arc<Region>, Arc<DeviceFile>)> {
     if probe_o_direct(dir) != Ok(true) {
-        println!("SKIP: {} refuses O_DIRECT", dir.display());
+        kvtier_sys::skip!("{} refuses O_DIRECT", dir.display());
         return None;
     }
     let mut ring = ring_or_skip()?;
@@ -203,7 +203,7 @@ fn full_submission_queue_is_reported() {
         ..RingConfig::default()
     };
     let Ok(mut ring) = Ring::new(&cfg) else {
-        println!("SKIP: io_uring unavailable");
+        kvtier_sys::skip!("io_uring unavailable");
         return;
     };
     let efd = Arc::new(EventFd::new().expect("eventfd"));
@@ -272,7 +272,7 @@ fn io_wq_bound_is_set_and_reported() {
     match ring.set_io_wq_bounded(32) {
         Ok(default) => assert!(default >= 1, "the kernel's default bound is {default}"),
         Err(e) => {
-            println!("SKIP: IORING_REGISTER_IOWQ_MAX_WORKERS refused: {e}");
+            kvtier_sys::skip!("IORING_REGISTER_IOWQ_MAX_WORKERS refused: {e}");
             return;
         }
     }
@@ -315,7 +315,7 @@ fn registering_64_mib_works_or_explains_memlock() {
 fn sqpoll_ring_round_trips_or_falls_back() {
     let dir = tempdir();
     if probe_o_direct(dir.path()) != Ok(true) {
-        println!("SKIP: no O_DIRECT in /var/tmp");
+        kvtier_sys::skip!("no O_DIRECT in /var/tmp");
         return;
     }
     let cfg = RingConfig {
@@ -326,7 +326,7 @@ fn sqpoll_ring_round_trips_or_falls_back() {
         big_entries: false,
     };
     let Ok(mut ring) = Ring::new(&cfg) else {
-        println!("SKIP: io_uring unavailable");
+        kvtier_sys::skip!("io_uring unavailable");
         return;
     };
     println!("requested sqpoll, got {}", ring.features());

@@ -190,7 +190,7 @@ pub fn open_real(config: &Config, region: &Arc<Region>) -> Option<Engine> {
     match Engine::open(config, Arc::clone(region)) {
         Ok(e) => Some(e),
         Err(kvtier::Error::Ring(m)) => {
-            println!("skipping: io_uring unavailable: {m}");
+            kvtier_sys::skip!("io_uring unavailable: {m}");
             None
         }
         Err(e) => panic!("open: {e}"),

@@ -358,6 +358,8 @@ struct Measured {
     /// Process CPU seconds spent in each side's phases (engine threads and the driving thread,
     /// or the plain loop's runtime): [put engine, put plain, get engine, get plain].
     cpu: [f64; 4],
+    /// The engine rounds' CPU by thread class: [PUT, GET].
+    threads: [ThreadSecs; 2],
     alone: Latency,
     busy: Latency,
     put_stats: kvtier::S3Stats,
@@ -432,7 +434,8 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
         plain_names: Vec::new(),
     };
     let region = kvtier::region::allocate(&config)?;
-    let (info, put_engine, put_plain, put_cpu, put_stats) = cold.put_rounds(&config, &region)?;
+    let (info, put_engine, put_plain, (put_cpu, put_threads), put_stats) =
+        cold.put_rounds(&config, &region)?;
     // GET: a second engine on an empty slab, so every key is held only in S3.
     for d in &mut config.devices {
         d.path = params.scratch.join("kvtier-cold-get.slab");
@@ -442,7 +445,7 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
     }
     let engine = Engine::open(&config, Arc::clone(&region))?;
     let gets = cold.get_rounds(&engine, &region);
-    let measured = gets.and_then(|(get_engine, get_plain, get_cpu, crcs)| {
+    let measured = gets.and_then(|(get_engine, get_plain, (get_cpu, get_threads), crcs)| {
         let (alone, busy) = cold.latencies(&engine, &region, &crcs)?;
         Ok(Measured {
             info,
@@ -451,6 +454,7 @@ pub(crate) fn run(params: &ColdParams<'_>, base: &Config, human: Human) -> CliRe
             get_engine,
             get_plain,
             cpu: [put_cpu[0], put_cpu[1], get_cpu[0], get_cpu[1]],
+            threads: [put_threads, get_threads],
             alone,
             busy,
             put_stats,
@@ -485,13 +489,14 @@ impl Cold<'_> {
         kvtier::EngineInfo,
         Vec<f64>,
         Vec<f64>,
-        [f64; 2],
+        ([f64; 2], ThreadSecs),
         kvtier::S3Stats,
     )> {
         let (run, n_objects, block_bytes) = (self.run, self.params.objects, self.block_bytes);
         let engine = Engine::open(config, Arc::clone(region))?;
         let info = engine.info().clone();
         let (mut put_engine, mut put_plain, mut cpu) = (Vec::new(), Vec::new(), [0f64; 2]);
+        let mut threads = ThreadSecs::default();
         for r in 0..self.params.rounds as u64 {
             let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
             self.engine_names
@@ -501,6 +506,7 @@ impl Cold<'_> {
                 .map(|i| pattern(run, r, i, block_bytes))
                 .collect();
             let c0 = cpu_now();
+            let t0 = ThreadSecs::now(&engine);
             let secs = drive(
                 &engine,
                 JobKind::Store,
@@ -510,6 +516,7 @@ impl Cold<'_> {
                 |_, _| Ok(()),
             )?;
             cpu[0] += cpu_now() - c0;
+            threads.add_since(&t0, &ThreadSecs::now(&engine));
             put_engine.push(self.gib() / secs);
             let objects: Vec<(String, bytes::Bytes)> = (0..n_objects)
                 .map(|i| {
@@ -525,7 +532,7 @@ impl Cold<'_> {
         }
         let stats = engine.stats().s3.unwrap_or_default();
         engine.shutdown();
-        Ok((info, put_engine, put_plain, cpu, stats))
+        Ok((info, put_engine, put_plain, (cpu, threads), stats))
     }
 
     /// GET: loads of keys held only in S3 through `engine`, and the plain loop's GETs,
@@ -537,7 +544,7 @@ impl Cold<'_> {
         &self,
         engine: &Engine,
         region: &Region,
-    ) -> CliResult<(Vec<f64>, Vec<f64>, [f64; 2], Vec<Vec<u32>>)> {
+    ) -> CliResult<(Vec<f64>, Vec<f64>, ([f64; 2], ThreadSecs), Vec<Vec<u32>>)> {
         let (run, n_objects, block_bytes) = (self.run, self.params.objects, self.block_bytes);
         let crcs: Vec<Vec<u32>> = (0..self.params.rounds as u64)
             .map(|r| {
@@ -547,10 +554,12 @@ impl Cold<'_> {
             })
             .collect();
         let (mut get_engine, mut get_plain, mut cpu) = (Vec::new(), Vec::new(), [0f64; 2]);
+        let mut threads = ThreadSecs::default();
         for r in 0..self.params.rounds as u64 {
             let keys: Vec<Key> = (0..n_objects).map(|i| key_of(run, r, i)).collect();
             let want = &crcs[r as usize];
             let c0 = cpu_now();
+            let t0 = ThreadSecs::now(engine);
             let secs = drive(
                 engine,
                 JobKind::Load,
@@ -571,6 +580,7 @@ impl Cold<'_> {
                 },
             )?;
             cpu[0] += cpu_now() - c0;
+            threads.add_since(&t0, &ThreadSecs::now(engine));
             get_engine.push(self.gib() / secs);
             let names: Vec<(String, u32)> = (0..n_objects)
                 .map(|i| (format!("{}/{r}/{i}", self.plain_prefix), want[i as usize]))
@@ -580,7 +590,7 @@ impl Cold<'_> {
             cpu[1] += cpu_now() - c0;
             get_plain.push(self.gib() / secs);
         }
-        Ok((get_engine, get_plain, cpu, crcs))
+        Ok((get_engine, get_plain, (cpu, threads), crcs))
     }
 
     /// NVMe load latency alone, then under an S3 GET stream through the same engine.
@@ -690,6 +700,15 @@ impl Cold<'_> {
             fmt_rounds(get_engine),
         ]);
         text.push_str(&rates.to_string());
+        for (op, t) in [("PUT", &m.threads[0]), ("GET", &m.threads[1])] {
+            let t = t.per_gib(total_gib);
+            let _ = writeln!(
+                text,
+                "engine {op} cpu s/GiB by thread: caller {:.3}, workers {:.3}, io_uring kernel \
+                 threads {:.3}, S3 reactor {:.3}",
+                t.caller, t.workers, t.io_kernel, t.s3_reactor
+            );
+        }
         let _ = writeln!(text);
         text.push_str(&latency_table(alone, busy));
         let _ = writeln!(
@@ -740,6 +759,8 @@ impl Cold<'_> {
             "get_gib_s": {"engine": ge, "plain_sdk": gp, "engine_rounds": get_engine, "plain_rounds": get_plain},
             "cpu_seconds_per_gib": {"put_engine": cpu[0] / total_gib, "put_plain": cpu[1] / total_gib,
                                     "get_engine": cpu[2] / total_gib, "get_plain": cpu[3] / total_gib},
+            "engine_cpu_s_per_gib_by_thread": {"put": m.threads[0].per_gib(total_gib),
+                                               "get": m.threads[1].per_gib(total_gib)},
             "nvme_load_latency": {"alone": lat(alone), "during_s3": lat(busy), "s3_gib_s_during": busy_s3},
         })
     }
@@ -768,6 +789,47 @@ fn latency_table(alone: &Latency, busy: &Latency) -> String {
 }
 
 /// Process CPU seconds so far.
+/// CPU seconds of the engine's thread classes, as snapshots to subtract.
+#[derive(Clone, Copy, Default)]
+struct ThreadSecs {
+    caller: f64,
+    workers: f64,
+    io_kernel: f64,
+    s3_reactor: f64,
+}
+
+impl ThreadSecs {
+    /// Now: this (the calling) thread, and the engine's classes from its stats.
+    fn now(engine: &Engine) -> ThreadSecs {
+        let s = engine.stats();
+        ThreadSecs {
+            caller: kvtier_sys::affinity::thread_cpu_time().as_secs_f64(),
+            workers: s.worker_cpu_seconds,
+            io_kernel: s.io_kernel_cpu_seconds,
+            s3_reactor: s.s3_cpu_seconds,
+        }
+    }
+
+    /// Adds what each class spent from `before` to `after`.
+    fn add_since(&mut self, before: &ThreadSecs, after: &ThreadSecs) {
+        let d = |a: f64, b: f64| (a - b).max(0.0);
+        self.caller += d(after.caller, before.caller);
+        self.workers += d(after.workers, before.workers);
+        self.io_kernel += d(after.io_kernel, before.io_kernel);
+        self.s3_reactor += d(after.s3_reactor, before.s3_reactor);
+    }
+
+    fn per_gib(&self, gib: f64) -> crate::bench::ThreadCpu {
+        let per = |v: f64| if gib > 0.0 { v / gib } else { 0.0 };
+        crate::bench::ThreadCpu {
+            caller: per(self.caller),
+            workers: per(self.workers),
+            io_kernel: per(self.io_kernel),
+            s3_reactor: per(self.s3_reactor),
+        }
+    }
+}
+
 fn cpu_now() -> f64 {
     kvtier_sys::affinity::process_cpu_time().as_secs_f64()
 }

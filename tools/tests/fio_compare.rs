@@ -16,7 +16,7 @@ fn have_fio() -> bool {
         .output()
         .is_ok_and(|o| o.status.success());
     if !found {
-        println!("skipping: fio is not on PATH (install fio: apt-get install -y fio)");
+        kvtier_sys::skip!("fio is not on PATH (install fio: apt-get install -y fio)");
     }
     found
 }

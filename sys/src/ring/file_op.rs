@@ -498,11 +498,11 @@ mod tests {
         match Ring::new(&cfg) {
             Ok(ring) if ring.supports_file_ops() => Some(ring),
             Ok(_) => {
-                println!("SKIP: kernel lacks the io_uring file opcodes");
+                crate::skip!("kernel lacks the io_uring file opcodes");
                 None
             }
             Err(e) => {
-                println!("SKIP: io_uring unavailable: {e}");
+                crate::skip!("io_uring unavailable: {e}");
                 None
             }
         }
@@ -552,7 +552,7 @@ mod tests {
             return;
         };
         if !ring.supports_xattr_ops() {
-            return println!("SKIP: no FSETXATTR/FGETXATTR (Linux 5.19+)");
+            return crate::skip!("no FSETXATTR/FGETXATTR (Linux 5.19+)");
         }
         let dir = tempfile::tempdir_in("/var/tmp").expect("dir");
         let file = std::fs::File::create(dir.path().join("f")).expect("file");
@@ -580,7 +580,7 @@ mod tests {
                 },
             );
             if r == -libc::EOPNOTSUPP {
-                return println!("SKIP: no user xattrs on /var/tmp");
+                return crate::skip!("no user xattrs on /var/tmp");
             }
             assert_eq!(r, 0);
         }

@@ -14,8 +14,10 @@ use kvtier_sys::blocks::{Lease, LeaseHold};
 use crate::events::EventSink;
 use crate::key::Key;
 use crate::metrics::EngineMetrics;
-use crate::release::{Held, Park, Release};
 use crate::Errno;
+use release::{Held, Park, Release};
+
+pub mod release;
 
 /// A job's caller-chosen identifier.
 pub type JobId = u64;

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::job::{JobId, JobResult, Then};
+use super::{JobId, JobResult, Then};
 
 /// Set once no I/O of kvtier can reach a job's region blocks any more: from then on they are
 /// the caller's. Cheap to clone; every clone sees the same signal.
