@@ -1,19 +1,48 @@
 //! Admission: a job is checked, leased, counted against `jobs_in_flight_max`, and queued on
 //! its workers all or nothing within `queue_blocks_max` (keys no worker holds go to the cold
-//! tier), without blocking.
+//! tier), without blocking. Written once, in [`Admission`]: the engine's submits and the
+//! simulator's cluster both admit through it.
 
 use super::Engine;
-use crate::cold;
+use crate::cold::{self, ColdTier};
 use crate::error::{Error, Result};
-use crate::job::{Job, JobKind, JobState, KeyFailure};
+use crate::job::{Job, JobKind, JobState, KeyFailure, Shared};
 use crate::key::Key;
-use crate::route::items_by_worker;
+use crate::route::{items_by_worker, Router};
 use crate::verdicts::Verdict;
 use kvtier_sys::blocks::Lease;
+use kvtier_sys::mem::Region;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// What admitting a job reads: the parts every front end of the engine shares.
+pub(crate) struct Admission<'a> {
+    pub shared: &'a Arc<Shared>,
+    pub region: &'a Arc<Region>,
+    pub region_blocks: u64,
+    pub router: &'a Router,
+    pub cold: Option<&'a dyn ColdTier>,
+    pub jobs_in_flight_max: usize,
+    pub queue_blocks_max: usize,
+    /// The files layout: a key no worker indexed may still be a file another process wrote, so
+    /// its load goes to its worker unless a fresh answer says it is absent.
+    pub files: bool,
+}
+
 impl Engine {
+    fn admission(&self) -> Admission<'_> {
+        Admission {
+            shared: &self.shared,
+            region: &self.region,
+            region_blocks: self.region_blocks,
+            router: &self.router,
+            cold: self.cold.as_deref(),
+            jobs_in_flight_max: self.jobs_in_flight_max,
+            queue_blocks_max: self.queue_blocks_max,
+            files: self.first_lookup.is_some(),
+        }
+    }
+
     pub(super) fn submit(&self, kind: JobKind, job: Job) -> Result<()> {
         let _gate = self
             .gate
@@ -22,6 +51,14 @@ impl Engine {
         if self.shut.load(Ordering::Acquire) {
             return Err(Error::Shutdown);
         }
+        self.admission().admit(kind, job)
+    }
+}
+
+impl Admission<'_> {
+    /// Admits `job`: a malformed one is reported failed (`Ok`), a full queue or too many jobs
+    /// in flight is [`Error::Backpressure`] with nothing queued.
+    pub fn admit(&self, kind: JobKind, job: Job) -> Result<()> {
         let prev = self.shared.jobs_in_flight.fetch_add(1, Ordering::AcqRel);
         if prev >= self.jobs_in_flight_max {
             self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -42,13 +79,13 @@ impl Engine {
         }
         if let Some((index, detail)) = self.invalid(&job) {
             let state = JobState::new(kind, job);
-            state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
+            state.fail_whole(self.shared, index, KeyFailure::InvalidJob, detail);
             return Ok(());
         }
         let Some((lease, job)) = self.lease(kind, job) else {
             return Ok(());
         };
-        let workers = self.shards.len();
+        let workers = self.router.shards.len();
         let mut parts = items_by_worker(&job.keys, workers);
         // Reserve queue room on every worker first, so a job is queued whole or not at all.
         if let Err((s, before, n)) = self.router.reserve_or(&parts) {
@@ -70,14 +107,12 @@ impl Engine {
         }
         let state = Arc::new(self.job_state(kind, job, lease));
         if state.job.keys.is_empty() {
-            state.publish(&self.shared);
+            state.publish(self.shared);
             return Ok(());
         }
-        if let (JobKind::Load, Some(cold)) = (kind, &self.cold) {
+        if let (JobKind::Load, Some(cold)) = (kind, self.cold) {
             // Keys not held locally are loaded from the bucket; their queue room is returned.
-            cold::load_remote(cold.as_ref(), &self.router, &state, &mut parts, |k| {
-                self.is_local(k)
-            });
+            cold::load_remote(cold, self.router, &state, &mut parts, |k| self.is_local(k));
         }
         for (s, items) in parts.into_iter().enumerate() {
             if !items.is_empty() {
@@ -89,7 +124,7 @@ impl Engine {
 
     /// Leases the job's blocks: shared for a store (the device reads them), exclusive for a
     /// load. `None` when the job was refused and reported failed instead.
-    pub(super) fn lease(&self, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
+    fn lease(&self, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
         match self.region.lease(&job.blocks, kind == JobKind::Load) {
             // The lease holds each block once: fewer than the job names means a repeat, which
             // a load cannot have (two keys would land in one block).
@@ -106,12 +141,7 @@ impl Engine {
                      block once",
                     job.blocks[i]
                 );
-                JobState::new(kind, job).fail_whole(
-                    &self.shared,
-                    i,
-                    KeyFailure::InvalidJob,
-                    detail,
-                );
+                JobState::new(kind, job).fail_whole(self.shared, i, KeyFailure::InvalidJob, detail);
                 None
             }
             Ok(lease) => Some((Arc::new(lease), job)),
@@ -122,34 +152,28 @@ impl Engine {
                     .position(|&b| b == busy.block)
                     .unwrap_or(0);
                 let state = JobState::new(kind, job);
-                state.fail_whole(
-                    &self.shared,
-                    index,
-                    KeyFailure::InvalidJob,
-                    busy.to_string(),
-                );
+                state.fail_whole(self.shared, index, KeyFailure::InvalidJob, busy.to_string());
                 None
             }
         }
     }
 
     /// The state of an admitted job: write-through stores report after their upload.
-    pub(super) fn job_state(&self, kind: JobKind, job: Job, lease: Arc<Lease>) -> JobState {
-        cold::admitted(self.cold.as_deref(), kind, job, lease)
+    fn job_state(&self, kind: JobKind, job: Job, lease: Arc<Lease>) -> JobState {
+        cold::admitted(self.cold, kind, job, lease)
     }
 
     /// Whether a load of `key` goes to its NVMe worker (else to the cold tier): stored here, or,
     /// with the files layout, not known to be absent by a fresh answer (another process may
     /// have published it; the worker's open finds out, and a miss there still falls back to the
     /// cold tier).
-    pub(super) fn is_local(&self, key: &Key) -> bool {
-        let me = &self.shards[key.shard(self.shards.len())].shared;
+    fn is_local(&self, key: &Key) -> bool {
+        let me = &self.router.shards[key.shard(self.router.shards.len())].1;
         me.published.contains(key)
-            || (self.first_lookup.is_some()
-                && me.unindexed().peek(key) != Some((Verdict::Absent, true)))
+            || (self.files && me.unindexed().peek(key) != Some((Verdict::Absent, true)))
     }
 
-    pub(super) fn invalid(&self, job: &Job) -> Option<(usize, String)> {
+    fn invalid(&self, job: &Job) -> Option<(usize, String)> {
         if job.keys.len() != job.blocks.len() {
             return Some((
                 0,
@@ -170,7 +194,7 @@ impl Engine {
             })
     }
 
-    pub(super) fn notify_if_idle(&self) {
+    pub fn notify_if_idle(&self) {
         if self.shared.jobs_in_flight.load(Ordering::Acquire) == 0 {
             let _g = self
                 .shared

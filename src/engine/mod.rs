@@ -27,7 +27,7 @@ use crate::route::Router;
 use crate::slab::Geometry;
 use crate::worker::{self, Msg, WorkerShared};
 
-mod admit;
+pub(crate) mod admit;
 mod lookup;
 pub(crate) mod open;
 pub(crate) mod start;

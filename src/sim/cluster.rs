@@ -25,8 +25,8 @@ use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
 use crate::files::layout::{FilesLayout, Op as FilesOp};
 use crate::io::{BackendSettings, EventFd, Region, Storage};
-use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure, Shared};
-use crate::route::{items_by_worker, Router};
+use crate::job::{Job, JobKind, JobResult, Shared};
+use crate::route::Router;
 use crate::slab::layout::{DeviceSpec, SlabLayout};
 use crate::slab::prepare::prepare_slab;
 use crate::tier::{Lookup, Tier};
@@ -117,6 +117,9 @@ pub struct Cluster {
     results: Receiver<JobResult>,
     region: Arc<Region>,
     region_blocks: u64,
+    jobs_in_flight_max: usize,
+    /// The files layout (admission sends loads of keys not indexed to their worker).
+    files: bool,
     cold: Option<Arc<SimObjectStore>>,
     rng: Rng,
     /// The workers' clock: it moves [`STEP_TIME`] a turn, never with the wall clock, so a seed
@@ -359,25 +362,22 @@ impl Cluster {
             };
             list.push(devices.worker(params, workers, meta, &me)?);
         }
+        let router = |shards| Router {
+            shards,
+            queue_blocks_max: config.queue_blocks_max,
+        };
         if let Some(c) = &cold {
-            c.connect(
-                Arc::clone(&shared),
-                Router {
-                    shards: senders.clone(),
-                    queue_blocks_max: config.queue_blocks_max,
-                },
-            );
+            c.connect(Arc::clone(&shared), router(senders.clone()));
         }
         Ok(Cluster {
             workers: list,
-            router: Router {
-                shards: senders,
-                queue_blocks_max: config.queue_blocks_max,
-            },
+            router: router(senders),
             shared,
             results,
             region: Arc::clone(region),
             region_blocks: region.len() as u64 / block_bytes,
+            jobs_in_flight_max: config.jobs_in_flight_max,
+            files: config.files.is_some() && derived.layout == crate::config::Layout::Files,
             cold,
             rng: Rng::new(seed),
             clock,
@@ -386,72 +386,24 @@ impl Cluster {
         })
     }
 
-    /// Admits a job as `Engine::submit_*` does: a malformed job is reported failed, a full queue
-    /// is `Error::Backpressure` with nothing queued.
+    /// Admits a job through the engine's own admission (`engine::admit::Admission`): a
+    /// malformed job is reported failed, a full queue or too many jobs in flight is
+    /// `Error::Backpressure` with nothing queued.
     pub fn submit(&mut self, kind: JobKind, job: Job) -> Result<()> {
         if self.stopped {
             return Err(Error::Shutdown);
         }
-        self.shared
-            .jobs_in_flight
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        if job.keys.len() != job.blocks.len()
-            || job
-                .blocks
-                .iter()
-                .any(|&b| u64::from(b) >= self.region_blocks)
-        {
-            JobState::new(kind, job).fail_whole(
-                &self.shared,
-                0,
-                KeyFailure::InvalidJob,
-                "malformed".into(),
-            );
-            return Ok(());
+        crate::engine::admit::Admission {
+            shared: &self.shared,
+            region: &self.region,
+            region_blocks: self.region_blocks,
+            router: &self.router,
+            cold: self.cold.as_deref().map(|c| c as &dyn ColdTier),
+            jobs_in_flight_max: self.jobs_in_flight_max,
+            queue_blocks_max: self.router.queue_blocks_max,
+            files: self.files,
         }
-        // Leased as the engine leases them (the region tracks leases; the simulated device
-        // copies through its accessors and checks that the job still holds the blocks).
-        let lease = match self.region.lease(&job.blocks, kind == JobKind::Load) {
-            Ok(lease) => Arc::new(lease),
-            Err(busy) => {
-                JobState::new(kind, job).fail_whole(
-                    &self.shared,
-                    0,
-                    KeyFailure::InvalidJob,
-                    busy.to_string(),
-                );
-                return Ok(());
-            }
-        };
-        let parts = items_by_worker(&job.keys, self.workers.len());
-        if let Err((s, before, n)) = self.router.reserve_or(&parts) {
-            self.shared
-                .jobs_in_flight
-                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-            return Err(Error::Backpressure(format!(
-                "worker {s} has {before} blocks queued, this job adds {n}"
-            )));
-        }
-        let cold = self.cold.as_deref().map(|c| c as &dyn ColdTier);
-        let state = Arc::new(crate::cold::admitted(cold, kind, job, lease));
-        if state.job.keys.is_empty() {
-            state.publish(&self.shared);
-            return Ok(());
-        }
-        let mut parts = parts;
-        if let (JobKind::Load, Some(cold)) = (kind, cold) {
-            // Keys no worker holds go to the cold tier; their queue room is returned.
-            let workers = self.workers.len();
-            crate::cold::load_remote(cold, &self.router, &state, &mut parts, |k| {
-                self.router.shards[k.shard(workers)].1.published.contains(k)
-            });
-        }
-        for (s, items) in parts.into_iter().enumerate() {
-            if !items.is_empty() {
-                self.router.send(s, &state, items);
-            }
-        }
-        Ok(())
+        .admit(kind, job)
     }
 
     /// Answers a lookup as `Engine::lookup` does: the workers' published keys, then the cold

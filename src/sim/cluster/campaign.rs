@@ -1057,6 +1057,64 @@ mod clock_tests {
     use super::*;
     use crate::job::KeyFailure;
     use crate::sim::cluster::STEP_TIME;
+    use std::sync::atomic::Ordering;
+
+    /// The cluster admits through the engine's own admission: a load naming one block twice is
+    /// refused as the engine refuses it, `jobs_in_flight_max` applies, and the store count the
+    /// load path reads goes up at admission and back to zero (it wrapped below zero when the
+    /// cluster had an admission of its own).
+    #[test]
+    fn the_cluster_admits_as_the_engine_does() {
+        let mut rng = Rng::new(6);
+        let mut config = config(&mut rng, 1, 1);
+        config.jobs_in_flight_max = 1;
+        let storage = SimStorage::new(6, &[(1 << 20) + 32 * BLOCK]);
+        let region = crate::region::allocate_blocks(
+            BLOCK,
+            u64::from(REGION_BLOCKS),
+            crate::config::HugePages::Off,
+        )
+        .expect("region");
+        let mut cluster = Cluster::open(&config, &region, &storage, 6).expect("opens");
+        let (a, b) = (Key::new(b"a").expect("key"), Key::new(b"b").expect("key"));
+        cluster
+            .submit(JobKind::Load, Job::new(1, vec![a, b], vec![3, 3]))
+            .expect("a malformed job is admitted and reported failed");
+        let mut results = Vec::new();
+        cluster.poll(&mut results);
+        assert_eq!(results.len(), 1, "{results:?}");
+        assert_eq!(
+            results[0].failures[0].reason,
+            KeyFailure::InvalidJob,
+            "{results:?}"
+        );
+        assert!(
+            results[0].failures[0].detail.contains("appears twice"),
+            "{results:?}"
+        );
+
+        cluster
+            .submit(JobKind::Store, Job::new(2, vec![a], vec![0]))
+            .expect("store admitted");
+        assert_eq!(
+            cluster.shared.store_jobs_in_flight.load(Ordering::Relaxed),
+            1
+        );
+        let refused = cluster.submit(JobKind::Store, Job::new(3, vec![b], vec![1]));
+        assert!(
+            matches!(refused, Err(crate::Error::Backpressure(ref why)) if why.contains("jobs_in_flight_max")),
+            "{refused:?}"
+        );
+        assert!(cluster.settle(10_000), "the store settles");
+        results.clear();
+        cluster.poll(&mut results);
+        assert!(results[0].failures.is_empty(), "{results:?}");
+        assert_eq!(
+            cluster.shared.store_jobs_in_flight.load(Ordering::Relaxed),
+            0
+        );
+        assert_eq!(cluster.jobs_in_flight(), 0);
+    }
 
     /// A load from a hung device fails by its deadline on the cluster's clock: not before
     /// `io_timeout_ms` of cluster time and soon after (on the wall clock it would take 200 ms of
