@@ -169,7 +169,7 @@ pub struct FioCompareArgs {
     /// stderr).
     #[arg(long, value_name = "PATH|-")]
     json: Option<String>,
-    /// Draw bandwidth and latency of every cell side by side into an SVG file.
+    /// Draw bandwidth, latency and CPU per GiB of every cell side by side into an SVG file.
     #[arg(long, value_name = "PATH.svg")]
     plot: Option<PathBuf>,
     /// Print the fio jobs this run would use, filled in for this target, and exit.

@@ -52,7 +52,7 @@ fn draw_on(root: &DrawingArea<SVGBackend<'_>, Shift>, cells: &[CellSummary]) -> 
         .x_label_area_size(110)
         .y_label_area_size(60)
         .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..bw_max * 1.18)?;
-    mesh(&mut chart, "GiB/s")?;
+    mesh(&mut chart, "GiB/s", 1)?;
     x_labels(root, &chart, &labels)?;
     chart
         .draw_series(
@@ -98,7 +98,7 @@ fn draw_on(root: &DrawingArea<SVGBackend<'_>, Shift>, cells: &[CellSummary]) -> 
         .x_label_area_size(110)
         .y_label_area_size(70)
         .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..lat_max * 1.3)?;
-    mesh(&mut chart, "µs")?;
+    mesh(&mut chart, "µs", 1)?;
     x_labels(root, &chart, &labels)?;
     chart
         .draw_series(cells.iter().enumerate().flat_map(|(i, c)| {
@@ -150,16 +150,7 @@ fn draw_cpu(
         .x_label_area_size(110)
         .y_label_area_size(70)
         .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..cpu_max * 1.18)?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .light_line_style(TRANSPARENT)
-        .x_labels(1)
-        .x_label_formatter(&|_| String::new())
-        .y_labels(8)
-        .y_label_formatter(&|v: &f64| format!("{v:.3}"))
-        .y_desc("CPU s/GiB")
-        .draw()?;
+    mesh(&mut chart, "CPU s/GiB", 3)?;
     x_labels(root, &chart, labels)?;
     chart
         .draw_series(
@@ -212,14 +203,14 @@ fn draw_cpu(
 type Chart<'a, 'b> =
     ChartContext<'a, SVGBackend<'b>, Cartesian2d<SegmentedCoord<RangedCoordusize>, RangedCoordf64>>;
 
-/// Axes and grid; the x labels are drawn by [`x_labels`] (the mesh would center rotated
-/// labels on the axis, half hidden behind the bars).
-fn mesh(chart: &mut Chart<'_, '_>, y: &str) -> Result<()> {
+/// Axes and grid, y labels with `decimals` below 10; the x labels are drawn by [`x_labels`]
+/// (the mesh would center rotated labels on the axis, half hidden behind the bars).
+fn mesh(chart: &mut Chart<'_, '_>, y: &str, decimals: usize) -> Result<()> {
     let y_label = |v: &f64| {
         if *v >= 10.0 {
             format!("{v:.0}")
         } else {
-            format!("{v:.1}")
+            format!("{v:.decimals$}")
         }
     };
     chart
