@@ -13,6 +13,10 @@ use crate::job::{Job, JobKind, JobState, MissFallback, Then};
 use crate::key::Key;
 use crate::metrics::S3Stats;
 use crate::route::Router;
+
+/// The name of a cold tier's reactor threads (the S3 tier's), which is how
+/// `ThreadCpu::s3_reactor_seconds` is found; here, so that builds without the S3 tier know it too.
+pub(crate) const REACTOR_THREAD: &str = "kvtier-s3";
 use crate::tier::Lookup;
 use crate::worker::Demotion;
 

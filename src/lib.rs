@@ -55,4 +55,4 @@ pub use job::{BlockId, Job, JobFailure, JobId, JobKind, JobResult, KeyFailure};
 pub use key::{Key, MAX_KEY_BYTES};
 pub use kvtier_sys::mem::{Backing, Region};
 pub use kvtier_sys::Errno;
-pub use metrics::{S3OpStats, S3Stats, Stats};
+pub use metrics::{S3OpStats, S3Stats, Stats, ThreadCpu};

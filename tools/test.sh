@@ -19,6 +19,8 @@ s3s-fs --version
 cargo fmt --all -- --check
 # `kvtier/sim`: the simulated device and the deterministic simulator, for tests only.
 cargo clippy --workspace --all-targets --locked --features kvtier/sim -- -D warnings
+# The engine builds without its default S3 tier too.
+cargo check -p kvtier --no-default-features --locked
 # No module cycles in the kvtier crate (docs/architecture.md), and a declared MSRV that covers
 # every locked dependency (clippy above checks kvtier's own code against it).
 python3 tools/module_deps.py --quiet

@@ -56,8 +56,6 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
         jobs_released_late,
         events_dropped,
         worker_cpu_seconds,
-        io_kernel_cpu_seconds,
-        s3_cpu_seconds,
     );
     d.set_item("load_latency", hist_dict(py, &s.load_latency_us)?)?;
     d.set_item("store_latency", hist_dict(py, &s.store_latency_us)?)?;

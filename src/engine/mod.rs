@@ -324,7 +324,17 @@ impl Engine {
     /// Every counter now in the Prometheus text format (version 0.0.4): what `GET /metrics`
     /// serves (`[metrics] listen`). Families are listed in [`crate::metrics::render`].
     pub fn metrics_text(&self) -> String {
-        crate::metrics::render::render(self.stats(), crate::metrics::render::Format::Prometheus)
+        crate::metrics::render::render(
+            self.stats.stats_with_threads(),
+            crate::metrics::render::Format::Prometheus,
+        )
+    }
+
+    /// [`Engine::stats`] with [`Stats::thread_cpu`] set: the CPU of io_uring's kernel threads
+    /// and the S3 reactor, read from `/proc/self/task` (a system call or two per thread of the
+    /// process, so not for every step of an inference loop).
+    pub fn stats_with_threads(&self) -> Stats {
+        self.stats.stats_with_threads()
     }
 
     /// The address the metrics endpoint listens on (the port chosen when `listen` had port 0);

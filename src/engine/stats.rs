@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use crate::cold::ColdTier;
 use crate::config::{Derived, DeviceConfig, Layout};
 use crate::job::Shared;
-use crate::metrics::{Stats, WorkerStats};
+use crate::metrics::{Stats, ThreadCpu, WorkerStats};
 use crate::route::Router;
 use crate::worker::{self, WorkerShared};
 
@@ -29,7 +29,7 @@ pub(crate) struct StatsSource {
 
 impl crate::metrics::serve::StatsSnapshot for StatsSource {
     fn stats(&self) -> Stats {
-        StatsSource::stats(self)
+        self.stats_with_threads()
     }
 }
 
@@ -69,6 +69,18 @@ impl StatsSource {
                 Layout::Slab => "slab",
             },
         }
+    }
+
+    /// [`StatsSource::stats`] and the CPU of the engine's other threads (a scan of
+    /// `/proc/self/task`: for the endpoint and the benches, not for every step of a caller).
+    pub fn stats_with_threads(&self) -> Stats {
+        let mut s = self.stats();
+        let (io_kernel, s3) = thread_class_cpu_ns();
+        s.thread_cpu = Some(ThreadCpu {
+            io_kernel_seconds: io_kernel as f64 / 1e9,
+            s3_reactor_seconds: s3 as f64 / 1e9,
+        });
+        s
     }
 
     /// A snapshot of every counter now.
@@ -115,9 +127,6 @@ impl StatsSource {
         s.jobs = self.shared.metrics.jobs();
         s.lookups = self.shared.metrics.lookups();
         s.jobs_in_flight = self.shared.jobs_in_flight.load(Ordering::Acquire) as u64;
-        let (io_kernel, s3) = thread_class_cpu_ns();
-        s.io_kernel_cpu_seconds = io_kernel as f64 / 1e9;
-        s.s3_cpu_seconds = s3 as f64 / 1e9;
         s.blocks_held_by_hung_io = self.shared.held.blocks();
         s.jobs_released_late = self.shared.held.released_late();
         s.s3 = self.cold.get().map(|c| c.stats());
@@ -135,18 +144,18 @@ fn thread_class_cpu_ns() -> (u64, u64) {
         return (0, 0);
     };
     for task in tasks.flatten() {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
         let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
         let class = if comm.starts_with("iou-wrk-") || comm.starts_with("iou-sqp-") {
             &mut io_kernel
-        } else if comm.starts_with(crate::s3::REACTOR_THREAD) {
+        } else if comm.starts_with(crate::cold::REACTOR_THREAD) {
             &mut s3
         } else {
             continue;
         };
-        *class += std::fs::read_to_string(task.path().join("schedstat"))
-            .ok()
-            .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
-            .unwrap_or(0);
+        *class += worker::shared::thread_cpu_ns(tid);
     }
     (io_kernel, s3)
 }

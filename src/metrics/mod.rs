@@ -403,6 +403,18 @@ impl DeviceStats {
     }
 }
 
+/// CPU time of a process's threads, by class, in seconds (threads alive now: an io_uring worker
+/// that exited after idling takes its time with it).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ThreadCpu {
+    /// io_uring's kernel threads of this process: `iou-wrk-*` (the writes and file operations
+    /// the kernel could not issue inline from a worker's submit) and `iou-sqp-*` (submission
+    /// polling). Process-wide: every ring of the process.
+    pub io_kernel_seconds: f64,
+    /// The S3 tier's reactor threads (`kvtier-s3`); 0 without one.
+    pub s3_reactor_seconds: f64,
+}
+
 /// One worker's queues and costs now.
 #[derive(Clone, Debug, Default)]
 pub struct WorkerStats {
@@ -524,13 +536,10 @@ pub struct Stats {
     pub events_dropped: u64,
     /// CPU time used by the worker threads, in seconds.
     pub worker_cpu_seconds: f64,
-    /// CPU time of this process's io_uring kernel threads, in seconds: `iou-wrk-*` (the
-    /// writes and file operations the kernel could not issue inline from a worker's submit)
-    /// and `iou-sqp-*` (submission-queue polling). Threads alive now: an io worker that
-    /// exited after idling takes its time with it. Process-wide (every ring of the process).
-    pub io_kernel_cpu_seconds: f64,
-    /// CPU time of the S3 tier's reactor threads (`kvtier-s3`), in seconds; 0 without one.
-    pub s3_cpu_seconds: f64,
+    /// CPU time of the threads that work for the engine besides its workers; `None` from
+    /// `Engine::stats` (which stays cheap: vLLM's tier reads it every step), set by
+    /// `Engine::stats_with_threads` and the metrics endpoint, which read `/proc/self/task`.
+    pub thread_cpu: Option<ThreadCpu>,
     /// Per-block device latency of loads and stores (push to completion), microseconds.
     pub load_latency_us: HistogramSnapshot,
     pub store_latency_us: HistogramSnapshot,

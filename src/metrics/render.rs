@@ -526,22 +526,25 @@ fn workers(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
         Some(&Unit::Seconds),
         &cpu,
     )?;
-    o.family(
-        "kvtier_thread_cpu",
-        "CPU time of the process's threads besides the workers, by class: io_uring's kernel \
-         threads (io_kernel) and the S3 tier's reactor (s3_reactor); threads alive now.",
-        Some(&Unit::Seconds),
-        &[
-            (
-                l1("class", "io_kernel"),
-                ConstCounter::new(s.io_kernel_cpu_seconds),
-            ),
-            (
-                l1("class", "s3_reactor"),
-                ConstCounter::new(s.s3_cpu_seconds),
-            ),
-        ],
-    )?;
+    if let Some(t) = s.thread_cpu {
+        o.family(
+            "kvtier_thread_cpu",
+            "CPU time of the process's threads besides the workers, by class: io_uring's \
+             kernel threads (io_kernel) and the S3 tier's reactor (s3_reactor); threads alive \
+             now.",
+            Some(&Unit::Seconds),
+            &[
+                (
+                    l1("class", "io_kernel"),
+                    ConstCounter::new(t.io_kernel_seconds),
+                ),
+                (
+                    l1("class", "s3_reactor"),
+                    ConstCounter::new(t.s3_reactor_seconds),
+                ),
+            ],
+        )?;
+    }
     o.counters(
         "kvtier_worker_submits",
         "io_uring_enter system calls (submitting or waiting), per worker.",

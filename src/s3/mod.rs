@@ -58,8 +58,6 @@ static LOOKUP_WARNINGS: crate::logs::RateLimit =
 
 /// The reactor threads' nice value when they share cores with NVMe workers.
 const REACTOR_NICE: i32 = 5;
-/// The name of the reactor's threads (how `Stats::s3_cpu_seconds` finds them).
-pub(crate) const REACTOR_THREAD: &str = "kvtier-s3";
 
 /// What `Engine::open` set up for the S3 tier.
 #[derive(Clone, Debug)]
@@ -146,7 +144,7 @@ impl S3Tier {
         let next = Arc::new(AtomicUsize::new(0));
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
-            .thread_name(REACTOR_THREAD)
+            .thread_name(crate::cold::REACTOR_THREAD)
             .enable_all()
             .on_thread_start(move || {
                 if pin.is_empty() {

@@ -801,12 +801,13 @@ struct ThreadSecs {
 impl ThreadSecs {
     /// Now: this (the calling) thread, and the engine's classes from its stats.
     fn now(engine: &Engine) -> ThreadSecs {
-        let s = engine.stats();
+        let s = engine.stats_with_threads();
+        let t = s.thread_cpu.unwrap_or_default();
         ThreadSecs {
             caller: kvtier_sys::affinity::thread_cpu_time().as_secs_f64(),
             workers: s.worker_cpu_seconds,
-            io_kernel: s.io_kernel_cpu_seconds,
-            s3_reactor: s.s3_cpu_seconds,
+            io_kernel: t.io_kernel_seconds,
+            s3_reactor: t.s3_reactor_seconds,
         }
     }
 

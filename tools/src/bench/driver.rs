@@ -216,7 +216,7 @@ impl<'e> Bench<'e> {
     }
 
     pub(super) fn run_phase(&mut self, phase: &Phase) -> CliResult<PhaseOutcome> {
-        let before = self.engine.stats();
+        let before = self.engine.stats_with_threads();
         let bench_before = thread_cpu_time();
         let start = Instant::now();
         let depth = self.state.queue_depth;
@@ -242,13 +242,13 @@ impl<'e> Bench<'e> {
         self.driver.run(&mut jobs, limits)?;
         let seconds = start.elapsed().as_secs_f64();
         jobs.bar.finish_and_clear();
-        let after = self.engine.stats();
+        let after = self.engine.stats_with_threads();
         let delta = |f: fn(&kvtier::Stats) -> f64| (f(&after) - f(&before)).max(0.0);
         Ok(PhaseOutcome {
             seconds,
             cpu_seconds: delta(|s| s.worker_cpu_seconds),
-            io_kernel_cpu_seconds: delta(|s| s.io_kernel_cpu_seconds),
-            s3_cpu_seconds: delta(|s| s.s3_cpu_seconds),
+            io_kernel_cpu_seconds: delta(|s| s.thread_cpu.map_or(0.0, |t| t.io_kernel_seconds)),
+            s3_cpu_seconds: delta(|s| s.thread_cpu.map_or(0.0, |t| t.s3_reactor_seconds)),
             bench_cpu_seconds: thread_cpu_time().saturating_sub(bench_before).as_secs_f64(),
             tallies: jobs.tallies,
         })

@@ -16,7 +16,7 @@ pub(crate) struct WorkloadRow {
     pub(crate) cpu_seconds: f64,
     /// `null` when nothing was moved.
     pub(crate) cpu_s_per_gib: Option<f64>,
-    /// io_uring's kernel threads of this process over the phase (`Stats::io_kernel_cpu_seconds`).
+    /// io_uring's kernel threads of this process over the phase (`Stats::thread_cpu`).
     pub(crate) io_kernel_cpu_seconds: f64,
     /// The S3 tier's reactor threads over the phase.
     pub(crate) s3_cpu_seconds: f64,
