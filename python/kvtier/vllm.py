@@ -18,7 +18,7 @@ left out) or the short form:
   own: one preallocated file ``<root_dir>/kvtier.slab``; needs ``capacity_bytes``).
 * ``capacity_bytes``: bound on the bytes kept (files: unset means unbounded, like vLLM).
 * ``cores``: ``"auto"`` (default: one pinned worker per CPU this process may use, at most
-  ``_AUTO_WORKERS_MAX`` = 8, on the highest-numbered of them: every worker registers the whole
+  ``AUTO_WORKERS_MAX`` = 8, on the highest-numbered of them: every worker registers the whole
   primary region, so opening costs grow with workers) or an explicit list of CPUs.
 * ``s3``: an inline ``[s3]`` table (bucket, endpoint, prefix, ...; see kvtier.example.toml).
 * ``enable_kv_events``, ``locality``: as for vLLM's fs tier.
@@ -69,6 +69,7 @@ except ImportError as _e:  # pragma: no cover - exercised by a test without vLLM
     ) from _e
 
 import kvtier
+from kvtier._tier_config import cores_auto, load_config, size_bytes
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -104,7 +105,6 @@ _DOOMED_TTL_S = 30.0
 _DOOMED_MAX = 65536
 
 _LAYOUTS = ("files", "slab")
-_AUTO_WORKERS_MAX = 8
 _SLAB_FILE = "kvtier.slab"
 # A key whose load failed is a MISS for this long (vLLM's promotion-livelock fix, #49328):
 # long enough for the scheduler to recompute instead of retrying, short enough that a
@@ -232,29 +232,6 @@ def _namespace(spec: Any, file_mapper: FileMapper) -> dict[str, Any]:
     return ns
 
 
-def _load_config(config: Any) -> dict[str, Any]:
-    """The `config` kwarg as a dict: an inline table, TOML text or a TOML path."""
-    import tomllib
-
-    if isinstance(config, Mapping):
-        return dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        text, kind = kvtier._config_arg(config)
-        if kind == "path":
-            try:
-                with open(text, "rb") as f:
-                    return tomllib.load(f)
-            except OSError as e:
-                raise kvtier.ConfigError(f"reading config {text}: {e}") from None
-        try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise kvtier.ConfigError(f"config: {e}") from None
-    raise TypeError(
-        f"config: expected a kvtier TOML path, TOML text or a table, got {type(config).__name__}"
-    )
-
-
 class KvtierTierManager(SecondaryTierManager):
     """vLLM secondary tier backed by the kvtier engine; see the module docstring."""
 
@@ -308,7 +285,7 @@ class KvtierTierManager(SecondaryTierManager):
                     f"tier '{tier_type}': config replaces {', '.join(both)}: give the kvtier "
                     "config alone, or the short form without config"
                 )
-            cfg = _load_config(config)
+            cfg = load_config(config)
         else:
             layout = layout or "files"
             cores = "auto" if cores is None else cores
@@ -334,11 +311,11 @@ class KvtierTierManager(SecondaryTierManager):
                 device["path"] = root_dir
             if capacity_bytes is not None:
                 device["capacity_bytes"] = capacity_bytes
-            cfg = {"cores": _cores(cores), "direct_io": direct_io, "devices": [device]}
+            cfg = {"cores": cores_auto(cores), "direct_io": direct_io, "devices": [device]}
             if s3 is not None:
                 cfg["s3"] = dict(s3)
         cfg.setdefault("block_size", self.block_size_bytes)
-        if _size(cfg["block_size"]) != self.block_size_bytes:
+        if size_bytes(cfg["block_size"]) != self.block_size_bytes:
             raise kvtier.ConfigError(
                 f"config field `block_size` = {cfg['block_size']!r}: must equal vLLM's primary "
                 f"row stride, {self.block_size_bytes} bytes"
@@ -715,21 +692,3 @@ def _vllm_version() -> str:
         return importlib.metadata.version("vllm")
     except Exception:  # noqa: BLE001 - the version is for the message only
         return "version unknown"
-
-
-def _cores(cores: Any) -> Any:
-    """The tier's `cores`: "auto" becomes at most _AUTO_WORKERS_MAX of the CPUs this process may
-    run on (the highest-numbered, away from the CPU 0 housekeeping usually lands on)."""
-    if cores != "auto":
-        return cores
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) <= _AUTO_WORKERS_MAX:
-        return "auto"
-    return cpus[-_AUTO_WORKERS_MAX:]
-
-
-def _size(value: Any) -> int:
-    """A kvtier size (an int, or a string such as "2 MiB") in bytes."""
-    if isinstance(value, int):
-        return value
-    return kvtier.parse_size(str(value))

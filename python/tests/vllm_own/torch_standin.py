@@ -4,10 +4,16 @@ made, filled, sliced, viewed and compared there; the tier under test takes a mem
 
 Also what vLLM's real ``SharedOffloadRegion`` calls to wrap its mapping (``frombuffer``).
 
-Provided: the dtypes the tests name, ``zeros``, ``rand``, ``tensor``, ``allclose``, ``Tensor``
-(``data_ptr``, ``element_size``, ``view`` by dtype or shape, ``numpy``, indexing and slice
-assignment, ``shape``, ``dtype``). Anything else raises ``AttributeError``, so a test needing
-more of torch fails loudly instead of passing on a stand-in.
+And what SGLang's HiCache storage and host-pool code calls on its tensors, for the SGLang tests
+(``python/tests/sglang_harness.py``): page slices, ``flatten``, ``reshape``, ``contiguous``,
+``tolist``, ``item``, ``arange``, ``empty``.
+
+Provided: the dtypes the tests name (with ``itemsize``), ``zeros``, ``empty``, ``rand``,
+``tensor``, ``arange``, ``allclose``, ``Tensor`` (``data_ptr``, ``element_size``, ``numel``,
+``view`` by dtype or shape, ``reshape``, ``flatten``, ``contiguous``, ``tolist``, ``item``,
+``numpy``, indexing and slice assignment, ``shape``, ``dtype``). Anything else raises
+``AttributeError``, so a test needing more of torch fails loudly instead of passing on a
+stand-in.
 """
 
 from __future__ import annotations
@@ -22,7 +28,14 @@ class dtype:  # noqa: N801 - torch's name
         self.name = name
         self.np = np.dtype(np_dtype)
 
+    @property
+    def itemsize(self) -> int:
+        return self.np.itemsize
+
     def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+    def __str__(self) -> str:
         return f"torch.{self.name}"
 
 
@@ -33,7 +46,7 @@ uint8 = dtype("uint8", np.uint8)
 int8 = dtype("int8", np.int8)
 int32 = dtype("int32", np.int32)
 int64 = long = dtype("int64", np.int64)
-_BY_NP = {d.np: d for d in (float32, float16, uint8, int8, int32, int64)}
+_BY_NP = {d.np: d for d in (float32, float16, bfloat16, uint8, int8, int32, int64)}
 
 
 class Tensor:
@@ -60,12 +73,33 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         return self._a
 
-    def view(self, *shape: Any) -> Tensor:
+    def view(self, *shape: Any, **kw: Any) -> Tensor:
+        if "dtype" in kw:
+            shape = (kw.pop("dtype"),)
         if len(shape) == 1 and isinstance(shape[0], dtype):
             return Tensor(self._a.view(shape[0].np))
         if len(shape) == 1 and isinstance(shape[0], tuple):
             shape = shape[0]
+        if not self._a.flags.c_contiguous:
+            raise RuntimeError("view of a non-contiguous tensor (as torch: use reshape)")
         return Tensor(self._a.reshape(shape))
+
+    def reshape(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], tuple):
+            shape = shape[0]
+        return Tensor(self._a.reshape(shape))
+
+    def flatten(self) -> Tensor:
+        return Tensor(self._a.reshape(-1))
+
+    def contiguous(self) -> Tensor:
+        return self if self._a.flags.c_contiguous else Tensor(np.ascontiguousarray(self._a))
+
+    def tolist(self) -> Any:
+        return self._a.tolist()
+
+    def item(self) -> Any:
+        return self._a.item()
 
     def clone(self) -> Tensor:
         return Tensor(self._a.copy())
@@ -97,10 +131,20 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
-def zeros(*shape: Any, dtype: dtype = float32) -> Tensor:
+def zeros(*shape: Any, dtype: dtype = float32, device: Any = "cpu", pin_memory: bool = False) -> Tensor:
     if len(shape) == 1 and isinstance(shape[0], tuple):
         shape = shape[0]
+    if str(device) != "cpu":
+        raise RuntimeError(f"the torch stand-in has no device {device!r}")
     return Tensor(np.zeros(shape, dtype=dtype.np))
+
+
+def empty(*shape: Any, dtype: dtype = float32, device: Any = "cpu", pin_memory: bool = False) -> Tensor:
+    return zeros(*shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+
+def arange(*args: int, dtype: dtype = int64) -> Tensor:
+    return Tensor(np.arange(*args, dtype=dtype.np))
 
 
 def rand(*shape: Any, dtype: dtype = float32) -> Tensor:
