@@ -7,6 +7,8 @@ mod common;
 
 use common::*;
 use kvtier::sim::SimStorage;
+use std::os::fd::AsRawFd;
+
 use kvtier::{Engine, Error, Job, KeyFailure};
 
 /// Unpauses the simulated device when dropped, so a failing assertion cannot leave the
@@ -199,4 +201,56 @@ fn an_idle_engine_sleeps_in_the_kernel() {
     // And a submit still wakes it.
     assert!(load(&engine, &region, 2, &[1]).success);
     assert!(holds(&region, 0, 1));
+}
+
+/// Whether `fd` becomes readable within `ms` milliseconds.
+fn readable(fd: std::os::fd::BorrowedFd<'_>, ms: u16) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    poll(&mut fds, ms).expect("poll") == 1
+}
+
+#[test]
+fn the_result_fd_wakes_a_poll_loop_for_every_result() {
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[64 << 20]);
+    let cfg = sim_config(1, 1);
+    let region = region(8);
+    let engine = open_sim(&cfg, &region, &sim);
+    // A result published before anyone asked for the eventfd is announced by it too.
+    put(&region, 0, 1);
+    engine
+        .submit_store(Job::new(1, vec![key(1)], vec![0]))
+        .expect("submit");
+    engine.drain();
+    let fd = engine.result_fd().expect("eventfd");
+    assert_eq!(
+        engine.result_fd().expect("eventfd again").as_raw_fd(),
+        fd.as_raw_fd(),
+        "one eventfd per engine"
+    );
+    assert!(readable(fd, 0), "a result was waiting");
+    assert!(engine.clear_result_fd() >= 1);
+    assert!(!readable(fd, 0), "cleared");
+    let mut out = Vec::new();
+    assert_eq!(engine.poll_finished(&mut out), 1);
+    // Every later result wakes it, each one once it is in poll_finished.
+    for job in 2..5_u64 {
+        put(&region, 1, job);
+        engine
+            .submit_store(Job::new(job, vec![key(job)], vec![1]))
+            .expect("submit");
+        assert!(
+            readable(fd, 10_000),
+            "job {job}'s result did not wake the fd"
+        );
+        assert!(engine.clear_result_fd() >= 1);
+        out.clear();
+        while engine.poll_finished(&mut out) == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(out[0].id, job);
+        assert!(out[0].success, "{:?}", out[0]);
+        assert!(!readable(fd, 0));
+    }
+    assert_eq!(engine.clear_result_fd(), 0, "nothing pending");
 }

@@ -3,7 +3,8 @@
 # real-kernel, CLI end to end, and the criterion benches in quick test mode), then the Python
 # package's tests (the binding, and the vLLM tier against vLLM 0.33.0's real tiering code), and
 # the vLLM tests once more against vLLM 0.34.0's (the same installed package: nothing rebuilt);
-# the SGLang backend runs on SGLang's real HiCache storage and host-pool code (from its wheel).
+# the SGLang backend runs on SGLang's real HiCache storage and host-pool code, the LMCache
+# connector under LMCache's real L2 adapter code (both read from their wheels).
 # Real-kernel tests that need root (ramfs mount, loop devices) skip with a message elsewhere;
 # the NVMe passthrough tests run inside a QEMU guest (tools/guest/nvme-tests.sh).
 set -euo pipefail
@@ -35,9 +36,10 @@ venv="${KVTIER_VENV:-$PWD/target/python-venv}"
 # numpy and typing_extensions are what the vLLM tiering modules import besides the standard
 # library; the metric tests parse kvtier's text with prometheus_client's parsers.
 # mfusepy (ctypes over libfuse3) serves the FUSE file system whose reads fail
-# (python/tests/failing_fs.py). msgspec is what SGLang's MLA host pool module imports.
+# (python/tests/failing_fs.py). msgspec is what SGLang's MLA host pool module imports,
+# aiofiles what LMCache's file-system L2 adapter does.
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "numpy>=1.26" "pytest>=8" \
-  typing_extensions "prometheus_client>=0.20" "mfusepy>=3" "msgspec>=0.18"
+  typing_extensions "prometheus_client>=0.20" "mfusepy>=3" "msgspec>=0.18" "aiofiles>=23"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps ./python
 export KVTIER_VLLM_WHEEL_DIR="${KVTIER_VLLM_WHEEL_DIR:-$HOME/.cache/kvtier/vllm-wheel}"
 vllm_versions="0.33.0 0.34.0"
@@ -47,14 +49,20 @@ for v in $vllm_versions; do
       -d "$KVTIER_VLLM_WHEEL_DIR"
   fi
 done
-# SGLang's wheel (about 40 MB, not installed): python/tests/sglang_harness.py reads its HiCache
-# storage, factory and host-pool modules from it.
+# SGLang's and LMCache's wheels (about 40 and 18 MB, not installed): python/tests/
+# sglang_harness.py and lmcache_harness.py read the modules kvtier plugs into from them.
 export KVTIER_SGLANG_VERSION="${KVTIER_SGLANG_VERSION:-0.5.23}"
 export KVTIER_SGLANG_WHEEL_DIR="${KVTIER_SGLANG_WHEEL_DIR:-$HOME/.cache/kvtier/sglang-wheel}"
-if ! ls "$KVTIER_SGLANG_WHEEL_DIR"/sglang-$KVTIER_SGLANG_VERSION-*.whl >/dev/null 2>&1; then
-  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
-    sglang==$KVTIER_SGLANG_VERSION -d "$KVTIER_SGLANG_WHEEL_DIR"
-fi
+export KVTIER_LMCACHE_VERSION="${KVTIER_LMCACHE_VERSION:-0.5.6}"
+export KVTIER_LMCACHE_WHEEL_DIR="${KVTIER_LMCACHE_WHEEL_DIR:-$HOME/.cache/kvtier/lmcache-wheel}"
+for pkg in sglang:$KVTIER_SGLANG_VERSION:$KVTIER_SGLANG_WHEEL_DIR \
+           lmcache:$KVTIER_LMCACHE_VERSION:$KVTIER_LMCACHE_WHEEL_DIR; do
+  IFS=: read -r name version dir <<< "$pkg"
+  if ! ls "$dir"/$name-$version-*.whl >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
+      $name==$version -d "$dir"
+  fi
+done
 : > /tmp/kvtier-test.log
 # Rust tests that cannot run here (no root, no io_uring, no fio) pass after recording why in
 # this file (kvtier_sys::skip!); the summary counts them as skipped, not passed.

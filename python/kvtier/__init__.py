@@ -207,6 +207,17 @@ class Engine:
         """Marks keys recently used, so eviction keeps them longer (keys not held: ignored)."""
         self._native.touch(keys)
 
+    def result_fd(self) -> int:
+        """An eventfd that is readable whenever a result was published, for a poll/epoll loop
+        of your own (non-blocking; owned by the engine, open until it is garbage-collected:
+        do not close it). Call `clear_result_fd` before `poll_finished`, so a result published
+        after that poll makes it readable again."""
+        return self._native.result_fd()
+
+    def clear_result_fd(self) -> int:
+        """Resets `result_fd`; returns how many notifications it held (0: none)."""
+        return self._native.clear_result_fd()
+
     def jobs_in_flight(self) -> int:
         return self._native.jobs_in_flight()
 

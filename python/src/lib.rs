@@ -533,6 +533,19 @@ impl PyEngine {
         Ok(())
     }
 
+    /// An eventfd (non-blocking; the engine owns and closes it) that is readable whenever a
+    /// result was published: for a caller's own poll loop. Clear it (`clear_result_fd`, or
+    /// read 8 bytes) before `poll_finished`.
+    fn result_fd(&self) -> PyResult<i32> {
+        use std::os::fd::AsRawFd;
+        Ok(self.engine.result_fd().map_err(to_py)?.as_raw_fd())
+    }
+
+    /// Resets the result eventfd; returns how many notifications it held.
+    fn clear_result_fd(&self) -> u64 {
+        self.engine.clear_result_fd()
+    }
+
     /// Jobs submitted whose result has not been published yet.
     fn jobs_in_flight(&self) -> usize {
         self.engine.jobs_in_flight()

@@ -42,18 +42,16 @@ geometry attributes ``__init__`` would and calls the real ``init_kv_buffer``.
 from __future__ import annotations
 
 import ast
-import glob
-import importlib.abc
-import importlib.machinery
-import importlib.util
+import importlib
 import mmap
 import os
 import sys
 import types
-import zipfile
 from typing import Any
 
 import numpy as np
+
+import wheel_modules
 
 SGLANG_VERSION = os.environ.get("KVTIER_SGLANG_VERSION", "0.5.23")
 
@@ -82,95 +80,15 @@ STUBBED: set[str] = set()
 torch: Any = None
 
 
-class WheelNotFoundError(FileNotFoundError):
-    pass
+WheelNotFoundError = wheel_modules.WheelNotFoundError
 
 
 def find_wheel() -> str:
-    env = os.environ.get("KVTIER_SGLANG_WHEEL")
-    if env:
-        if not os.path.exists(env):
-            raise WheelNotFoundError(f"KVTIER_SGLANG_WHEEL={env} does not exist")
-        return env
-    dirs = [d for d in (os.environ.get("KVTIER_SGLANG_WHEEL_DIR"),
-                        os.path.expanduser("~/.cache/kvtier/sglang-wheel")) if d]
-    for d in dirs:
-        found = sorted(glob.glob(os.path.join(d, f"sglang-{SGLANG_VERSION}-*.whl")))
-        if found:
-            return found[-1]
-    raise WheelNotFoundError(
-        f"no sglang-{SGLANG_VERSION} wheel in {dirs}: `pip download --no-deps "
-        f"sglang=={SGLANG_VERSION} -d DIR` and set KVTIER_SGLANG_WHEEL_DIR=DIR"
-    )
-
-
-class _Stub(types.ModuleType):
-    """An imported module SGLang's files name but the tests never run."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper():
-            value: Any = type(name, (), {"__module__": self.__name__})
-        else:
-            def value(*_a: Any, **_k: Any) -> bool:
-                return False
-            value.__name__ = name
-        setattr(self, name, value)
-        return value
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname.split(".")[0] not in _STUB_ROOTS:
-            return None
-        if fullname.split(".")[0] == "msgspec" and _installed("msgspec"):
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: Any) -> types.ModuleType:
-        STUBBED.add(spec.name)
-        mod = _Stub(spec.name)
-        mod.__path__ = []
-        return mod
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-class _WheelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves the real modules from the wheel's sources, under their own names."""
-
-    def __init__(self, wheel: str, real: dict[str, tuple[str, str]]) -> None:
-        self.wheel = wheel
-        self.real = real
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in self.real:
-            return None
-        member = self.real[fullname][0]
-        return importlib.machinery.ModuleSpec(
-            fullname, self, origin=f"{self.wheel}!/{member}",
-            is_package=member.endswith("__init__.py"))
-
-    def create_module(self, spec: Any) -> None:
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        member, source = self.real[module.__name__]
-        module.__file__ = f"{self.wheel}!/{member}"
-        if member.endswith("__init__.py"):
-            module.__path__ = []
-        exec(compile(source, module.__file__, "exec"), module.__dict__)
-
-
-def _installed(name: str) -> bool:
-    finder = [f for f in sys.meta_path if not isinstance(f, _StubFinder)]
-    return any(f.find_spec(name, None) for f in finder if hasattr(f, "find_spec"))
+    return wheel_modules.find_wheel("sglang", SGLANG_VERSION, "KVTIER_SGLANG")
 
 
 def _common_standin() -> types.ModuleType:
-    mod = _Stub("sglang.srt.mem_cache.pool_host.common")
+    mod = wheel_modules.Stub("sglang.srt.mem_cache.pool_host.common")
 
     def alloc_cpu(dims: Any, dtype: Any, device: Any = "cpu", pin_memory: bool = False,
                   allocator: Any = None, registration_granularity_bytes: Any = None) -> Any:
@@ -205,34 +123,25 @@ def load_sglang() -> types.SimpleNamespace:
 
         torch = sys.modules["torch"] = torch_standin
         standin = True
-    sys.meta_path.insert(0, _StubFinder())
-    with zipfile.ZipFile(wheel) as zf:
-        sources = {name: zf.read(name).decode() for name in _REAL}
-        common = zf.read("sglang/srt/utils/common.py").decode()
+    modules = wheel_modules.WheelModules(wheel, list(_REAL), _STUB_ROOTS,
+                                         installed_ok=("msgspec",))
+    modules.install()
     for pkg in _EMPTY_PACKAGES:
-        mod = types.ModuleType(pkg)
-        mod.__path__ = []
-        sys.modules[pkg] = mod
+        wheel_modules.empty_package(pkg)
     # sglang.srt.utils: the helpers base.py and mha.py import by name (is_cuda, ...): a stub.
-    utils = _Stub("sglang.srt.utils")
-    utils.__path__ = []
-    STUBBED.add(utils.__name__)
-    sys.modules[utils.__name__] = utils
+    modules.add_stub("sglang.srt.utils")
+    # human_readable_int, the one function lru_file_evictor takes from sglang.srt.utils.common
+    # (the rest of that module imports the server), taken from the file as it is.
     utils_common = types.ModuleType("sglang.srt.utils.common")
-    tree = ast.parse(common)
+    tree = ast.parse(modules.read("sglang/srt/utils/common.py"))
     fn = next(n for n in tree.body
               if isinstance(n, ast.FunctionDef) and n.name == "human_readable_int")
     exec(compile(ast.Module(body=[fn], type_ignores=[]), "sglang/srt/utils/common.py", "exec"),
          utils_common.__dict__)
     sys.modules["sglang.srt.utils.common"] = utils_common
-    sys.modules["sglang.srt.mem_cache.pool_host.common"] = _common_standin()
-    real = {}
-    for path in _REAL:
-        name = path[:-3].replace("/", ".").removesuffix(".__init__")
-        real[name] = (path, sources[path])
-    sys.meta_path.insert(0, _WheelFinder(wheel, real))
-    for name in real:
-        importlib.import_module(name)
+    modules.add_stub("sglang.srt.mem_cache.pool_host.common", _common_standin())
+    modules.import_all()
+    STUBBED.update(modules.stubbed)
     # The module under test, imported while `torch` is the one SGLang's modules hold.
     importlib.import_module("kvtier.sglang")
     if standin:

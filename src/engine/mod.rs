@@ -165,6 +165,37 @@ impl Engine {
         }
     }
 
+    /// An eventfd (non-blocking, close-on-exec, owned by the engine and open until it is
+    /// dropped) that becomes readable whenever a result is published: for callers that wait in
+    /// their own `poll`/`epoll` loop instead of [`Engine::wait_finished`]. Notifications
+    /// coalesce; read (or [`Engine::clear_result_fd`]) before [`Engine::poll_finished`], so a
+    /// result published after the poll wakes the loop again. Created on the first call.
+    pub fn result_fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        if self.shared.result_event.get().is_none() {
+            let event = kvtier_sys::eventfd::EventFd::new().map_err(|errno| {
+                crate::Error::Worker(format!("creating the result eventfd: {errno}"))
+            })?;
+            // Another thread may have set one first: then this one is dropped.
+            if self.shared.result_event.set(event).is_ok() && !self.results.is_empty() {
+                // Results published before the eventfd existed: the caller sees them too.
+                if let Some(event) = self.shared.result_event.get() {
+                    event.notify();
+                }
+            }
+        }
+        Ok(self.shared.result_event.get().expect("set above").as_fd())
+    }
+
+    /// Resets [`Engine::result_fd`]'s counter; returns the notifications it held (0 without
+    /// one, or if none was pending).
+    pub fn clear_result_fd(&self) -> u64 {
+        self.shared
+            .result_event
+            .get()
+            .map_or(0, kvtier_sys::eventfd::EventFd::drain)
+    }
+
     /// Jobs submitted whose result has not been published yet.
     pub fn jobs_in_flight(&self) -> usize {
         self.shared.jobs_in_flight.load(Ordering::Acquire)

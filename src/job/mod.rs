@@ -205,6 +205,9 @@ pub(crate) struct Shared {
     /// Workers that stopped with I/O still in flight past its deadline, and those ops.
     pub workers_gave_up: AtomicUsize,
     pub ops_given_up: AtomicUsize,
+    /// Bumped after every result is published, once a caller asked for it
+    /// ([`crate::Engine::result_fd`]).
+    pub result_event: std::sync::OnceLock<kvtier_sys::eventfd::EventFd>,
     /// This, for what runs when a lease's last hold goes.
     this: std::sync::Weak<Shared>,
 }
@@ -227,6 +230,7 @@ impl Shared {
             early_results: AtomicBool::new(false),
             workers_gave_up: AtomicUsize::new(0),
             ops_given_up: AtomicUsize::new(0),
+            result_event: std::sync::OnceLock::new(),
             this: this.clone(),
         });
         (shared, results)
@@ -354,6 +358,9 @@ impl Shared {
         // The receiver lives in the Engine, which outlives the workers; ignore a closed channel
         // only because there is nobody left to tell.
         let _ = self.results_tx.send(result);
+        if let Some(event) = self.result_event.get() {
+            event.notify();
+        }
         if self.jobs_in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
             let _guard = self
                 .idle_lock

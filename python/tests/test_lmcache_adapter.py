@@ -1,0 +1,229 @@
+"""kvtier's LMCache L2 connector (``kvtier.lmcache``) under LMCache's real adapter code.
+
+The connector is built as LMCache's multi-process server builds it: from a ``--l2-adapter``
+JSON argument, through its parser, registry and ``native_plugin`` factory, and used through
+the ``NativeConnectorL2Adapter`` that wraps it (its demux thread polls kvtier's event fd). See
+``lmcache_harness.py`` for what is stood in and why.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import lmcache_harness as H
+
+
+@pytest.fixture(scope="module")
+def lm():
+    try:
+        return H.load_lmcache()
+    except H.WheelNotFoundError as exc:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(str(exc))
+
+
+def spec(root, **params):
+    p = {"root_dir": str(root), "block_size": "64 KiB", "staging_bytes": "4 MiB"}
+    p.update(params)
+    return {"type": "native_plugin", "module_path": "kvtier.lmcache",
+            "class_name": "KvtierL2Connector",
+            "adapter_params": {k: v for k, v in p.items() if v is not None}}
+
+
+def objects(sizes, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in sizes:
+        o = H.TensorMemoryObj(n)
+        o.array[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        out.append(o)
+    return out
+
+
+def store(adapter, keys, objs):
+    task = adapter.submit_store_task(keys, objs)
+    assert H.wait_fd(adapter.get_store_event_fd()), "store completion never signalled"
+    done = adapter.pop_completed_store_tasks()
+    return done[task]
+
+
+def lookup(adapter, keys):
+    task = adapter.submit_lookup_and_lock_task(keys, {})
+    assert H.wait_fd(adapter.get_lookup_and_lock_event_fd())
+    bitmap = adapter.query_lookup_and_lock_result(task)
+    adapter.submit_unlock(keys)
+    return [bitmap.test(i) for i in range(len(keys))]
+
+
+def load(adapter, keys, objs):
+    task = adapter.submit_load_task(keys, objs)
+    assert H.wait_fd(adapter.get_load_event_fd()), "load completion never signalled"
+    bitmap = adapter.query_load_result(task)
+    return [bitmap.test(i) for i in range(len(keys))]
+
+
+@pytest.mark.parametrize("layout", ["files", "slab"])
+def test_store_exists_load_byte_exact_through_lmcaches_adapter(lm, tmp_path, layout):
+    cap = "64 MiB" if layout == "slab" else None
+    adapter = H.adapter_from_cli(lm, spec(tmp_path, layout=layout, capacity_bytes=cap))
+    try:
+        assert type(adapter).__name__ == "NativeConnectorL2Adapter"
+        assert type(adapter._client).__name__ == "KvtierL2Connector"
+        # Objects of one block, of several (the last one partial), and smaller than a block.
+        sizes = [64 << 10, 200 << 10, 1000, 128 << 10]
+        keys = [H.object_key(lm, i) for i in range(4)]
+        src = objects(sizes, seed=1)
+        result = store(adapter, keys, src)
+        # LMCache's L2StoreResult: an int, the bytes stored (-1: failed).
+        assert int(result) == sum(sizes)
+        absent = H.object_key(lm, 99)
+        assert lookup(adapter, keys + [absent]) == [True] * 4 + [False]
+        dst = objects(sizes, seed=2)
+        assert load(adapter, keys, dst) == [True] * 4
+        for s, d in zip(src, dst):
+            assert bytes(d.byte_array) == bytes(s.byte_array)
+        # A load of a key never stored is a miss, and its buffer is left alone.
+        other = objects([64 << 10], seed=3)
+        before = bytes(other[0].byte_array)
+        assert load(adapter, [absent], other) == [False]
+        assert bytes(other[0].byte_array) == before
+    finally:
+        adapter.close()
+
+
+def test_salted_keys_and_models_are_distinct(lm, tmp_path):
+    adapter = H.adapter_from_cli(lm, spec(tmp_path))
+    try:
+        plain = H.object_key(lm, 5)
+        salted = H.object_key(lm, 5, salt="user-a")
+        other_model = H.object_key(lm, 5, model="Qwen/Qwen3-8B")
+        store(adapter, [plain], objects([4096], seed=4))
+        assert lookup(adapter, [plain, salted, other_model]) == [True, False, False]
+    finally:
+        adapter.close()
+
+
+def test_a_restarted_connector_serves_what_was_stored(lm, tmp_path):
+    keys = [H.object_key(lm, i) for i in range(10, 13)]
+    src = objects([64 << 10, 100 << 10, 70 << 10], seed=5)
+    first = H.adapter_from_cli(lm, spec(tmp_path))
+    store(first, keys, src)
+    first.close()
+    second = H.adapter_from_cli(lm, spec(tmp_path))
+    try:
+        assert lookup(second, keys) == [True, True, True]
+        dst = objects([64 << 10, 100 << 10, 70 << 10], seed=6)
+        assert load(second, keys, dst) == [True] * 3
+        assert [bytes(d.byte_array) for d in dst] == [bytes(s.byte_array) for s in src]
+    finally:
+        second.close()
+
+
+def test_a_damaged_block_fails_its_key_and_leaves_its_buffer(lm, tmp_path):
+    import glob
+
+    adapter = H.adapter_from_cli(lm, spec(tmp_path))
+    try:
+        keys = [H.object_key(lm, i) for i in range(20, 22)]
+        src = objects([128 << 10, 64 << 10], seed=7)
+        store(adapter, keys, src)
+        # Flip a byte in one of key 0's two block files (its crc32c no longer matches).
+        files = sorted(glob.glob(f"{tmp_path}/**/*_g1/*.bin", recursive=True))
+        assert len(files) == 1, files
+        with open(files[0], "r+b") as f:
+            b = f.read(1)
+            f.seek(0)
+            f.write(bytes([b[0] ^ 0x55]))
+        dst = objects([128 << 10, 64 << 10], seed=8)
+        before = bytes(dst[0].byte_array)
+        assert load(adapter, keys, dst) == [False, True]
+        assert bytes(dst[0].byte_array) == before, "a failed key's buffer was written"
+        assert bytes(dst[1].byte_array) == bytes(src[1].byte_array)
+    finally:
+        adapter.close()
+
+
+def test_the_event_fd_is_kvtiers_and_wakes_for_every_kind_of_completion(lm, tmp_path):
+    from kvtier.lmcache import KvtierL2Connector
+
+    conn = KvtierL2Connector(root_dir=str(tmp_path), block_size="64 KiB", staging_bytes="1 MiB")
+    try:
+        fd = conn.event_fd()
+        assert fd == conn.engine.result_fd()
+        assert not H.wait_fd(fd, 0.05)
+        src = objects([64 << 10], seed=9)
+        f1 = conn.submit_batch_set(["m@00000000@0@aa"], [src[0].byte_array])
+        assert H.wait_fd(fd)
+        got = []
+        while not got:
+            got = conn.drain_completions()
+        assert got == [(f1, True, "", [True])]
+        f2 = conn.submit_batch_exists(["m@00000000@0@aa", "m@00000000@0@bb"])
+        assert H.wait_fd(fd)
+        assert conn.drain_completions() == [(f2, True, "", [True, False])]
+        # A batch larger than the staging room completes at once, failed; nothing is copied.
+        big = objects([2 << 20], seed=10)
+        f3 = conn.submit_batch_set(["m@00000000@0@cc"], [big[0].byte_array])
+        assert H.wait_fd(fd)
+        assert conn.drain_completions() == [(f3, False, "staging region full", [False])]
+        assert conn.stats()["lmcache"]["batches_refused_staging"] == 1
+    finally:
+        conn.close()
+
+
+def test_close_with_work_in_flight(lm, tmp_path):
+    adapter = H.adapter_from_cli(lm, spec(tmp_path, staging_bytes="16 MiB"))
+    keys = [H.object_key(lm, i) for i in range(100, 140)]
+    src = objects([256 << 10] * len(keys), seed=11)
+    store(adapter, keys, src)
+    dst = objects([256 << 10] * len(keys), seed=12)
+    before = [bytes(d.byte_array) for d in dst]
+    adapter.submit_load_task(keys, dst)
+    adapter.close()  # stops the demux thread, then the connector
+    client = adapter._client
+    assert "shut down" in repr(client.engine)
+    # Loads the demux thread drained before close are in place (right bytes); the rest were
+    # never written. After close nothing is: what is drained now reports failure.
+    after = [bytes(d.byte_array) for d in dst]
+    for a, b, s in zip(after, before, src):
+        assert a in (b, bytes(s.byte_array))
+    out = client.drain_completions()
+    assert all(not any(r[3]) for r in out), out
+    assert [bytes(d.byte_array) for d in dst] == after
+    # After close, every call completes at once, failed.
+    client.submit_batch_set(["m@00000000@0@dd"], [src[0].byte_array])
+    assert [r[1] for r in client.drain_completions()] == [False]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (dict(root_dir=None), "root_dir"),
+        (dict(layout="raid"), "layout = 'raid'"),
+        (dict(layout="slab"), "capacity_bytes"),
+        (dict(block_size="1000"), "block_size"),
+        (dict(staging_bytes="4 KiB"), "staging_bytes"),
+        (dict(capacity_bytes="lots"), "capacity_bytes"),
+        (dict(chunk_size=256), "'chunk_size'"),
+        (dict(config={"block_size": "64 KiB"}), "config replaces root_dir"),
+    ],
+)
+def test_bad_adapter_params_are_refused_naming_the_field(lm, tmp_path, params, message):
+    with pytest.raises(Exception) as err:
+        H.adapter_from_cli(lm, spec(tmp_path, **params))
+    assert message in str(err.value)
+
+
+def test_import_without_lmcache_is_fine_the_connector_needs_nothing_from_it():
+    """kvtier.lmcache imports nothing of LMCache (LMCache imports it): it loads anywhere."""
+    r = subprocess.run([sys.executable, "-c", "import kvtier.lmcache as m; print(m.__name__)"],
+                       capture_output=True, text=True, cwd="/",
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "kvtier.lmcache"
