@@ -14,14 +14,16 @@ own ``NativeConnectorL2Adapter``::
 ``max_capacity_gb`` at 0), ``cores``, ``s3``, ``direct_io``, or ``config`` (a kvtier TOML path,
 TOML text or table); and two of this adapter's own:
 
-* ``block_size`` (default ``"4 MiB"``): kvtier's block. An object of n bytes is stored as
+* ``block_size`` (default ``"2 MiB"``): kvtier's block. An object of n bytes is stored as
   ceil(n / block_size) blocks under its key and the block's number.
 * ``staging_bytes`` (default ``"1 GiB"``): kvtier's own region, where objects are staged.
 
 **Staged, not in place.** The buffers LMCache hands a native connector are slices of its L1
 arena at its allocator's offsets, which kvtier's fixed-size block region cannot address: every
 object is copied into the staging region before its store is submitted, and out of it (into
-LMCache's buffer) when its load has finished, in ``drain_completions``. A batch that does not fit
+LMCache's buffer) when its load has finished, in ``drain_completions``. Each object of a batch
+is a kvtier job of its own, so one object's copy overlaps the others' I/O; the batch completes
+with its last object. A batch that does not fit
 the staging room left completes at once as failed (LMCache treats it as not stored / a miss);
 ``stats()`` counts those.
 
@@ -64,6 +66,19 @@ def _key_hash(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+class _Batch:
+    """A submitted batch: each object's outcome, and how many are still running."""
+
+    __slots__ = ("op", "ok", "left", "errors", "submitted")
+
+    def __init__(self, op: str, n: int) -> None:
+        self.op = op
+        self.ok = [False] * n
+        self.left = n
+        self.errors: set[str] = set()
+        self.submitted = False
+
+
 class KvtierL2Connector:
     """LMCache native L2 connector over the kvtier engine; see the module docstring."""
 
@@ -76,7 +91,7 @@ class KvtierL2Connector:
         s3: Any = None,
         direct_io: str | None = None,
         config: Any = None,
-        block_size: int | str = "4 MiB",
+        block_size: int | str = "2 MiB",
         staging_bytes: int | str = "1 GiB",
         **unknown: Any,
     ) -> None:
@@ -141,8 +156,10 @@ class KvtierL2Connector:
         self._lock = threading.Lock()
         self._free: collections.deque[int] = collections.deque(range(blocks))
         self._ids = itertools.count(1)
-        # future id -> (op, keys, parts per key, blocks, buffers for a load)
-        self._pending: dict[int, tuple[str, int, list[int], list[int], list[Any]]] = {}
+        # Batches (futures) not completed yet, and their objects' engine jobs:
+        # job id -> (future, object index, blocks, the buffer a load lands in).
+        self._batches: dict[int, _Batch] = {}
+        self._jobs: dict[int, tuple[int, int, list[int], memoryview | None]] = {}
         # Completions that needed no I/O (exists, refused batches), for drain_completions.
         self._ready: list[tuple[int, bool, str, list[bool] | None]] = []
         self._closed = False
@@ -195,6 +212,8 @@ class KvtierL2Connector:
         return max(1, -(-n // self._block))
 
     def _submit(self, op: str, keys: list[str], buffers: list[Any]) -> int:
+        """One engine job per object, so that copying one object overlaps the I/O of the
+        others; the batch's future completes with the last of them."""
         if len(keys) != len(buffers):
             raise ValueError(f"kvtier.lmcache: {len(keys)} keys but {len(buffers)} buffers")
         views = [memoryview(b).cast("B") for b in buffers]
@@ -209,35 +228,65 @@ class KvtierL2Connector:
             self._stats["batches_refused_staging" if not self._closed else "batches_closed"] += 1
             return self._complete_now(False, [False] * len(keys),
                                       "closed" if self._closed else "staging region full")
-        bkeys = []
+        future = next(self._ids)
+        batch = _Batch(op, len(keys))
+        with self._lock:
+            self._batches[future] = batch
         at = 0
-        for key, view, n in zip(keys, views, parts):
+        for k, (key, view, n) in enumerate(zip(keys, views, parts)):
+            mine = blocks[at:at + n]
+            at += n
             h = _key_hash(key)
-            bkeys.extend(h + j.to_bytes(4, "big") for j in range(n))
+            bkeys = [h + j.to_bytes(4, "big") for j in range(n)]
             if op == "set":
-                for j in range(n):
-                    dst = blocks[at + j] * self._block
+                for j, b in enumerate(mine):
+                    dst = b * self._block
                     chunk = view[j * self._block:(j + 1) * self._block]
                     self._bytes[dst:dst + len(chunk)] = chunk
                     if len(chunk) < self._block:
                         self._bytes[dst + len(chunk):dst + self._block] = 0
-            at += n
-        future = next(self._ids)
-        with self._lock:
-            self._pending[future] = (op, len(keys), parts, blocks, views if op == "get" else [])
-        try:
-            if op == "set":
-                self._engine.submit_store(future, bkeys, blocks)
-            else:
-                self._engine.submit_load(future, bkeys, blocks)
-        except (kvtier.Error, ValueError) as e:
+            job = next(self._ids)
             with self._lock:
-                self._pending.pop(future, None)
-                self._free.extend(blocks)
-            self._stats["batches_refused_engine"] += 1
-            return self._complete_now(False, [False] * len(keys), str(e))
-        self._stats[f"staged_{op}_bytes"] += sum(v.nbytes for v in views)
+                self._jobs[job] = (future, k, mine, view if op == "get" else None)
+            try:
+                if op == "set":
+                    self._engine.submit_store(job, bkeys, mine)
+                else:
+                    self._engine.submit_load(job, bkeys, mine)
+            except (kvtier.Error, ValueError) as e:
+                self._stats["objects_refused_engine"] += 1
+                with self._lock:
+                    del self._jobs[job]
+                    self._free.extend(mine)
+                self._settle(future, k, False, str(e))
+            else:
+                self._stats[f"staged_{op}_bytes"] += view.nbytes
+        self._settle(future, None, True, "")
         return future
+
+    def _settle(self, future: int, k: int | None, ok: bool, error: str,
+                out: list[Any] | None = None) -> None:
+        """Records object k's outcome (None: the batch is fully submitted); once every object
+        has one, the batch completes (into `out`, or the ready list and a notification)."""
+        with self._lock:
+            batch = self._batches[future]
+            if k is None:
+                batch.submitted = True
+            else:
+                batch.ok[k] = ok
+                batch.left -= 1
+                if error:
+                    batch.errors.add(error)
+            if not batch.submitted or batch.left:
+                return
+            del self._batches[future]
+            done = (future, all(batch.ok), "; ".join(sorted(batch.errors)[:3]), batch.ok)
+            if out is None:
+                self._ready.append(done)
+        if out is not None:
+            out.append(done)
+        else:
+            os.write(self._fd, _NOTIFY)
 
     def submit_batch_set(self, keys: list[str], buffers: list[Any]) -> int:
         """Copies each buffer into staging blocks, then queues their store. Never blocks."""
@@ -255,37 +304,32 @@ class KvtierL2Connector:
         return self._complete_now(True, [a in ("nvme", "s3") for a in answers])
 
     def drain_completions(self) -> list[tuple[int, bool, str, list[bool] | None]]:
-        """Every completion since the last call: (future id, ok, error, per-key results)."""
+        """Every batch completed since the last call: (future id, ok, error, per-key results).
+        A loaded object is copied into LMCache's buffer here, before its batch is reported."""
         self._engine.clear_result_fd()
         with self._lock:
             out, self._ready = self._ready, []
         for r in self._engine.poll_finished():
             with self._lock:
-                pending = self._pending.pop(r.job_id, None)
-            if pending is None:
+                job = self._jobs.pop(r.job_id, None)
+            if job is None:
                 continue
-            op, nkeys, parts, blocks, views = pending
-            failed_blocks = {i for (i, _, _, _) in r.failures}
-            ok_keys = []
-            at = 0
-            for k in range(nkeys):
-                ok = not any(at + j in failed_blocks for j in range(parts[k]))
-                if op == "get" and self._closed:
+            future, k, blocks, view = job
+            ok = r.success
+            if view is not None:
+                if self._closed:
                     # Closed: LMCache may have reused the buffer; nothing is written into it.
                     ok = False
-                if ok and op == "get":
-                    view = views[k]
-                    for j in range(parts[k]):
-                        src = blocks[at + j] * self._block
+                elif ok:
+                    for j, b in enumerate(blocks):
+                        src = b * self._block
                         n = min(self._block, view.nbytes - j * self._block)
                         view[j * self._block:j * self._block + n] = self._bytes[src:src + n]
-                ok_keys.append(ok)
-                at += parts[k]
             with self._lock:
                 self._free.extend(blocks)
             error = "" if r.success else "; ".join(
                 sorted({f"{cls}: {reason}" for (_, _, cls, reason) in r.failures})[:3])
-            out.append((r.job_id, r.success, error, ok_keys))
+            self._settle(future, k, ok, error, out)
         return out
 
     def stats(self) -> dict[str, Any]:

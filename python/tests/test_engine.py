@@ -115,6 +115,34 @@ def test_round_trip_is_byte_exact_and_in_place(tmp_path, layout):
         assert path.read_bytes() == data[2].tobytes()
 
 
+def test_result_fd_wakes_a_poll_loop(tmp_path):
+    """The engine's result eventfd is readable once a result is published, until cleared."""
+    import select
+
+    def readable(fd, ms):
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        return bool(p.poll(ms))
+
+    arr = region()
+    with kvtier.Engine(slab_config(tmp_path), arr) as e:
+        fd = e.result_fd()
+        assert fd == e.result_fd() and not readable(fd, 0)
+        arr[0] = pattern(3)[0]
+        e.submit_store(1, [vkey(1)], [0])
+        assert readable(fd, 10_000)
+        assert e.clear_result_fd() >= 1 and not readable(fd, 0)
+        (r,) = e.poll_finished()
+        assert (r.job_id, r.success) == (1, True)
+        e.submit_load(2, [vkey(1), vkey(2)], [1, 2])
+        assert readable(fd, 10_000)
+        e.clear_result_fd()
+        (r,) = e.poll_finished()
+        assert (r.job_id, r.success, r.successful_keys) == (2, False, [vkey(1)])
+        np.testing.assert_array_equal(arr[1], arr[0])
+        assert e.clear_result_fd() == 0
+
+
 def test_partial_load_reports_prefix_and_every_failed_key(tmp_path):
     arr = region()
     arr[0:2] = pattern(2, 2)

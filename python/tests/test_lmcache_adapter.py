@@ -194,8 +194,12 @@ def test_close_with_work_in_flight(lm, tmp_path):
     for a, b, s in zip(after, before, src):
         assert a in (b, bytes(s.byte_array))
     out = client.drain_completions()
-    assert all(not any(r[3]) for r in out), out
     assert [bytes(d.byte_array) for d in dst] == after
+    # What it reports loaded was copied before close (an object's copy is its own job's).
+    for _future, _ok, _err, per_key in out:
+        for i, loaded in enumerate(per_key):
+            if loaded:
+                assert after[i] == bytes(src[i].byte_array)
     # After close, every call completes at once, failed.
     client.submit_batch_set(["m@00000000@0@dd"], [src[0].byte_array])
     assert [r[1] for r in client.drain_completions()] == [False]
