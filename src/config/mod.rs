@@ -280,6 +280,25 @@ pub enum Cores {
     List(Vec<usize>),
 }
 
+impl Cores {
+    /// One entry per worker the engine starts: the CPU it is pinned to (`None`: unpinned, the
+    /// CPUs this process may use being unknown). `Auto` is one worker per CPU this process may
+    /// use.
+    pub fn workers(&self) -> Vec<Option<usize>> {
+        match self {
+            Cores::Auto => {
+                let avail = kvtier_sys::affinity::available_cores();
+                if avail.is_empty() {
+                    vec![None]
+                } else {
+                    avail.into_iter().map(Some).collect()
+                }
+            }
+            Cores::List(list) => list.iter().copied().map(Some).collect(),
+        }
+    }
+}
+
 impl Serialize for Cores {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         match self {

@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
-use crate::config::{Config, Cores, Derived, Layout, VerifyLoads};
+use crate::config::{Config, Derived, Layout, VerifyLoads};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
@@ -53,7 +53,7 @@ impl Engine {
         let derived = config.validate()?;
         let region_blocks = check_region(&region, derived.block_bytes)?;
         let devices = open_devices(config, &derived, storage.as_ref())?;
-        let cores = worker_cores(&config.cores);
+        let cores = config.cores.workers();
         let (shared, results) = Shared::new(EventSink::new(
             config.events.enabled,
             config.events.max,
@@ -340,21 +340,6 @@ fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Re
         });
     }
     Ok(out)
-}
-
-/// One entry per worker: the core it is pinned to (`None`: unpinned, no core list known).
-fn worker_cores(cores: &Cores) -> Vec<Option<usize>> {
-    match cores {
-        Cores::Auto => {
-            let avail = kvtier_sys::affinity::available_cores();
-            if avail.is_empty() {
-                vec![None]
-            } else {
-                avail.into_iter().map(Some).collect()
-            }
-        }
-        Cores::List(list) => list.iter().copied().map(Some).collect(),
-    }
 }
 
 /// Spawns one worker per core and waits until every one has recovered its share (or failed).

@@ -94,13 +94,62 @@ impl Geometry {
     /// The slots worker `worker` of `workers` owns: a contiguous range starting on a table page
     /// boundary, so table pages are never shared between workers.
     pub fn worker_slots(&self, worker: usize, workers: usize) -> std::ops::Range<u64> {
+        let per = self.pages_per_worker(workers);
         let pages = self.table_pages();
-        let per = pages.div_ceil(workers as u64);
         let first_page = (per * worker as u64).min(pages);
         let end_page = (per * (worker as u64 + 1)).min(pages);
         let start = first_page * ENTRIES_PER_PAGE as u64;
         let end = (end_page * ENTRIES_PER_PAGE as u64).min(self.slot_count);
         start..end.max(start)
+    }
+
+    /// The worker (of `workers`) whose range holds `slot`: the inverse of
+    /// [`Geometry::worker_slots`].
+    pub fn worker_of(&self, slot: u64, workers: usize) -> usize {
+        let page = slot / ENTRIES_PER_PAGE as u64;
+        (page / self.pages_per_worker(workers).max(1)) as usize
+    }
+
+    fn pages_per_worker(&self, workers: usize) -> u64 {
+        self.table_pages().div_ceil(workers as u64)
+    }
+}
+
+/// What recovery makes of one slot table entry: the rule the engine applies when it opens a
+/// device (and `kvtier inspect` reports, reading the table before an engine opens it).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Recovered {
+    Empty,
+    /// A torn table write: cleared.
+    Torn,
+    /// A valid entry this engine can never be asked for: written under another worker or
+    /// device count (its key routes elsewhere) or another block size. Cleared.
+    Unroutable(Entry),
+    /// A block this engine holds (if no newer entry for its key turns up).
+    Kept(Entry),
+}
+
+/// [`Recovered`] for the entry `raw` of a slot that worker `worker` of `workers` owns on device
+/// `device` of `devices`, in a store of `block_bytes` blocks.
+pub fn recover_entry(
+    raw: &[u8],
+    device: usize,
+    devices: usize,
+    worker: usize,
+    workers: usize,
+    block_bytes: u64,
+) -> Recovered {
+    match Entry::decode(raw) {
+        EntryRead::Empty => Recovered::Empty,
+        EntryRead::Torn => Recovered::Torn,
+        EntryRead::Valid(e) => {
+            let routed_here = e.key.shard(workers) == worker && e.key.device(devices) == device;
+            if routed_here && u64::from(e.data_len) == block_bytes {
+                Recovered::Kept(e)
+            } else {
+                Recovered::Unroutable(e)
+            }
+        }
     }
 }
 
@@ -295,10 +344,58 @@ mod tests {
                 let r = g.worker_slots(w, workers);
                 assert_eq!(r.start, next, "contiguous");
                 assert_eq!(r.start % ENTRIES_PER_PAGE as u64, 0, "page aligned");
+                for slot in [
+                    r.start,
+                    r.start + (r.end - r.start) / 2,
+                    r.end.saturating_sub(1),
+                ] {
+                    if r.contains(&slot) {
+                        assert_eq!(g.worker_of(slot, workers), w, "slot {slot} of {workers}");
+                    }
+                }
                 next = r.end;
             }
             assert_eq!(next, g.slot_count, "covers every slot");
         }
+    }
+
+    #[test]
+    fn recovery_keeps_only_entries_routed_to_the_reading_worker_and_device() {
+        let key = Key::new(b"recovered key").expect("key");
+        let entry = |data_len| Entry {
+            seq: 7,
+            data_len,
+            data_crc: 1,
+            key,
+        };
+        let mut raw = [0u8; ENTRY_BYTES];
+        assert_eq!(recover_entry(&raw, 0, 1, 0, 1, 4096), Recovered::Empty);
+        entry(4096).encode(&mut raw);
+        assert_eq!(
+            recover_entry(&raw, 0, 1, 0, 1, 4096),
+            Recovered::Kept(entry(4096))
+        );
+        let (w, d) = (key.shard(3), key.device(2));
+        assert_eq!(
+            recover_entry(&raw, d, 2, w, 3, 4096),
+            Recovered::Kept(entry(4096))
+        );
+        let other_worker = (w + 1) % 3;
+        assert_eq!(
+            recover_entry(&raw, d, 2, other_worker, 3, 4096),
+            Recovered::Unroutable(entry(4096))
+        );
+        assert_eq!(
+            recover_entry(&raw, 1 - d, 2, w, 3, 4096),
+            Recovered::Unroutable(entry(4096))
+        );
+        assert_eq!(
+            recover_entry(&raw, 0, 1, 0, 1, 8192),
+            Recovered::Unroutable(entry(4096)),
+            "another block size"
+        );
+        raw[40] ^= 1;
+        assert_eq!(recover_entry(&raw, 0, 1, 0, 1, 4096), Recovered::Torn);
     }
 
     #[test]

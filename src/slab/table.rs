@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::io::{IoClass, IoKind, IoRequest};
 use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
-use crate::slab::{Entry, EntryRead, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
+use crate::slab::{Entry, Recovered, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
 use crate::worker::{Core, BUF_META};
 use crate::Errno;
 
@@ -373,22 +373,19 @@ impl SlabLayout {
         for local in 0..n {
             let off = self.devs[d].meta_offset + local * ENTRY_BYTES;
             self.meta.read(off, &mut raw);
-            match Entry::decode(&raw) {
-                EntryRead::Empty => {}
-                EntryRead::Torn => {
+            match super::recover_entry(&raw, d, devices, self.id, self.workers, core.block_bytes) {
+                Recovered::Empty => {}
+                Recovered::Torn => {
                     m.torn_entries.fetch_add(1, Ordering::Relaxed);
                     self.clear_entry(d, local as u32);
                 }
-                EntryRead::Valid(e) => {
-                    let routed_here =
-                        e.key.shard(self.workers) == self.id && e.key.device(devices) == d;
-                    if !routed_here || u64::from(e.data_len) != core.block_bytes {
-                        // Written under another worker or device count: this worker could
-                        // never be asked for it, so the slot is reclaimed.
-                        m.unroutable_entries.fetch_add(1, Ordering::Relaxed);
-                        self.clear_entry(d, local as u32);
-                        continue;
-                    }
+                Recovered::Unroutable(_) => {
+                    // Written under another worker or device count: this worker could never
+                    // be asked for it, so the slot is reclaimed.
+                    m.unroutable_entries.fetch_add(1, Ordering::Relaxed);
+                    self.clear_entry(d, local as u32);
+                }
+                Recovered::Kept(e) => {
                     self.seq = self.seq.max(e.seq + 1);
                     if let Some(&(od, os)) = self.index.get(&e.key) {
                         // Two entries for one key: keep the newer.

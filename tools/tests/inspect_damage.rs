@@ -257,6 +257,51 @@ fn inspect_reports_every_kind_of_slab_damage() {
     );
 }
 
+/// Entries the config no longer routes to the worker that owns their slot (here: the store
+/// was written with one worker and is inspected with two) are what the engine's recovery
+/// clears; inspect counts them as it does and does not report them stored.
+#[test]
+fn inspect_agrees_with_recovery_on_unroutable_entries() {
+    let dir = scratch();
+    let slab = dir.path().join("store.slab");
+    let config = build(
+        dir.path(),
+        &format!(
+            "[[devices]]\npath = \"{}\"\ncapacity_bytes = \"16 MiB\"\n",
+            slab.display()
+        ),
+    );
+    let file = std::fs::File::open(&slab).expect("slab");
+    let (g, map) = slots(&file);
+    assert_eq!(map.len() as u64, KEYS);
+    let unroutable: BTreeSet<u64> = map
+        .iter()
+        .filter(|(n, slot)| key(*n).shard(2) != g.worker_of(*slot, 2))
+        .map(|(n, _)| *n)
+        .collect();
+    assert!(
+        !unroutable.is_empty() && unroutable.len() < KEYS as usize,
+        "the test needs both kinds: {unroutable:?}"
+    );
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&config, text.replace("cores = [0]", "cores = [0, 1]")).expect("config");
+
+    let (out, doc) = inspect(&config);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let dev = &doc["devices"][0];
+    let kept = KEYS - unroutable.len() as u64;
+    assert_eq!(dev["valid_entries"], KEYS, "{dev}");
+    assert_eq!(dev["unroutable_entries"], unroutable.len(), "{dev}");
+    assert_eq!(dev["blocks_stored"], kept, "{dev}");
+    // The engine inspect opened recovered exactly what the scan said is stored.
+    assert_eq!(doc["engine"]["recovered_blocks"], kept, "{doc}");
+    assert_eq!(doc["engine"]["blocks_stored"], kept, "{doc}");
+    let listed: BTreeSet<u64> = statuses(&doc).into_iter().map(|(n, _)| n).collect();
+    assert!(listed.is_disjoint(&unroutable), "{listed:?}");
+    assert_eq!(listed.len() as u64, kept);
+}
+
 #[test]
 fn inspect_reports_every_kind_of_files_damage() {
     let dir = scratch();

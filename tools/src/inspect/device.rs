@@ -9,7 +9,7 @@ use crate::output;
 use crate::output::{CliError, CliResult};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvtier::key::KeyMap;
-use kvtier::slab::{EntryRead, HeaderRead, HeaderState};
+use kvtier::slab::{HeaderRead, HeaderState, Recovered};
 use kvtier::{slab, Config, Engine, Key, KeyFailure};
 use kvtier_sys::file::{DeviceFile, OpenOptions};
 use kvtier_sys::mem::{HugePages, Region};
@@ -85,6 +85,12 @@ pub(super) fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<Exit
 fn scan_devices(config: &Config) -> CliResult<(KeyMap<Stored>, Vec<Scan>)> {
     let mut keys: KeyMap<Stored> = KeyMap::default();
     let mut scans = Vec::with_capacity(config.devices.len());
+    // The engine's own recovery rule decides what is stored: it needs the worker and device
+    // counts this config opens with.
+    let routing = Routing {
+        workers: config.cores.workers().len(),
+        devices: config.devices.len(),
+    };
     for (i, device) in config.devices.iter().enumerate() {
         if !device.path.exists() {
             return Err(CliError::usage(format!(
@@ -92,7 +98,7 @@ fn scan_devices(config: &Config) -> CliResult<(KeyMap<Stored>, Vec<Scan>)> {
                 device.path.display()
             )));
         }
-        let scan = scan_device(&device.path, i, config.block_size, &mut keys)
+        let scan = scan_device(&device.path, i, config.block_size, routing, &mut keys)
             .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
         scans.push(scan);
     }
@@ -104,7 +110,7 @@ fn device_reports(scans: &[Scan], info: &kvtier::EngineInfo) -> Vec<DeviceReport
         .iter()
         .zip(&info.devices)
         .map(|(scan, d)| {
-            let stored = scan.valid - scan.duplicates;
+            let stored = scan.valid - scan.duplicates - scan.unroutable;
             DeviceReport {
                 path: d.path.clone(),
                 kind: d.kind,
@@ -117,6 +123,7 @@ fn device_reports(scans: &[Scan], info: &kvtier::EngineInfo) -> Vec<DeviceReport
                 valid_entries: scan.valid,
                 empty_entries: scan.empty,
                 torn_entries: scan.torn,
+                unroutable_entries: scan.unroutable,
                 duplicate_entries: scan.duplicates,
             }
         })
@@ -237,11 +244,20 @@ pub(super) fn read_geometry(
     Ok(geometry)
 }
 
-/// Reads the header and the whole slot table of one device, read-only and buffered.
+/// The worker and device counts an engine opened with this config routes keys by.
+#[derive(Clone, Copy)]
+pub(super) struct Routing {
+    pub workers: usize,
+    pub devices: usize,
+}
+
+/// Reads the header and the whole slot table of one device, read-only and buffered, and
+/// classifies each entry by the engine's recovery rule ([`slab::recover_entry`]).
 pub(super) fn scan_device(
     path: &Path,
     device: usize,
     block_bytes: u64,
+    routing: Routing,
     keys: &mut KeyMap<Stored>,
 ) -> CliResult<Scan> {
     let file = open_read_only(path)?;
@@ -254,6 +270,7 @@ pub(super) fn scan_device(
         valid: 0,
         empty: 0,
         torn: 0,
+        unroutable: 0,
         duplicates: 0,
     };
     let table_bytes = geometry.slot_count * slab::ENTRY_BYTES as u64;
@@ -264,12 +281,26 @@ pub(super) fn scan_device(
         let read_len = len.next_multiple_of(slab::TABLE_PAGE_BYTES);
         file.read_exact_at(geometry.table_offset + at, &buf, 0, read_len)
             .map_err(|e| CliError::runtime(format!("reading the slot table: {e}")))?;
+        let first_slot = at / slab::ENTRY_BYTES as u64;
         buf.with_bytes(0, len, |raw| {
-            for entry in raw.chunks_exact(slab::ENTRY_BYTES) {
-                match slab::Entry::decode(entry) {
-                    EntryRead::Empty => scan.empty += 1,
-                    EntryRead::Torn => scan.torn += 1,
-                    EntryRead::Valid(e) => {
+            for (i, entry) in raw.chunks_exact(slab::ENTRY_BYTES).enumerate() {
+                let worker = geometry.worker_of(first_slot + i as u64, routing.workers);
+                let verdict = slab::recover_entry(
+                    entry,
+                    device,
+                    routing.devices,
+                    worker,
+                    routing.workers,
+                    block_bytes,
+                );
+                match verdict {
+                    Recovered::Empty => scan.empty += 1,
+                    Recovered::Torn => scan.torn += 1,
+                    Recovered::Unroutable(_) => {
+                        scan.valid += 1;
+                        scan.unroutable += 1;
+                    }
+                    Recovered::Kept(e) => {
                         scan.valid += 1;
                         let new = Stored {
                             seq: e.seq,

@@ -78,12 +78,16 @@ struct DeviceReport {
     size_bytes: u64,
     slot_count: u64,
     slot_bytes: u64,
-    /// Distinct keys with a valid entry (the newest entry of a key counts).
+    /// Distinct keys with a valid entry the engine keeps at open (the newest entry of a key
+    /// counts; unroutable entries do not).
     blocks_stored: u64,
     free_slots: u64,
     valid_entries: u64,
     empty_entries: u64,
     torn_entries: u64,
+    /// Valid entries whose keys this config routes to another worker or device (or that hold
+    /// another block size): the engine clears them at open, as it does torn ones.
+    unroutable_entries: u64,
     /// Older entries of a key that has a newer one; recovery drops them.
     duplicate_entries: u64,
 }
@@ -251,6 +255,9 @@ struct Scan {
     valid: u64,
     empty: u64,
     torn: u64,
+    /// Valid entries the engine would clear at open: their keys route to another worker or
+    /// device under this config (cores or the device list changed), or another block size.
+    unroutable: u64,
     duplicates: u64,
 }
 

@@ -30,7 +30,7 @@ pub(super) fn render_slab(
         let _ = writeln!(
             s,
             "  {} slots of {}: {} blocks stored, {} free; entries: {} valid, {} empty, {} torn, \
-             {} duplicate",
+             {} unroutable, {} duplicate",
             d.slot_count,
             output::size(d.slot_bytes),
             d.blocks_stored,
@@ -38,6 +38,7 @@ pub(super) fn render_slab(
             d.valid_entries,
             d.empty_entries,
             d.torn_entries,
+            d.unroutable_entries,
             d.duplicate_entries
         );
     }
