@@ -9,7 +9,7 @@ use crossbeam_channel::Sender;
 
 use crate::job::JobState;
 use crate::key::Key;
-use crate::worker::{Msg, Part, WorkerShared};
+use crate::worker::{Msg, Part, Removed, WorkerShared};
 
 /// Sends work to the workers: the engine's admitted jobs and its own internal jobs (promotions
 /// from S3, the NVMe half of write-through stores).
@@ -48,6 +48,22 @@ impl Router {
             }
         }
         true
+    }
+
+    /// Asks every worker that holds some of `keys` to remove them (`Engine::remove`); each
+    /// answers on `reply` with `(index in keys, removed)`. Returns how many workers were asked.
+    pub fn ask_remove(&self, keys: &[Key], reply: &Sender<Removed>) -> usize {
+        let parts = items_by_worker(keys, self.shards.len());
+        let mut asked = 0;
+        for ((tx, me), items) in self.shards.iter().zip(parts) {
+            if !items.is_empty() {
+                let part = items.iter().map(|&i| (i, keys[i as usize])).collect();
+                let _ = tx.send(Msg::Remove(part, reply.clone()));
+                me.nudge();
+                asked += 1;
+            }
+        }
+        asked
     }
 
     /// Reserves queue room for `parts` on every worker, all or nothing; `Err` names the worker

@@ -147,3 +147,87 @@ fn a_worker_without_slots_says_how_to_fix_it() {
         );
     }
 }
+
+/// `Engine::remove` frees what it removes at once (no eviction needed for the next stores),
+/// says per key whether it removed it, sends removed events, and a reopen does not bring a
+/// removed key back (its table entry was cleared on the device).
+#[test]
+fn removed_blocks_are_gone_their_slots_reused_and_they_stay_gone_after_a_reopen() {
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[FOUR_SLOTS]);
+    let region = region(8);
+    {
+        let engine = open_sim(&sim_config(1, 1), &region, &sim);
+        assert!(store(&engine, &region, 1, &[0, 1, 2, 3]).success);
+        engine.take_events();
+        assert_eq!(
+            engine.remove(&[key(1), key(3), key(99), key(1)]),
+            vec![true, true, false, false],
+            "held, held, never stored, already removed"
+        );
+        assert_eq!(
+            engine.lookup(&[key(0), key(1), key(2), key(3)]),
+            vec![
+                Lookup::Hit(Tier::Nvme),
+                Lookup::Miss,
+                Lookup::Hit(Tier::Nvme),
+                Lookup::Miss
+            ]
+        );
+        let removed: Vec<_> = engine
+            .take_events()
+            .into_iter()
+            .filter(|e| e.removed)
+            .flat_map(|e| e.keys)
+            .collect();
+        assert_eq!(removed, vec![key(1), key(3)]);
+        let s = engine.stats();
+        assert_eq!((s.removals, s.evictions, s.blocks_stored), (2, 0, 2));
+        // The two freed slots take two new blocks without evicting anything.
+        assert!(store(&engine, &region, 2, &[4, 5]).success);
+        assert_eq!(engine.stats().evictions, 0);
+        let r = load(&engine, &region, 3, &[0, 2, 4, 5]);
+        assert!(r.success, "{r:?}");
+        for (b, id) in [0u64, 2, 4, 5].into_iter().enumerate() {
+            assert!(holds(&region, b as u32, id));
+        }
+        engine.shutdown();
+        assert_eq!(engine.remove(&[key(0)]), vec![false], "after shutdown");
+    }
+    let engine = open_sim(&sim_config(1, 1), &region, &sim);
+    assert_eq!(
+        engine.lookup(&(0..6).map(key).collect::<Vec<_>>()),
+        [true, false, true, false, true, true]
+            .into_iter()
+            .map(|held| if held {
+                Lookup::Hit(Tier::Nvme)
+            } else {
+                Lookup::Miss
+            })
+            .collect::<Vec<_>>()
+    );
+}
+
+/// A block a load is reading is not removed (its slot cannot be reused under the read); once
+/// the load is done it is.
+#[test]
+fn a_block_being_read_is_not_removed_until_the_read_ends() {
+    let sim = SimStorage::new(kvtier::sim::seed_from_env(), &[FOUR_SLOTS]);
+    let region = region(8);
+    let engine = open_sim(&sim_config(1, 1), &region, &sim);
+    assert!(store(&engine, &region, 1, &[7]).success);
+    sim.record(true);
+    sim.pause(true);
+    engine
+        .submit_load(Job::new(2, vec![key(7)], vec![3]))
+        .expect("submit");
+    while sim.take_log().is_empty() {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(engine.remove(&[key(7)]), vec![false], "pinned by the load");
+    sim.pause(false);
+    let r = wait_results(&engine, 1).pop().expect("result");
+    assert!(r.success, "{r:?}");
+    assert!(holds(&region, 3, 7));
+    assert_eq!(engine.remove(&[key(7)]), vec![true]);
+    assert_eq!(engine.lookup(&[key(7)]), vec![Lookup::Miss]);
+}

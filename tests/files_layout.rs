@@ -707,3 +707,61 @@ fn files_and_directories_get_exactly_the_configured_modes() {
         engine.shutdown();
     }
 }
+
+#[test]
+fn removed_blocks_lose_their_files_and_stay_gone_after_a_reopen() {
+    let dir = scratch_dir();
+    let cfg = files_config(dir.path(), Some(64 << 20));
+    let region = region(16);
+    {
+        let Some(engine) = open(&cfg, &region) else {
+            return;
+        };
+        let ids: Vec<u64> = (0..6).collect();
+        assert!(store(&engine, &region, 1, &ids).success);
+        let (bytes_before, _) = disk_bytes(dir.path());
+        engine.take_events();
+        assert_eq!(
+            engine.remove(&[key(2), key(4), key(50)]),
+            vec![true, true, false]
+        );
+        assert_eq!(
+            engine.lookup(&[key(2), key(4), key(5)]),
+            vec![Lookup::Miss, Lookup::Miss, Lookup::Hit(Tier::Nvme)]
+        );
+        // The unlinks run on the workers' rings: wait for them.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while (path_of(dir.path(), 2).exists() || path_of(dir.path(), 4).exists())
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(!path_of(dir.path(), 2).exists() && !path_of(dir.path(), 4).exists());
+        assert!(path_of(dir.path(), 5).exists());
+        assert_eq!(disk_bytes(dir.path()).0, bytes_before - 2 * BLOCK);
+        let removed: Vec<_> = engine
+            .take_events()
+            .into_iter()
+            .filter(|e| e.removed)
+            .flat_map(|e| e.keys)
+            .collect();
+        assert_eq!(removed.len(), 2);
+        assert_eq!(engine.stats().removals, 2);
+        engine.shutdown();
+    }
+    let Some(engine) = open(&cfg, &region) else {
+        return;
+    };
+    let found = engine.lookup(&(0..6).map(key).collect::<Vec<_>>());
+    assert_eq!(
+        found,
+        [true, true, false, true, false, true]
+            .into_iter()
+            .map(|held| if held {
+                Lookup::Hit(Tier::Nvme)
+            } else {
+                Lookup::Miss
+            })
+            .collect::<Vec<_>>()
+    );
+}

@@ -218,6 +218,12 @@ class Engine:
         """Resets `result_fd`; returns how many notifications it held (0: none)."""
         return self._native.clear_result_fd()
 
+    def remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """Removes keys from the store (NVMe; a copy in the S3 tier stays): freed at once,
+        with removed events. Per key, whether it was removed: not when it is not held, or an
+        I/O is reading it (ask again later). Waits for the workers' answers (GIL released)."""
+        return self._native.remove(keys)
+
     def jobs_in_flight(self) -> int:
         return self._native.jobs_in_flight()
 

@@ -34,8 +34,8 @@ The event fd is kvtier's result eventfd: the engine bumps it when a job's result
 Keys are LMCache's ``model@kv_rank@group@chunk_hash[@salt]`` strings, through sha256 (kvtier
 keys are at most 64 bytes). ``submit_batch_exists`` answers from kvtier's index (an object is
 held when its first block is; a load whose other blocks are gone fails, as a miss).
-``submit_batch_delete`` is not offered: kvtier evicts by itself under ``capacity_bytes``, and
-LMCache then logs that its eviction deletes are no-ops.
+``submit_batch_delete`` (LMCache's L2 eviction) removes objects from kvtier at once (every
+block, freed for new stores); kvtier also evicts by itself under ``capacity_bytes``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ _LAYOUTS = ("files", "slab")
 _ALIGN = 4096
 _SLAB_FILE = "lmcache.slab"
 _NOTIFY = (1).to_bytes(8, "little")
+# Objects up to this size are deleted whole even by a connector that has not stored one yet.
+_DELETE_OBJECT_BYTES = 64 << 20
 
 
 def _key_hash(key: str) -> bytes:
@@ -164,6 +166,9 @@ class KvtierL2Connector:
         self._ready: list[tuple[int, bool, str, list[bool] | None]] = []
         self._closed = False
         self._stats = collections.Counter()
+        # The most blocks an object had (a delete removes that many per key); at least what
+        # the staging region could hold of one, so objects stored before a restart go too.
+        self._max_parts = min(blocks, self._parts(_DELETE_OBJECT_BYTES))
         logger.info("kvtier.lmcache: %s, blocks of %d bytes, %d staging blocks",
                     self._engine, self._block, blocks)
 
@@ -218,6 +223,8 @@ class KvtierL2Connector:
             raise ValueError(f"kvtier.lmcache: {len(keys)} keys but {len(buffers)} buffers")
         views = [memoryview(b).cast("B") for b in buffers]
         parts = [self._parts(v.nbytes) for v in views]
+        if parts:
+            self._max_parts = max(self._max_parts, max(parts))
         need = sum(parts)
         with self._lock:
             if self._closed or need > len(self._free):
@@ -302,6 +309,19 @@ class KvtierL2Connector:
             return self._complete_now(False, [False] * len(keys), "closed")
         answers = self._engine.lookup([_key_hash(k) + b"\0\0\0\0" for k in keys])
         return self._complete_now(True, [a in ("nvme", "s3") for a in answers])
+
+    def submit_batch_delete(self, keys: list[str]) -> int:
+        """Removes each object (every block of it) from kvtier; per key, whether it was held
+        and is now removed (a key being loaded is not: LMCache may ask again)."""
+        if self._closed:
+            return self._complete_now(False, [False] * len(keys), "closed")
+        parts = max(self._max_parts, 1)
+        bkeys = [_key_hash(k) + j.to_bytes(4, "big") for k in keys for j in range(parts)]
+        removed = self._engine.remove(bkeys)
+        # A key counts as deleted when its first block was (the others go with it if held).
+        results = [removed[i * parts] for i in range(len(keys))]
+        self._stats["objects_deleted"] += sum(results)
+        return self._complete_now(True, results)
 
     def drain_completions(self) -> list[tuple[int, bool, str, list[bool] | None]]:
         """Every batch completed since the last call: (future id, ok, error, per-key results).

@@ -533,6 +533,13 @@ impl PyEngine {
         Ok(())
     }
 
+    /// Removes keys from the store (GIL released while the workers answer); per key, whether
+    /// it was removed (not when not held, or being read: ask again later).
+    fn remove(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = extract_keys(keys)?;
+        Ok(py.detach(|| self.engine.remove(&keys)))
+    }
+
     /// An eventfd (non-blocking; the engine owns and closes it) that is readable whenever a
     /// result was published: for a caller's own poll loop. Clear it (`clear_result_fd`, or
     /// read 8 bytes) before `poll_finished`.

@@ -143,6 +143,21 @@ def test_result_fd_wakes_a_poll_loop(tmp_path):
         assert e.clear_result_fd() == 0
 
 
+@pytest.mark.parametrize("layout", ["slab", "files"])
+def test_remove_frees_keys_at_once(tmp_path, layout):
+    cfg = slab_config(tmp_path) if layout == "slab" else files_config(tmp_path)
+    arr = region()
+    arr[0:3] = pattern(5, 3)
+    with kvtier.Engine(cfg, arr) as e:
+        keys = [vkey(i) for i in range(3)]
+        assert run(e, e.submit_store, 1, keys, [0, 1, 2]).success
+        assert e.remove([keys[1], vkey(9)]) == [True, False]
+        assert e.lookup(keys) == ["nvme", "miss", "nvme"]
+        assert e.stats()["removals"] == 1
+        r = run(e, e.submit_load, 2, [keys[1]], [5])
+        assert not r.success and r.failures[0][2] == "miss"
+
+
 def test_partial_load_reports_prefix_and_every_failed_key(tmp_path):
     arr = region()
     arr[0:2] = pattern(2, 2)

@@ -149,6 +149,27 @@ def test_a_damaged_block_fails_its_key_and_leaves_its_buffer(lm, tmp_path):
         adapter.close()
 
 
+def test_lmcaches_eviction_delete_removes_every_block_of_an_object(lm, tmp_path):
+    adapter = H.adapter_from_cli(lm, spec(tmp_path))
+    try:
+        keys = [H.object_key(lm, i) for i in range(30, 34)]
+        sizes = [200 << 10, 64 << 10, 1000, 130 << 10]  # 4, 1, 1 and 3 blocks of 64 KiB
+        store(adapter, keys, objects(sizes, seed=13))
+        client = adapter._client
+        before = client.engine.stats()["blocks_stored"]
+        assert before == 9
+        # LMCache's delete waits for the completion its demux thread routes.
+        adapter.delete([keys[0], keys[3], H.object_key(lm, 77)])
+        assert lookup(adapter, keys) == [False, True, True, False]
+        stats = client.stats()
+        assert stats["removals"] == 7 and stats["blocks_stored"] == 2
+        assert stats["lmcache"]["objects_deleted"] == 2
+        dst = objects([200 << 10], seed=14)
+        assert load(adapter, [keys[0]], dst) == [False]
+    finally:
+        adapter.close()
+
+
 def test_the_event_fd_is_kvtiers_and_wakes_for_every_kind_of_completion(lm, tmp_path):
     from kvtier.lmcache import KvtierL2Connector
 

@@ -173,6 +173,33 @@ impl Engine {
         out
     }
 
+    /// Removes `keys` from the store (the NVMe tier; a cold tier's copy stays): each is
+    /// unpublished and its slot or file freed as an eviction frees it (never demoted), with a
+    /// removed event; per key, whether it was. A key is not removed when it is not stored, or
+    /// an I/O is reading it (a load, a demotion; ask again after it), or a store of it has not
+    /// finished. Waits for each worker to answer between two turns of its loop (at most
+    /// 10 s, then the keys it holds count as not removed); after shutdown nothing is removed.
+    pub fn remove(&self, keys: &[Key]) -> Vec<bool> {
+        let mut out = vec![false; keys.len()];
+        if keys.is_empty() || self.shut.load(Ordering::Acquire) {
+            return out;
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let asked = self.router.ask_remove(keys, &tx);
+        drop(tx);
+        for _ in 0..asked {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(answers) => {
+                    for (i, removed) in answers {
+                        out[i as usize] = removed;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        out
+    }
+
     /// Marks `keys` recently used, so eviction (CLOCK for the slab, LRU for the files
     /// layout) keeps them longer: for blocks the caller served from its own cache. Keys not
     /// held are ignored. Never blocks; after shutdown it does nothing.

@@ -294,14 +294,7 @@ impl Engine {
         // Work that reached a channel after its worker stopped is failed here, so every job
         // is reported exactly once. The submit gate guarantees no submit is still running.
         for h in &self.shards {
-            while let Ok(msg) = h.rx.try_recv() {
-                if let Msg::Work(part) = msg {
-                    h.shared
-                        .queued_blocks
-                        .fetch_sub(part.items.len(), Ordering::AcqRel);
-                    part.fail_from(0, &self.shared);
-                }
-            }
+            worker::fail_left_behind(&h.rx, &h.shared, &self.shared);
         }
         // Write-through jobs whose NVMe half just ended report from the reactor: let them.
         if let Some(cold) = &self.cold {

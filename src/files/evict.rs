@@ -85,6 +85,47 @@ impl FilesLayout {
         started
     }
 
+    /// Removes `key` now if it is stored here and no I/O reads it (the caller asked:
+    /// [`crate::Engine::remove`]): unindexed and unpublished at once, its file unlinked like an
+    /// evicted one's, never demoted. False when it is not stored, busy, or no op is free.
+    pub(super) fn remove_key(&mut self, core: &mut Core<Op>, key: Key) -> bool {
+        let Some(e) = self.index.get(&key) else {
+            return false;
+        };
+        if e.state != State::Valid || e.pins != 0 {
+            return false;
+        }
+        let d = e.dev as usize;
+        let Some(dest) = self.devs[d].path_of(&key) else {
+            return false;
+        };
+        let Some(idx) = Self::alloc(core, Kind::Remove) else {
+            return false;
+        };
+        let entry = self.unindex(core, &key);
+        core.shared.events.push(vec![key], true);
+        core.me
+            .metrics
+            .dev(d)
+            .removals
+            .fetch_add(1, Ordering::Relaxed);
+        let op = &mut core.ops[idx as usize];
+        op.step = Step::Unlink;
+        op.staging = None;
+        op.key = Some(key);
+        op.dev = d as u16;
+        op.dest = dest;
+        op.bytes = if entry.is_some_and(|e| e.counted) {
+            core.block_bytes
+        } else {
+            0
+        };
+        op.resolved = true;
+        self.removals_in_flight += 1;
+        self.push_step(core, idx);
+        true
+    }
+
     /// Whether a demotion will free a staging slot (then a store waiting for space waits).
     pub(super) fn demotion_pending(core: &Core<Op>) -> bool {
         core.demote.as_ref().is_some_and(Demote::will_free)

@@ -351,6 +351,10 @@ impl Layout for FilesLayout {
             .collect()
     }
 
+    fn remove(&mut self, core: &mut Core<Op>, key: Key) -> bool {
+        self.remove_key(core, key)
+    }
+
     fn probe(&mut self, core: &mut Core<Op>, keys: Vec<(Key, u64)>) {
         self.queue_probes(core, keys);
     }

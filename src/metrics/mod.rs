@@ -233,6 +233,8 @@ pub struct DeviceMetrics {
     pub io_timeouts: AtomicU64,
     pub checksum_failures: AtomicU64,
     pub evictions: AtomicU64,
+    /// Blocks removed at the caller's request ([`crate::Engine::remove`]).
+    pub removals: AtomicU64,
     /// Files layout: block paths refused because a symlink or a non-regular file (FIFO,
     /// socket, device node, directory) was found there.
     pub files_refused: AtomicU64,
@@ -364,6 +366,7 @@ pub struct DeviceStats {
     pub io_timeouts: u64,
     pub checksum_failures: u64,
     pub evictions: u64,
+    pub removals: u64,
     pub files_refused: u64,
     pub probes_found: u64,
     pub probes_absent: u64,
@@ -388,6 +391,7 @@ impl DeviceStats {
         self.io_timeouts += l(&m.io_timeouts);
         self.checksum_failures += l(&m.checksum_failures);
         self.evictions += l(&m.evictions);
+        self.removals += l(&m.removals);
         self.files_refused += l(&m.files_refused);
         self.probes_found += l(&m.probes_found);
         self.probes_absent += l(&m.probes_absent);
@@ -501,6 +505,7 @@ pub struct Stats {
     pub write_ops: u64,
     pub table_writes: u64,
     pub evictions: u64,
+    pub removals: u64,
     pub checksum_failures: u64,
     pub files_refused: u64,
     pub io_timeouts: u64,
@@ -699,6 +704,7 @@ impl Stats {
             self.io_timeouts += d.io_timeouts;
             self.checksum_failures += d.checksum_failures;
             self.evictions += d.evictions;
+            self.removals += d.removals;
             self.files_refused += d.files_refused;
             self.blocks_stored += d.blocks_stored;
             self.slots_total += d.slots_total;

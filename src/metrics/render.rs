@@ -22,7 +22,7 @@
 //! | `kvtier_device_bytes_total`, `kvtier_device_ios_total` | counter | `device`, `op` (read, write) |
 //! | `kvtier_device_io_seconds` | histogram | `device`, `op` (load, store), per block |
 //! | `kvtier_device_errors_total` | counter | `device`, `class` |
-//! | `kvtier_device_timeouts_total`, `..._checksum_failures_total`, `..._evictions_total`, `..._refused_total` | counter | `device` |
+//! | `kvtier_device_timeouts_total`, `..._checksum_failures_total`, `..._evictions_total`, `..._removals_total`, `..._refused_total` | counter | `device` |
 //! | `kvtier_device_probes_total` | counter | `device`, `result` (found, absent) |
 //! | `kvtier_device_failed` | gauge | `device` |
 //! | `kvtier_device_used_bytes`, `kvtier_device_capacity_bytes` | gauge | `device` |
@@ -439,6 +439,12 @@ fn device_state(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
         "Blocks evicted to make room.",
         None,
         per(&|d| d.evictions),
+    )?;
+    o.counters(
+        "kvtier_device_removals",
+        "Blocks removed at the caller's request (Engine::remove).",
+        None,
+        per(&|d| d.removals),
     )?;
     o.counters(
         "kvtier_device_refused",

@@ -113,6 +113,9 @@ impl Devices {
 pub struct Cluster {
     workers: Vec<Box<dyn Stepped>>,
     router: Router,
+    /// A second receiver of each worker's channel, as the engine keeps, for the work that
+    /// arrives after the worker stopped ([`Cluster::finish_stop`]).
+    left_behind: Vec<Receiver<crate::worker::Msg>>,
     shared: Arc<Shared>,
     results: Receiver<JobResult>,
     region: Arc<Region>,
@@ -307,6 +310,7 @@ impl Cluster {
         let settings = backend_settings(config, derived, matches!(devices, Devices::Files(..)));
         let clock = Clock::manual();
         let mut senders = Vec::new();
+        let mut left_behind = Vec::new();
         let mut list: Vec<Box<dyn Stepped>> = Vec::new();
         for id in 0..workers {
             let wake = Arc::new(
@@ -325,6 +329,7 @@ impl Cluster {
             let me = Arc::new(me);
             let (tx, rx) = crossbeam_channel::unbounded();
             senders.push((tx, Arc::clone(&me)));
+            left_behind.push(rx.clone());
             let slab: &[DeviceSpec] = match &devices {
                 Devices::Slab(d) => d,
                 Devices::Files(..) => &[],
@@ -372,6 +377,7 @@ impl Cluster {
         Ok(Cluster {
             workers: list,
             router: router(senders),
+            left_behind,
             shared,
             results,
             region: Arc::clone(region),
@@ -430,6 +436,19 @@ impl Cluster {
             }
         }
         answers
+    }
+
+    /// Asks the workers to remove `keys`, as `Engine::remove` does; their answers
+    /// (`(index in keys, removed)`) arrive on the receiver as the workers take their turns.
+    pub fn remove(
+        &self,
+        keys: &[crate::key::Key],
+    ) -> crossbeam_channel::Receiver<crate::worker::Removed> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        if !self.stopped {
+            self.router.ask_remove(keys, &tx);
+        }
+        rx
     }
 
     /// Runs one turn of one worker, or one step of the cold tier, drawn from the seed; true if
@@ -520,9 +539,13 @@ impl Cluster {
             .store(early, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// As `Engine::shutdown` once its workers ended: reports every result still waiting for
-    /// a hung I/O to free its blocks, with its release unset.
-    pub fn report_held(&self) {
+    /// As `Engine::shutdown` once its workers ended: fails the work that reached a worker
+    /// after it stopped ([`crate::worker::fail_left_behind`]), then reports every result still
+    /// waiting for a hung I/O to free its blocks, with its release unset.
+    pub fn finish_stop(&self) {
+        for (rx, (_, me)) in self.left_behind.iter().zip(&self.router.shards) {
+            crate::worker::fail_left_behind(rx, me, &self.shared);
+        }
         self.shared.report_held();
     }
 

@@ -10,6 +10,15 @@ use crate::worker::{Core, Demote, BUF_STAGING};
 
 use super::layout::{describe_result, Op, OpKind, SlabLayout, SlotState, FREE_SLOT};
 
+/// Why a slot is freed: for the metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Removal {
+    /// To make room.
+    Evicted,
+    /// The caller asked ([`crate::Engine::remove`]).
+    Asked,
+}
+
 impl SlabLayout {
     /// A free slot on device `d`: from the free list, else by evicting (with demotion: `None`
     /// while the victim is read out; the store waits for that read).
@@ -21,7 +30,7 @@ impl SlabLayout {
             return self.demote_for_slot(core, d);
         }
         let victim = self.clock_victim(d)?;
-        self.evict(core, d, victim);
+        self.evict(core, d, victim, Removal::Evicted);
         self.devs[d].free.pop()
     }
 
@@ -41,7 +50,7 @@ impl SlabLayout {
                 .metrics
                 .demotions_dropped
                 .fetch_add(1, Ordering::Relaxed);
-            self.evict(core, d, victim);
+            self.evict(core, d, victim, Removal::Evicted);
             return self.devs[d].free.pop();
         };
         let give_back = |core: &mut Core<Op>| {
@@ -123,7 +132,7 @@ impl SlabLayout {
         }
         let slot = self.devs[d].slots[local as usize];
         if slot.state == SlotState::Valid && slot.pins == 0 {
-            self.evict(core, d, local);
+            self.evict(core, d, local, Removal::Evicted);
         }
     }
 
@@ -146,7 +155,9 @@ impl SlabLayout {
         None
     }
 
-    fn evict(&mut self, core: &mut Core<Op>, d: usize, local: u32) {
+    /// Frees valid, unpinned slot `local` of device `d`: unpublished, its table entry cleared
+    /// (written with the next table page write), a removed event sent.
+    pub(super) fn evict(&mut self, core: &mut Core<Op>, d: usize, local: u32, why: Removal) {
         let key = self.devs[d].slots[local as usize]
             .key
             .expect("valid slot has a key");
@@ -154,7 +165,10 @@ impl SlabLayout {
         self.clear_entry(d, local);
         self.free_slot(d, local);
         let m = core.me.metrics.dev(d);
-        m.evictions.fetch_add(1, Ordering::Relaxed);
+        match why {
+            Removal::Evicted => m.evictions.fetch_add(1, Ordering::Relaxed),
+            Removal::Asked => m.removals.fetch_add(1, Ordering::Relaxed),
+        };
         m.blocks_stored.fetch_sub(1, Ordering::Relaxed);
         core.shared.events.push(vec![key], true);
     }

@@ -29,6 +29,7 @@ use crate::worker::{
 };
 use crate::Errno;
 
+use super::evict::Removal;
 use super::table::PageState;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -482,6 +483,18 @@ impl Layout for SlabLayout {
             })
             .map(|(k, _)| *k)
             .collect()
+    }
+
+    fn remove(&mut self, core: &mut Core<Op>, key: Key) -> bool {
+        let Some(&(d, local)) = self.index.get(&key) else {
+            return false;
+        };
+        let slot = &self.devs[d as usize].slots[local as usize];
+        if slot.state != SlotState::Valid || slot.pins > 0 {
+            return false;
+        }
+        self.evict(core, d as usize, local, Removal::Asked);
+        true
     }
 
     fn background(&mut self, core: &mut Core<Op>) -> bool {

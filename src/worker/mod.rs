@@ -43,7 +43,7 @@ use self::core::{FAILURE_WINDOW_DEADLINES, FAIL_AFTER_TIMEOUTS};
 pub(crate) use demote::{Demote, DemoteSink, Demotion};
 pub(crate) use ops::{OpTable, TableOp};
 pub(crate) use published::Publisher;
-pub(crate) use queue::{Msg, Part, WorkQueue};
+pub(crate) use queue::{fail_left_behind, Msg, Part, Removed, WorkQueue};
 pub(crate) use sched::{Chunks, Scheduler};
 pub(crate) use shared::{submit_or_sleep, WorkerShared};
 
@@ -120,6 +120,11 @@ pub(crate) trait Layout {
 
     /// Every key stored (published) now.
     fn keys(&self) -> Vec<Key>;
+
+    /// Removes `key` if it is stored and no I/O is reading it: unpublished and its slot or
+    /// file freed as an eviction frees it (without demotion to the cold tier), a removed event
+    /// sent. False when it is not stored here or busy.
+    fn remove(&mut self, core: &mut Core<Self::Op>, key: Key) -> bool;
 
     /// Finds out whether `keys` (not indexed here) are on the devices, and answers in
     /// `core.me.unindexed` (each with its question's generation); a key found is indexed and
@@ -508,6 +513,13 @@ impl<L: Layout> Worker<L> {
                 }
                 Msg::Keys(reply) => {
                     let _ = reply.send(self.layout.keys());
+                }
+                Msg::Remove(keys, reply) => {
+                    let removed = keys
+                        .into_iter()
+                        .map(|(i, key)| (i, self.layout.remove(&mut self.core, key)))
+                        .collect();
+                    let _ = reply.send(removed);
                 }
                 Msg::Probe(keys) => self.layout.probe(&mut self.core, keys),
                 Msg::Stop => self.stop(),

@@ -32,12 +32,43 @@ pub(crate) enum Msg {
     Touch(Vec<Key>),
     /// Send back every key stored (`Engine::keys`).
     Keys(crossbeam_channel::Sender<Vec<Key>>),
+    /// Remove these keys (each with its index in the caller's list) and answer which were
+    /// (`Engine::remove`).
+    Remove(Vec<(u32, Key)>, crossbeam_channel::Sender<Removed>),
     /// The files layout: find out whether these keys' block files exist (another process may
     /// have published them), each with the generation of its question in
     /// [`WorkerShared::unindexed`].
     Probe(Vec<(Key, u64)>),
     Stop,
 }
+
+/// The end of a stop, once worker `me` has stopped taking messages: work that reached its
+/// channel afterwards (promotions and write-through halves the S3 tier started as the stop
+/// began) is failed, so every job is reported exactly once; removals are answered "not
+/// removed". `Engine::shutdown` and the simulator's `Cluster::finish_stop` both run it.
+pub(crate) fn fail_left_behind(
+    rx: &crossbeam_channel::Receiver<Msg>,
+    me: &WorkerShared,
+    shared: &crate::job::Shared,
+) {
+    while let Ok(msg) = rx.try_recv() {
+        match msg {
+            Msg::Work(part) => {
+                me.queued_blocks
+                    .fetch_sub(part.items.len(), Ordering::AcqRel);
+                part.fail_from(0, shared);
+            }
+            Msg::Remove(keys, reply) => {
+                let _ = reply.send(keys.into_iter().map(|(i, _)| (i, false)).collect());
+            }
+            Msg::Touch(_) | Msg::Keys(_) | Msg::Probe(_) | Msg::Stop => {}
+        }
+    }
+}
+
+/// A worker's answer to [`Msg::Remove`]: each key's index in the caller's list, and whether
+/// it was removed.
+pub(crate) type Removed = Vec<(u32, bool)>;
 
 #[derive(Default)]
 pub(crate) struct WorkQueue {

@@ -100,6 +100,9 @@ pub struct Report {
     /// Runs with a simulated object store, and what the stores did in them.
     pub cold_runs: u64,
     pub lookups: u64,
+    /// Removals asked (`Cluster::remove`, as `Engine::remove`) and keys they removed.
+    pub removals_asked: u64,
+    pub keys_removed: u64,
     pub cold: ObjectCounts,
 }
 
@@ -128,6 +131,8 @@ impl Report {
         self.after_stop_served += r.after_stop_served;
         self.cold_runs += r.cold_runs;
         self.lookups += r.lookups;
+        self.removals_asked += r.removals_asked;
+        self.keys_removed += r.keys_removed;
         self.cold.add(&r.cold);
     }
 }
@@ -161,6 +166,13 @@ struct Run {
     /// Key bytes to key ids, for naming objects.
     ids: HashMap<Vec<u8>, u64>,
     cold: Option<Arc<SimObjectStore>>,
+    /// Whether this run also removes keys (the removal campaigns), and the removals whose
+    /// answers have not all come: the key ids asked, and where the answers arrive.
+    pub(super) removals: bool,
+    asked: Vec<(
+        Vec<u64>,
+        crossbeam_channel::Receiver<crate::worker::Removed>,
+    )>,
     report: Report,
 }
 
@@ -243,6 +255,8 @@ impl Run {
             external: HashSet::new(),
             ids: (0..KEYS).map(|k| (key(k).as_bytes().to_vec(), k)).collect(),
             cold,
+            removals: false,
+            asked: Vec::new(),
             report: Report::default(),
         }
     }
@@ -256,11 +270,13 @@ impl Run {
             0..12 => self.submit(cluster, JobKind::Store),
             12..24 => self.submit(cluster, JobKind::Load),
             24..28 => self.lookup(cluster)?,
+            28..31 if self.removals => self.remove(cluster),
             _ => {
                 cluster.step();
             }
         }
         self.collect(cluster)?;
+        self.collect_removals()?;
         self.check_objects(false)
     }
 
@@ -563,9 +579,9 @@ impl Run {
         for _ in 0..200_000 {
             let p = cluster.stop_progress();
             if p.running == 0 && cold_quiet(&self.cold) {
-                // As Engine::shutdown: results still waiting for a hung I/O are reported,
-                // saying their blocks are not free.
-                cluster.report_held();
+                // As Engine::shutdown: work that reached a stopped worker fails, and results
+                // still waiting for a hung I/O are reported, saying their blocks are not free.
+                cluster.finish_stop();
                 self.collect(cluster)?;
                 if !self.pending.is_empty() {
                     return Err(format!(
@@ -647,6 +663,63 @@ impl Run {
         Ok(())
     }
 
+    /// Asks to remove a few keys (stored ones, mostly); the workers answer as they take
+    /// their turns.
+    fn remove(&mut self, cluster: &Cluster) {
+        let stored: Vec<u64> = self.stored.iter().copied().collect();
+        let ids: Vec<u64> = (0..=self.rng.below(3))
+            .map(|_| {
+                if !stored.is_empty() && self.rng.below(4) > 0 {
+                    let mut s = stored.clone();
+                    s.sort_unstable();
+                    s[self.rng.below(s.len() as u64) as usize]
+                } else {
+                    self.rng.below(KEYS)
+                }
+            })
+            .collect();
+        let keys: Vec<Key> = ids.iter().map(|&k| key(k)).collect();
+        self.report.removals_asked += 1;
+        self.asked.push((ids, cluster.remove(&keys)));
+    }
+
+    /// The removals answered: every key asked gets one answer, and only a key some store
+    /// named can have been removed. (A removed key may be missing from any later load: the
+    /// loads' checks allow a miss, never wrong bytes, which a slot or file freed too early
+    /// would give.)
+    fn collect_removals(&mut self) -> Result<(), String> {
+        let mut still = Vec::new();
+        for (ids, rx) in std::mem::take(&mut self.asked) {
+            let mut answered = Vec::new();
+            let mut open = true;
+            loop {
+                match rx.try_recv() {
+                    Ok(a) => answered.extend(a),
+                    Err(crossbeam_channel::TryRecvError::Empty) => break,
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            for &(i, removed) in &answered {
+                let k = ids[i as usize];
+                if removed {
+                    if !self.named.contains(&k) {
+                        return Err(format!("remove: key {k} removed, but never stored"));
+                    }
+                    self.report.keys_removed += 1;
+                }
+            }
+            // Disconnected: every worker asked has answered, or its cluster is gone.
+            if open {
+                still.push((ids, rx));
+            }
+        }
+        self.asked = still;
+        Ok(())
+    }
+
     /// A lookup of a few keys: hits name a tier that holds (or held) the key.
     fn lookup(&mut self, cluster: &Cluster) -> Result<(), String> {
         let ids: Vec<u64> = (0..=self.rng.below(4))
@@ -673,6 +746,16 @@ impl Run {
 
 /// One seeded run: `steps` random actions, maybe a power loss and a restart, then a settle.
 pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
+    run_with(seed, steps, false)
+}
+
+/// [`run`] with removals among the actions (`Engine::remove`): slots freed at once, under
+/// the same faults, hangs, power losses and stops.
+pub fn run_removing(seed: u64, steps: u64) -> Result<Report, String> {
+    run_with(seed, steps, true)
+}
+
+fn run_with(seed: u64, steps: u64, removals: bool) -> Result<Report, String> {
     let mut rng = Rng::new(seed);
     let workers = 1 + rng.below(3) as usize;
     let devices = 1 + rng.below(2) as usize;
@@ -703,6 +786,7 @@ pub fn run(seed: u64, steps: u64) -> Result<Report, String> {
         c.set_faults(object_faults(&mut rng));
     }
     let mut run = Run::new(seed, &region, cold.clone());
+    run.removals = removals;
     let mut cluster = Cluster::open_with(&config, &region, &storage, seed, cold.clone())
         .map_err(|e| e.to_string())?;
     storage.set_faults(faults(&mut rng, read_flip_ppm));
@@ -1048,6 +1132,40 @@ mod tests {
         let steps = env("KVTIER_SIM_STEPS", 1500);
         let a = run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
         let b = run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
+    }
+
+    /// The campaign with removals among its actions (`KVTIER_SIM_REMOVAL_SEEDS`, default 300).
+    #[test]
+    fn removal_campaign_finds_no_violation() {
+        let first = env("KVTIER_SIM_FIRST", 1);
+        let count = env("KVTIER_SIM_REMOVAL_SEEDS", 300);
+        let steps = env("KVTIER_SIM_STEPS", 1500);
+        let r = over_seeds(
+            first,
+            count,
+            steps,
+            run_removing,
+            "campaign::tests::replays_one_removal_seed",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("removal campaign: {count} seeds from {first}: {r:?}");
+        assert!(
+            r.keys_removed > 0 && r.removals_asked > r.keys_removed / 4,
+            "{r:?}"
+        );
+        assert!(r.keys_loaded > 0 && r.keys_stored > 0, "{r:?}");
+        assert!(r.power_losses > 0 && r.stops > 0, "{r:?}");
+    }
+
+    /// `KVTIER_SIM_SEED=<seed> cargo test -p kvtier --lib --features sim sim::cluster::campaign::
+    /// tests::replays_one_removal_seed -- --nocapture` replays a removal campaign's failure.
+    #[test]
+    fn replays_one_removal_seed() {
+        let seed = env("KVTIER_SIM_SEED", 7);
+        let steps = env("KVTIER_SIM_STEPS", 1500);
+        let a = run_removing(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let b = run_removing(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
         assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
     }
 }

@@ -64,6 +64,16 @@ fn files_config(rng: &mut Rng, dir: &std::path::Path, workers: usize, loses_powe
 
 /// One seeded run on the files layout; see the module docs.
 pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
+    files_run_with(seed, steps, false)
+}
+
+/// [`files_run`] with removals among the actions (`Engine::remove`: files unlinked at once).
+#[cfg(test)]
+pub fn files_run_removing(seed: u64, steps: u64) -> Result<Report, String> {
+    files_run_with(seed, steps, true)
+}
+
+fn files_run_with(seed: u64, steps: u64, removals: bool) -> Result<Report, String> {
     let mut rng = Rng::new(seed ^ 0xF1_1E5);
     let workers = 1 + rng.below(3) as usize;
     let loss_at = (rng.below(2) == 1).then(|| rng.below(steps));
@@ -94,6 +104,7 @@ pub fn files_run(seed: u64, steps: u64) -> Result<Report, String> {
         c.set_faults(object_faults(&mut rng));
     }
     let mut run = Run::new(seed, &region, cold.clone());
+    run.removals = removals;
     let mut cluster = Cluster::open_files(&config, &region, &files, seed, cold.clone())
         .map_err(|e| e.to_string())?;
     files.set_faults(faults(&mut rng, read_flip_ppm));
@@ -225,6 +236,38 @@ pub fn files_seeds(first: u64, count: u64, steps: u64) -> Result<Report, String>
 mod tests {
     use super::super::env;
     use super::*;
+
+    /// The files campaign with removals among its actions (`KVTIER_SIM_REMOVAL_SEEDS`,
+    /// default 100).
+    #[test]
+    fn files_removal_campaign_finds_no_violation() {
+        let first = env("KVTIER_SIM_FIRST", 1);
+        let count = env("KVTIER_SIM_REMOVAL_SEEDS", 100);
+        let steps = env("KVTIER_SIM_STEPS", 1500);
+        let r = super::super::over_seeds(
+            first,
+            count,
+            steps,
+            files_run_removing,
+            "campaign::files::tests::replays_one_removal_seed",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("files removal campaign: {count} seeds from {first}: {r:?}");
+        assert!(
+            r.keys_removed > 0 && r.keys_loaded > 0 && r.power_losses > 0,
+            "{r:?}"
+        );
+    }
+
+    /// Replays one seed of the files removal campaign (`KVTIER_SIM_SEED`).
+    #[test]
+    fn replays_one_removal_seed() {
+        let seed = env("KVTIER_SIM_SEED", 7);
+        let steps = env("KVTIER_SIM_STEPS", 1500);
+        let a = files_run_removing(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let b = files_run_removing(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert_eq!(a.keys_removed, b.keys_removed, "seed {seed}");
+    }
 
     /// `KVTIER_SIM_SEEDS=100000 cargo test --release -p kvtier --lib --features sim
     /// sim::cluster::campaign::files -- --nocapture` runs a hundred thousand.
