@@ -524,8 +524,15 @@ impl FilesLayout {
             self.index.remove(&key);
         }
         // Not a key its deadline failed already: its outcome is out, its blocks may be the
-        // caller's again.
-        if no_space && !retried && !job.is_resolved(item) && self.evict(core, d, EVICT_BATCH) > 0 {
+        // caller's again. Not after a stop either: the stop failed what was queued, and a
+        // retry queued now would wait for removals a hung file system may never finish, its
+        // job never reported (files campaign seed 2447).
+        if no_space
+            && !retried
+            && !core.stopping
+            && !job.is_resolved(item)
+            && self.evict(core, d, EVICT_BATCH) > 0
+        {
             // Room may come from evicting: queue the block once more, ahead of new stores.
             core.retry.push_back((job, item));
         } else {

@@ -259,6 +259,18 @@ mod tests {
         );
     }
 
+    /// Seeds beyond the default 300 that found bugs: 378 (the simulator's stop did not fail
+    /// work that reached a stopped worker, as `Engine::shutdown` does) and 2447 (a store that
+    /// failed with ENOSPC during a stop queued a retry that waited forever on a hung file
+    /// system's unlinks: its job was never reported).
+    #[test]
+    fn files_seeds_that_found_bugs_pass() {
+        for seed in [378, 2447] {
+            let r = files_run(seed, 1500).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            assert!(r.stops == 1, "seed {seed}: {r:?}");
+        }
+    }
+
     /// Replays one seed of the files removal campaign (`KVTIER_SIM_SEED`).
     #[test]
     fn replays_one_removal_seed() {
