@@ -3,7 +3,8 @@
 ``kvtier.Engine`` moves fixed-size blocks between a memory region you own (used in place, never
 copied) and local NVMe (io_uring, O_DIRECT) or an S3-compatible object store. Jobs never block
 the caller; results are polled. ``kvtier.vllm.KvtierTierManager`` plugs the engine into vLLM's
-tiered KV offload.
+tiered KV offload, ``kvtier.sglang.KvtierHiCacheStorage`` into SGLang's hierarchical cache,
+``kvtier.lmcache.KvtierL2Connector`` into LMCache's multi-process server as an L2 adapter.
 
     import mmap, kvtier
     region = kvtier.allocate_region(num_blocks=64, block_size=2 << 20)
