@@ -112,7 +112,19 @@ fn bench_all_small_verifies_and_reports_five_workloads() {
         for field in ["bytes", "seconds", "gib_per_s", "p99_us", "cpu_seconds"] {
             assert!(r[field].is_number(), "{field} in {r}");
         }
+        // Every phase moved blocks through the device: its device ops are counted, and a
+        // worker entered the kernel to submit them.
+        let io = &r["worker_io"];
+        let ops = io["device_ops"].as_u64().expect("device_ops");
+        let blocks = r["bytes"].as_u64().expect("bytes") / (256 * 1024);
+        assert!(ops >= blocks, "{ops} device ops for {blocks} blocks: {r}");
+        assert!(io["enters"].as_u64().expect("enters") > 0, "{r}");
+        assert!(io["sleeps"].is_u64(), "{r}");
     }
+    assert!(
+        stderr(&out).contains("per device op (reads, writes, table pages)"),
+        "the table says the workers' enters and sleeps per op"
+    );
     assert!(doc["config"]
         .as_str()
         .expect("config text")

@@ -96,6 +96,8 @@ fn one_pair_per_workload_reports_positive_ratios() {
             "fio_cpu_s_per_gib",
             "kvtier_cpu_s_per_gib",
             "cpu_ratio_median",
+            "fio_sleeps_per_io",
+            "kvtier_sleeps_per_io",
         ] {
             let v = c[field]
                 .as_f64()

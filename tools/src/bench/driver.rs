@@ -64,6 +64,12 @@ pub(super) struct PhaseOutcome {
     pub(super) io_kernel_cpu_seconds: f64,
     pub(super) s3_cpu_seconds: f64,
     pub(super) bench_cpu_seconds: f64,
+    /// The workers' device operations (data reads and writes, slot-table page writes), their
+    /// `io_uring_enter` calls and their sleeps (waits for a completion or a wake-up) over the
+    /// phase.
+    pub(super) device_ops: u64,
+    pub(super) worker_enters: u64,
+    pub(super) worker_sleeps: u64,
     pub(super) tallies: [Tally; 2],
 }
 
@@ -117,6 +123,11 @@ impl PhaseOutcome {
             block_size: config.block_size,
             queue_depth,
             bench_cpu_seconds: self.bench_cpu_seconds,
+            worker_io: WorkerIo {
+                device_ops: self.device_ops,
+                enters: self.worker_enters,
+                sleeps: self.worker_sleeps,
+            },
             lookup_skips: t.lookup_skips,
             cpu_scope: if shared_phase { "phase" } else { "workload" },
         }
@@ -244,12 +255,16 @@ impl<'e> Bench<'e> {
         jobs.bar.finish_and_clear();
         let after = self.engine.stats_with_threads();
         let delta = |f: fn(&kvtier::Stats) -> f64| (f(&after) - f(&before)).max(0.0);
+        let count = |f: fn(&kvtier::Stats) -> u64| f(&after).saturating_sub(f(&before));
         Ok(PhaseOutcome {
             seconds,
             cpu_seconds: delta(|s| s.worker_cpu_seconds),
             io_kernel_cpu_seconds: delta(|s| s.thread_cpu.map_or(0.0, |t| t.io_kernel_seconds)),
             s3_cpu_seconds: delta(|s| s.thread_cpu.map_or(0.0, |t| t.s3_reactor_seconds)),
             bench_cpu_seconds: thread_cpu_time().saturating_sub(bench_before).as_secs_f64(),
+            device_ops: count(|s| s.read_ops + s.write_ops + s.table_writes),
+            worker_enters: count(|s| s.submits),
+            worker_sleeps: count(|s| s.wakeups),
             tallies: jobs.tallies,
         })
     }

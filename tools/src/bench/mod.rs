@@ -46,7 +46,7 @@ mod report;
 use driver::{key_of, Bench, Phase, StoreUntil, Stream};
 use patterns::Patterns;
 use report::render;
-pub(crate) use report::{ThreadCpu, WorkloadRow};
+pub(crate) use report::{ThreadCpu, WorkerIo, WorkloadRow};
 
 /// Distinct pseudorandom block patterns; a key's content is one of them, stamped with the key.
 const PATTERNS: u64 = 16;

@@ -30,10 +30,38 @@ pub(crate) struct WorkloadRow {
     pub(crate) queue_depth: u32,
     /// The bench thread's own CPU (data generation, verification) over the phase.
     pub(crate) bench_cpu_seconds: f64,
+    /// The workers' device operations, enters and sleeps over the phase (mixed rows: the
+    /// whole mixed phase).
+    pub(crate) worker_io: WorkerIo,
     /// Load candidates skipped because the index no longer held them (evicted).
     pub(crate) lookup_skips: u64,
     /// "workload", or "phase" when cpu figures cover both streams of the mixed phase.
     pub(crate) cpu_scope: &'static str,
+}
+
+/// What the workers did per device operation over a phase. A sleep is a wait in the kernel
+/// for a completion or a submitter's wake-up; on a virtual machine each costs the thread that
+/// sleeps several µs of CPU when it wakes (docs/perf.md, "Load CPU per GiB"), which fio's
+/// context switches per I/O (fio-compare) measure on fio's side.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub(crate) struct WorkerIo {
+    /// Data reads and writes and slot-table page writes.
+    pub(crate) device_ops: u64,
+    /// `io_uring_enter` calls.
+    pub(crate) enters: u64,
+    pub(crate) sleeps: u64,
+}
+
+impl WorkerIo {
+    /// Sleeps per device operation; `None` without operations.
+    pub(crate) fn sleeps_per_op(&self) -> Option<f64> {
+        (self.device_ops > 0).then(|| self.sleeps as f64 / self.device_ops as f64)
+    }
+
+    /// `io_uring_enter` calls per device operation; `None` without operations.
+    pub(crate) fn enters_per_op(&self) -> Option<f64> {
+        (self.device_ops > 0).then(|| self.enters as f64 / self.device_ops as f64)
+    }
 }
 
 /// CPU per GiB by the class of thread that spent it.
@@ -98,6 +126,28 @@ pub(super) fn render(rows: &[WorkloadRow]) -> String {
                 "{} cpu s/GiB by thread: caller {:.3}, workers {:.3}, io_uring kernel threads \
                  {:.3}, S3 reactor {:.3}",
                 r.workload, t.caller, t.workers, t.io_kernel, t.s3_reactor
+            );
+        }
+    }
+    // A mixed phase's rows share one phase's counts: print them once.
+    let mut last = None;
+    for r in rows {
+        let this = (
+            r.worker_io.device_ops,
+            r.worker_io.enters,
+            r.worker_io.sleeps,
+        );
+        if last.replace(this) == Some(this) {
+            continue;
+        }
+        if let (Some(enters), Some(sleeps)) =
+            (r.worker_io.enters_per_op(), r.worker_io.sleeps_per_op())
+        {
+            let _ = writeln!(
+                text,
+                "{} per device op (reads, writes, table pages): workers' io_uring_enter calls \
+                 {enters:.2}, sleeps {sleeps:.2}",
+                r.workload
             );
         }
     }

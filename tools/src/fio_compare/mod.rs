@@ -728,6 +728,7 @@ mod tests {
             cpu_seconds: 1.0,
             gib_moved: 1.0,
             seconds: 1.0,
+            sleeps_per_io: None,
         };
         let one = report::Spread::of([1.0]);
         CellSummary {
@@ -848,12 +849,14 @@ mod tests {
         assert!(median(std::iter::empty()).abs() < 1e-12);
         let doc = json!({"jobs": [
             {"jobname": "loads", "error": 0, "usr_cpu": 10.0, "sys_cpu": 40.0,
-             "job_runtime": 4000,
+             "job_runtime": 4000, "ctx": 3000,
              "read": {"bw_bytes": 1u64 << 30, "io_bytes": 2u64 << 30, "runtime": 2000,
+                      "total_ios": 8000,
                       "lat_ns": {"percentile": {"50.000000": 500_000, "99.000000": 900_000}}}},
             {"jobname": "stores", "error": 0, "usr_cpu": 5.0, "sys_cpu": 5.0,
-             "job_runtime": 4000,
+             "job_runtime": 4000, "ctx": 1000,
              "write": {"bw_bytes": 1u64 << 29, "io_bytes": 1u64 << 30, "runtime": 2000,
+                       "total_ios": 2000,
                        "lat_ns": {"percentile": {"50.000000": 1_000_000,
                                                  "99.000000": 3_000_000}}}}
         ]});
@@ -864,6 +867,8 @@ mod tests {
         assert!((store.gib_per_s - 0.5).abs() < 1e-9);
         assert!((run.cpu_seconds - 2.4).abs() < 1e-9, "{}", run.cpu_seconds);
         assert!((run.cpu_s_per_gib() - 0.8).abs() < 1e-9);
+        // Context switches of both jobs over the I/Os of both.
+        assert_eq!(run.sleeps_per_io, Some(0.4));
         assert!(fio_result(&doc, Kind::Load).is_ok());
         assert!(fio_result(&json!({"jobs": []}), Kind::Load).is_err());
     }

@@ -22,6 +22,10 @@ pub(super) struct Run {
     /// GiB moved by every stream of the run.
     pub(super) gib_moved: f64,
     pub(super) seconds: f64,
+    /// Times a thread of the run slept per I/O: fio's context switches (`ctx`) over its
+    /// I/Os; kvtier's workers' sleeps over their device operations (table pages included).
+    /// `None` when the run reports none.
+    pub(super) sleeps_per_io: Option<f64>,
 }
 
 impl Run {
@@ -44,6 +48,7 @@ pub(super) fn fio_result(doc: &Value, kind: Kind) -> CliResult<Run> {
     let mut loads = None;
     let mut stores = None;
     let (mut cpu_seconds, mut bytes, mut seconds) = (0.0, 0.0, 0.0_f64);
+    let (mut ctx, mut ios) = (0.0, 0.0);
     for job in jobs {
         let name = job["jobname"].as_str().unwrap_or("?");
         if job["error"].as_i64().unwrap_or(0) != 0 {
@@ -66,6 +71,8 @@ pub(super) fn fio_result(doc: &Value, kind: Kind) -> CliResult<Run> {
             p99_us: pct("99.000000"),
         };
         bytes += num(&side["io_bytes"]);
+        ios += num(&side["total_ios"]);
+        ctx += num(&job["ctx"]);
         seconds = seconds.max(num(&side["runtime"]) / 1000.0);
         if name == "loads" {
             loads = Some(stream);
@@ -89,6 +96,7 @@ pub(super) fn fio_result(doc: &Value, kind: Kind) -> CliResult<Run> {
         cpu_seconds,
         gib_moved: bytes / GIB,
         seconds,
+        sleeps_per_io: (ios > 0.0).then(|| ctx / ios),
     })
 }
 
@@ -118,6 +126,7 @@ pub(super) fn kvtier_result(rows: &[WorkloadRow], kind: Kind) -> CliResult<Run> 
         cpu_seconds: main.cpu_seconds,
         gib_moved: bytes as f64 / GIB,
         seconds: main.seconds,
+        sleeps_per_io: main.worker_io.sleeps_per_op(),
     })
 }
 
@@ -294,6 +303,10 @@ pub(super) fn median_run(runs: &[&Run]) -> Run {
         cpu_seconds: m(&|r| r.cpu_seconds),
         gib_moved: m(&|r| r.gib_moved),
         seconds: m(&|r| r.seconds),
+        sleeps_per_io: runs
+            .iter()
+            .all(|r| r.sleeps_per_io.is_some())
+            .then(|| m(&|r| r.sleeps_per_io.unwrap_or(0.0))),
     }
 }
 
@@ -403,9 +416,35 @@ impl CellSummary {
             "kvtier_store_p50_us": store_lat(&self.kvtier, false),
             "kvtier_store_p99_us": store_lat(&self.kvtier, true),
             "kvtier_cpu_s_per_gib_by_thread": self.kvtier_thread_cpu,
+            "fio_sleeps_per_io": self.fio.sleeps_per_io,
+            "kvtier_sleeps_per_io": self.kvtier.sleeps_per_io,
             "fio_job": self.job,
             "pairs": self.pairs,
         })
+    }
+}
+
+/// The line of sleeps per I/O, fio's against kvtier's, for each cell that has both.
+fn sleeps_line(text: &mut String, cells: &[&CellSummary]) {
+    let sleeps: Vec<String> = cells
+        .iter()
+        .filter_map(|c| {
+            let (f, k) = (c.fio.sleeps_per_io?, c.kvtier.sleeps_per_io?);
+            Some(format!(
+                "{} {} QD {} {f:.2}/{k:.2}",
+                c.kind.name(),
+                output::size(c.block_bytes),
+                c.queue_depth
+            ))
+        })
+        .collect();
+    if !sleeps.is_empty() {
+        let _ = writeln!(
+            text,
+            "sleeps per I/O, fio (context switches)/kvtier (worker sleeps; table pages count as \
+             I/O), medians: {}",
+            sleeps.join(", ")
+        );
     }
 }
 
@@ -634,6 +673,7 @@ pub(super) fn render(all: &[CellSummary], limit: Limit, first: &Prepared) -> Str
          iomem={}; latencies are fio's total (submit to completion) and kvtier's job latency.",
         first.numjobs, first.numjobs, first.cpus, first.cpus_policy, first.iomem
     );
+    sleeps_line(&mut text, &cells);
     if cells.iter().any(|c| c.queue_depth % c.numjobs != 0) {
         let _ = writeln!(
             text,
