@@ -1,18 +1,19 @@
 #!/usr/bin/env python3
-"""Loads in jobs of 1, 2, 4 and 8 blocks with the same blocks in flight, and what the job size
-does to the workers' sleeps and CPU per GiB (issue 35): a worker that gets a job's blocks
-together issues them together, the device completes them together, and one wake-up reaps them;
-one-block jobs arriving one at a time wake it more often. On a virtual machine each wake-up
+"""Loads (or, with `--workload store`, stores of new keys) in jobs of 1, 2, 4 and 8 blocks with
+the same blocks in flight, and what the job size does to the workers' sleeps and CPU per GiB
+(issue 35): a worker that gets a job's blocks together issues them together, the device
+completes them together, and one wake-up reaps them; one-block jobs arriving one at a time wake
+it more often. On a virtual machine each wake-up
 costs the worker several µs of CPU (`cargo bench --bench wake_cost`).
 
 Through the Python package (the real engine, a real slab of `--slab` bytes in `--dir`): the keys
 are stored once, then each job size runs `--seconds` in turn, `--rounds` times in alternating
 order, with `--in-flight` blocks in flight in total (in-flight / size jobs), each finished job
-replaced at once. With `--fio` (fio installed), fio's random reads of the same block size on
-a file of the same size, `numjobs` = the engine's workers and `iodepth` = in-flight / workers,
-run before each round and after the last, as the reference: fio's CPU per GiB (usr + sys) and
-its context switches per I/O. fio's buffers are hugetlb pages (`iomem=mmaphuge`) when enough
-are free (`echo 16 > /proc/sys/vm/nr_hugepages`), as the engine's region is huge pages.
+replaced at once. With `--fio` (fio installed), fio's random reads (writes) of the same block
+size on a file of the same size, `numjobs` = the engine's workers and `iodepth` = in-flight /
+workers, run before each round and after the last, as the reference: fio's CPU per GiB (usr +
+sys) and its context switches per I/O. fio's buffers are hugetlb pages (`iomem=mmaphuge`) when
+enough are free (`echo 16 > /proc/sys/vm/nr_hugepages`), as the engine's region is huge pages.
 
     python tools/job_size_sleeps.py --dir /var/tmp --block-size 256KiB --in-flight 8 --fio
 
@@ -40,21 +41,41 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "big") * 4 + (0).to_bytes(4, "big")
 
 
-def run_size(engine: kvtier.Engine, size: int, in_flight: int, keys: int, seconds: float) -> dict:
-    """Keeps `in_flight // size` load jobs of `size` distinct stored keys in flight."""
+class Stores:
+    """New keys for store jobs, from `first` on (never stored before in this run)."""
+
+    def __init__(self, first: int) -> None:
+        self.next = first
+
+    def take(self, n: int) -> list[int]:
+        self.next += n
+        return list(range(self.next - n, self.next))
+
+
+def run_size(
+    engine: kvtier.Engine,
+    workload: str,
+    size: int,
+    in_flight: int,
+    keys: int,
+    stores: Stores,
+    seconds: float,
+) -> dict:
+    """Keeps `in_flight // size` jobs of `size` keys in flight: loads of distinct stored keys,
+    or stores of new keys."""
     jobs = in_flight // size
     rng = random.Random(size)
     next_id = 0
 
     def submit(slot: int) -> None:
         nonlocal next_id
-        picked = rng.sample(range(keys), size)
         next_id += 1
-        engine.submit_load(
-            (next_id << 16) | slot,
-            [key(k) for k in picked],
-            list(range(slot * size, slot * size + size)),
-        )
+        blocks = list(range(slot * size, slot * size + size))
+        if workload == "load":
+            picked = rng.sample(range(keys), size)
+            engine.submit_load((next_id << 16) | slot, [key(k) for k in picked], blocks)
+        else:
+            engine.submit_store((next_id << 16) | slot, [key(k) for k in stores.take(size)], blocks)
 
     before = engine.stats()
     start = time.monotonic()
@@ -63,17 +84,21 @@ def run_size(engine: kvtier.Engine, size: int, in_flight: int, keys: int, second
     while time.monotonic() - start < seconds:
         for r in engine.wait_finished(0.1):
             if not r.success:
-                raise SystemExit(f"a load job failed: {r}")
+                raise SystemExit(f"a {workload} job failed: {r}")
             submit(r.job_id & 0xFFFF)
     engine.drain()
     for r in engine.poll_finished():
         if not r.success:
-            raise SystemExit(f"a load job failed: {r}")
+            raise SystemExit(f"a {workload} job failed: {r}")
     elapsed = time.monotonic() - start
     after = engine.stats()
-    delta = {k: after[k] - before[k] for k in ("read_ops", "wakeups", "submits", "worker_cpu_seconds")}
-    ops = delta["read_ops"]
-    gib = ops * engine.block_size / 2**30
+    counted = ("read_ops", "write_ops", "table_writes", "loads_ok", "stores_ok", "wakeups",
+               "submits", "worker_cpu_seconds")
+    delta = {k: after[k] - before[k] for k in counted}
+    # Device ops: data reads or writes and, for stores, slot-table page writes.
+    ops = delta["read_ops"] + delta["write_ops"] + delta["table_writes"]
+    blocks = delta["loads_ok"] + delta["stores_ok"]
+    gib = blocks * engine.block_size / 2**30
     return {
         "blocks_per_job": size,
         "gib_per_s": gib / elapsed,
@@ -98,7 +123,9 @@ def fio_iomem(block: int, workers: int, in_flight: int) -> str:
     return "mmaphuge" if hugetlb_free_bytes() >= need else "malloc"
 
 
-def run_fio(path: str, block: int, size: int, workers: int, in_flight: int, seconds: float) -> dict:
+def run_fio(
+    workload: str, path: str, block: int, size: int, workers: int, in_flight: int, seconds: float
+) -> dict:
     iomem = fio_iomem(block, workers, in_flight)
     job = "\n".join(
         [
@@ -120,8 +147,8 @@ def run_fio(path: str, block: int, size: int, workers: int, in_flight: int, seco
             "norandommap=1",
             "randrepeat=0",
             "group_reporting=1",
-            "[loads]",
-            "rw=randread",
+            f"[{workload}s]",
+            "rw=randread" if workload == "load" else "rw=randwrite",
             "",
         ]
     )
@@ -133,7 +160,7 @@ def run_fio(path: str, block: int, size: int, workers: int, in_flight: int, seco
         check=True,
     ).stdout
     j = json.loads(out)["jobs"][0]
-    r = j["read"]
+    r = j["read" if workload == "load" else "write"]
     gib = r["io_bytes"] / 2**30
     cpu = (j["usr_cpu"] + j["sys_cpu"]) / 100 * j["job_runtime"] / 1000
     return {
@@ -161,7 +188,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--fio", action="store_true", help="fio's random reads as the reference")
+    ap.add_argument("--workload", choices=("load", "store"), default="load")
+    ap.add_argument(
+        "--fio", action="store_true", help="fio's random reads (or writes) as the reference"
+    )
     ap.add_argument("--json", help="also write every measurement to this file")
     args = ap.parse_args()
     if args.in_flight % max(SIZES) != 0:
@@ -186,22 +216,29 @@ def main() -> None:
                 chunk = os.urandom(1 << 20)
                 for _ in range(slab >> 20):
                     f.write(chunk)
+        stores = Stores(keys)
         with kvtier.Engine(config, region) as engine:
             for first in range(0, keys, args.in_flight):
                 n = min(args.in_flight, keys - first)
-                engine.submit_store(first, [key(k) for k in range(first, first + n)], list(range(n)))
+                batch = [key(k) for k in range(first, first + n)]
+                engine.submit_store(first, batch, list(range(n)))
                 engine.drain()
                 for r in engine.poll_finished():
                     if not r.success:
                         raise SystemExit(f"storing the keys failed: {r}")
             for rnd in range(args.rounds):
                 if args.fio:
-                    f = run_fio(fio_path, block, slab, args.workers, args.in_flight, args.seconds)
+                    f = run_fio(
+                        args.workload, fio_path, block, slab, args.workers, args.in_flight,
+                        args.seconds,
+                    )
                     results.append({"tool": "fio", "round": rnd, **f})
                     print_fio(f)
                 order = SIZES if rnd % 2 == 0 else tuple(reversed(SIZES))
                 for size in order:
-                    r = run_size(engine, size, args.in_flight, keys, args.seconds)
+                    r = run_size(
+                        engine, args.workload, size, args.in_flight, keys, stores, args.seconds
+                    )
                     results.append({"tool": "kvtier", "round": rnd, **r})
                     print(
                         f"kvtier {size} blocks/job {r['gib_per_s']:6.3f} GiB/s  sleeps/op "
@@ -210,7 +247,10 @@ def main() -> None:
                         flush=True,
                     )
             if args.fio:
-                f = run_fio(fio_path, block, slab, args.workers, args.in_flight, args.seconds)
+                f = run_fio(
+                    args.workload, fio_path, block, slab, args.workers, args.in_flight,
+                    args.seconds,
+                )
                 results.append({"tool": "fio", "round": args.rounds, **f})
                 print_fio(f)
         print("\nmedians")
@@ -218,10 +258,8 @@ def main() -> None:
         if args.fio:
             fio_runs = [r for r in results if r["tool"] == "fio"]
             fio_cpu = statistics.median(r["cpu_s_per_gib"] for r in fio_runs)
-            print(
-                f"fio              sleeps/op {statistics.median(r['sleeps_per_op'] for r in fio_runs):.3f}"
-                f"  cpu s/GiB {fio_cpu:.3f}"
-            )
+            fio_sleeps = statistics.median(r["sleeps_per_op"] for r in fio_runs)
+            print(f"fio              sleeps/op {fio_sleeps:.3f}  cpu s/GiB {fio_cpu:.3f}")
         for size in SIZES:
             runs = [r for r in results if r.get("blocks_per_job") == size]
             cpu = statistics.median(r["worker_cpu_s_per_gib"] for r in runs)
