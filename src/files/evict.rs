@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::key::Key;
-use crate::worker::{Core, Demote};
+use crate::worker::{Core, Demote, Removal};
 use crate::Errno;
 
 use super::layout::{FilesLayout, Kind, Op, State, Step};
@@ -52,34 +52,7 @@ impl FilesLayout {
                 }
                 break;
             };
-            let entry = self.unindex(core, &key);
-            core.shared.events.push(vec![key], true);
-            core.me
-                .metrics
-                .dev(d)
-                .evictions
-                .fetch_add(1, Ordering::Relaxed);
-            let op = &mut core.ops[idx as usize];
-            op.step = if staging.is_some() {
-                Step::Open
-            } else {
-                Step::Unlink
-            };
-            op.staging = staging;
-            op.key = Some(key);
-            op.dev = d as u16;
-            op.dest = dest;
-            op.bytes = if entry.is_some_and(|e| e.counted) {
-                core.block_bytes
-            } else {
-                0
-            };
-            op.resolved = true;
-            if let Some(m) = core.demote.as_mut().filter(|_| staging.is_some()) {
-                m.started();
-            }
-            self.removals_in_flight += 1;
-            self.push_step(core, idx);
+            self.start_removal(core, idx, key, d, dest, staging, Removal::Evicted);
             started += 1;
         }
         started
@@ -102,16 +75,34 @@ impl FilesLayout {
         let Some(idx) = Self::alloc(core, Kind::Remove) else {
             return false;
         };
+        self.start_removal(core, idx, key, d, dest, None, Removal::Asked);
+        true
+    }
+
+    /// Starts op `idx` removing stored `key` (file `dest` on device `d`): unindexed and
+    /// unpublished now, counted as `why` says, its file read into `staging` first (a demotion)
+    /// or unlinked at once; the op ends by releasing the file's bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn start_removal(
+        &mut self,
+        core: &mut Core<Op>,
+        idx: u32,
+        key: Key,
+        d: usize,
+        dest: std::path::PathBuf,
+        staging: Option<u32>,
+        why: Removal,
+    ) {
         let entry = self.unindex(core, &key);
         core.shared.events.push(vec![key], true);
-        core.me
-            .metrics
-            .dev(d)
-            .removals
-            .fetch_add(1, Ordering::Relaxed);
+        why.count(core.me.metrics.dev(d));
         let op = &mut core.ops[idx as usize];
-        op.step = Step::Unlink;
-        op.staging = None;
+        op.step = if staging.is_some() {
+            Step::Open
+        } else {
+            Step::Unlink
+        };
+        op.staging = staging;
         op.key = Some(key);
         op.dev = d as u16;
         op.dest = dest;
@@ -121,9 +112,11 @@ impl FilesLayout {
             0
         };
         op.resolved = true;
+        if let Some(m) = core.demote.as_mut().filter(|_| staging.is_some()) {
+            m.started();
+        }
         self.removals_in_flight += 1;
         self.push_step(core, idx);
-        true
     }
 
     /// Whether a demotion will free a staging slot (then a store waiting for space waits).

@@ -6,18 +6,9 @@ use std::sync::Arc;
 
 use crate::io::{IoClass, IoKind, IoRequest};
 use crate::key::Key;
-use crate::worker::{Core, Demote, BUF_STAGING};
+use crate::worker::{Core, Demote, Removal, BUF_STAGING};
 
 use super::layout::{describe_result, Op, OpKind, SlabLayout, SlotState, FREE_SLOT};
-
-/// Why a slot is freed: for the metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Removal {
-    /// To make room.
-    Evicted,
-    /// The caller asked ([`crate::Engine::remove`]).
-    Asked,
-}
 
 impl SlabLayout {
     /// A free slot on device `d`: from the free list, else by evicting (with demotion: `None`
@@ -165,10 +156,7 @@ impl SlabLayout {
         self.clear_entry(d, local);
         self.free_slot(d, local);
         let m = core.me.metrics.dev(d);
-        match why {
-            Removal::Evicted => m.evictions.fetch_add(1, Ordering::Relaxed),
-            Removal::Asked => m.removals.fetch_add(1, Ordering::Relaxed),
-        };
+        why.count(m);
         m.blocks_stored.fetch_sub(1, Ordering::Relaxed);
         core.shared.events.push(vec![key], true);
     }

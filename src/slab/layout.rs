@@ -25,11 +25,11 @@ use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
 use crate::worker::{
-    own_key, Chunks, Core, Layout, LayoutOp, Start, TableOp, Worker, WorkerParams, BUF_REGION,
+    own_key, Chunks, Core, Layout, LayoutOp, Removal, Start, TableOp, Worker, WorkerParams,
+    BUF_REGION,
 };
 use crate::Errno;
 
-use super::evict::Removal;
 use super::table::PageState;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

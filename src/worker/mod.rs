@@ -55,6 +55,26 @@ pub(crate) const BUF_META: u16 = 1;
 /// The demotion staging buffer (`s3.write = "on_evict"` only).
 pub(crate) const BUF_STAGING: u16 = 2;
 
+/// Why a layout frees a stored key (slab slot, or file): for the metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Removal {
+    /// To make room.
+    Evicted,
+    /// The caller asked ([`crate::Engine::remove`]).
+    Asked,
+}
+
+impl Removal {
+    /// Counts one on device metrics `m` (`evictions` or `removals`).
+    pub(crate) fn count(self, m: &crate::metrics::DeviceMetrics) {
+        match self {
+            Removal::Evicted => &m.evictions,
+            Removal::Asked => &m.removals,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// What starting a load or a store did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Start {
