@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import select
 import shutil
 import statistics
@@ -42,25 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
                                 "tests"))
 import lmcache_harness as H  # noqa: E402
-
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def settle(drop: bool) -> bool:
-    os.sync()
-    dropped = False
-    if drop:
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1\n")
-            dropped = True
-        except OSError:
-            pass
-    time.sleep(0.3)
-    return dropped
+from compare_common import cpu_seconds, settle  # noqa: E402
 
 
 def wait(fd: int) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -42,26 +41,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
                                 "tests"))
 import sglang_harness as H  # noqa: E402
-
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def settle(directory: str, drop: bool) -> bool:
-    """Everything written so far on the disk; the page cache dropped when allowed."""
-    os.sync()
-    dropped = False
-    if drop:
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1\n")
-            dropped = True
-        except OSError:
-            pass
-    time.sleep(0.3)
-    return dropped
+from compare_common import cpu_seconds, settle  # noqa: E402
 
 
 class Backend:
@@ -181,11 +161,11 @@ def main() -> None:
                     reqs = [(keys[i:i + args.pages_per_request],
                              list(range(i, i + args.pages_per_request)))
                             for i in range(0, pages, args.pages_per_request)]
-                    dropped &= settle(base, not args.no_drop_caches)
+                    dropped &= settle(not args.no_drop_caches)
                     s, c = run_phase(b, reqs, in_flight, load=False)
                     cells[name]["store"].append(s)
                     cells[name]["store_cpu"].append(c)
-                    dropped &= settle(base, not args.no_drop_caches)
+                    dropped &= settle(not args.no_drop_caches)
                     loads = [(k, [p + pages for p in ps]) for k, ps in reqs]
                     s, c = run_phase(b, loads, in_flight, load=True)
                     cells[name]["load"].append(s)

@@ -34,7 +34,6 @@ import gc
 import json
 import mmap
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -61,10 +60,7 @@ def _vllm_version_first() -> None:
 
 _vllm_version_first()
 import vllm_harness as H  # noqa: E402
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+from compare_common import cpu_seconds  # noqa: E402
 
 
 def settle(directory: str) -> None:
