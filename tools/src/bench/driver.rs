@@ -64,12 +64,8 @@ pub(super) struct PhaseOutcome {
     pub(super) io_kernel_cpu_seconds: f64,
     pub(super) s3_cpu_seconds: f64,
     pub(super) bench_cpu_seconds: f64,
-    /// The workers' device operations (data reads and writes, slot-table page writes), their
-    /// `io_uring_enter` calls and their sleeps (waits for a completion or a wake-up) over the
-    /// phase.
-    pub(super) device_ops: u64,
-    pub(super) worker_enters: u64,
-    pub(super) worker_sleeps: u64,
+    /// The workers' device operations, enters and sleeps over the phase.
+    pub(super) worker_io: WorkerIo,
     pub(super) tallies: [Tally; 2],
 }
 
@@ -123,11 +119,7 @@ impl PhaseOutcome {
             block_size: config.block_size,
             queue_depth,
             bench_cpu_seconds: self.bench_cpu_seconds,
-            worker_io: WorkerIo {
-                device_ops: self.device_ops,
-                enters: self.worker_enters,
-                sleeps: self.worker_sleeps,
-            },
+            worker_io: self.worker_io,
             lookup_skips: t.lookup_skips,
             cpu_scope: if shared_phase { "phase" } else { "workload" },
         }
@@ -262,9 +254,11 @@ impl<'e> Bench<'e> {
             io_kernel_cpu_seconds: delta(|s| s.thread_cpu.map_or(0.0, |t| t.io_kernel_seconds)),
             s3_cpu_seconds: delta(|s| s.thread_cpu.map_or(0.0, |t| t.s3_reactor_seconds)),
             bench_cpu_seconds: thread_cpu_time().saturating_sub(bench_before).as_secs_f64(),
-            device_ops: count(|s| s.read_ops + s.write_ops + s.table_writes),
-            worker_enters: count(|s| s.submits),
-            worker_sleeps: count(|s| s.wakeups),
+            worker_io: WorkerIo {
+                device_ops: count(|s| s.read_ops + s.write_ops + s.table_writes),
+                enters: count(|s| s.submits),
+                sleeps: count(|s| s.wakeups),
+            },
             tallies: jobs.tallies,
         })
     }

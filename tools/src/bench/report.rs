@@ -43,7 +43,7 @@ pub(crate) struct WorkloadRow {
 /// for a completion or a submitter's wake-up; on a virtual machine each costs the thread that
 /// sleeps several µs of CPU when it wakes (docs/perf.md, "Load CPU per GiB"), which fio's
 /// context switches per I/O (fio-compare) measure on fio's side.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub(crate) struct WorkerIo {
     /// Data reads and writes and slot-table page writes.
     pub(crate) device_ops: u64,
@@ -132,12 +132,7 @@ pub(super) fn render(rows: &[WorkloadRow]) -> String {
     // A mixed phase's rows share one phase's counts: print them once.
     let mut last = None;
     for r in rows {
-        let this = (
-            r.worker_io.device_ops,
-            r.worker_io.enters,
-            r.worker_io.sleeps,
-        );
-        if last.replace(this) == Some(this) {
+        if last.replace(r.worker_io) == Some(r.worker_io) {
             continue;
         }
         if let (Some(enters), Some(sleeps)) =
