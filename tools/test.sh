@@ -75,6 +75,9 @@ cargo test --workspace --all-targets --locked --features kvtier/sim 2>&1 | tee -
 # tests, `kvtier probe`, `bench` and `inspect` inside two QEMU guests (tools/guest/nvme-tests.sh;
 # skipped with a message where QEMU or the guest kernel is missing, except under CI=true).
 bash tools/guest/nvme-tests.sh 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
+# The user-space NVMe driver over VFIO, in two q35 guests with an emulated IOMMU
+# (tools/guest/vfio-tests.sh; skipped the same way).
+bash tools/guest/vfio-tests.sh 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
 # Doc tests too (--all-targets skips them).
 cargo test --workspace --doc --locked --features kvtier/sim 2>&1 | tee -a /tmp/kvtier-test.log || rc=1
 # The Python tests (from outside python/, so `import kvtier` is the installed package): all of

@@ -35,6 +35,7 @@ pub mod ring;
 pub mod shared;
 pub mod smaps;
 pub mod testing;
+pub mod vfio;
 
 /// Converts a `std::io::Error` from a syscall wrapper into the errno it carries (EIO if none).
 pub(crate) fn errno_of(err: &std::io::Error) -> Errno {

@@ -153,6 +153,11 @@ impl Status {
         (self.0 & 0xff) as u8
     }
 
+    /// Whether the command succeeded (status code type and code both 0).
+    pub fn is_success(self) -> bool {
+        self.code_type() == 0 && self.code() == 0
+    }
+
     /// Do Not Retry: the same command will fail again.
     pub fn dnr(self) -> bool {
         self.0 & 0x4000 != 0

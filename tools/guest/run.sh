@@ -5,8 +5,13 @@
 # network, and powers off after the command; this script exits with the command's status.
 #
 #   tools/guest/run.sh --kernel PATH --lba-size 512|4096 --poll-queues N --disk-mib M \
-#     [--mdts K] [--cpus C] [--mem-mib X] [--timeout S] [--append ARGS] [--cpu MODEL] \
+#     [--mdts K] [--cpus C] [--mem-mib X] [--timeout S] [--append ARGS] [--cpu MODEL] [--vfio] \
 #     --log FILE --bin PATH [--bin PATH ...] [--file SRC:DEST ...] -- <shell command>
+#
+# --vfio boots a q35 machine with an emulated Intel IOMMU (48-bit addresses, interrupt
+# remapping) and `intel_iommu=on`, loads the VFIO modules setup.sh keeps beside the kernel, and
+# exports KVTIER_GUEST_NVME_PCI (the controller's PCI address) to the command, so a user-space
+# driver can take the controller from the kernel's nvme driver through vfio-pci.
 #
 # The kernel comes from tools/guest/setup.sh (KVTIER_GUEST_KERNEL is used when --kernel is
 # absent). Exit status: the command's; 124 when the guest ran past --timeout; 130 when QEMU was
@@ -25,7 +30,7 @@ elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
 kernel="${KVTIER_GUEST_KERNEL:-}"
 lba="" poll="" disk_mib="" mdts="" cpus=2 mem_mib=1024 secs=600 logfile="" extra_append=""
-cpu_model=max
+cpu_model=max vfio=false
 busybox="${KVTIER_GUEST_BUSYBOX:-/bin/busybox}"
 bins=() files=()
 need_val() { [ $# -ge 2 ] || die "$1 needs a value"; }
@@ -41,6 +46,7 @@ while [ $# -gt 0 ]; do
     --timeout) need_val "$@"; secs="$2"; shift 2 ;;
     --append) need_val "$@"; extra_append="$2"; shift 2 ;;
     --cpu) need_val "$@"; cpu_model="$2"; shift 2 ;;
+    --vfio) vfio=true; shift ;;
     --log) need_val "$@"; logfile="$2"; shift 2 ;;
     --bin) need_val "$@"; bins+=("$2"); shift 2 ;;
     --file) need_val "$@"; files+=("$2"); shift 2 ;;
@@ -111,6 +117,16 @@ copy_bin() {
   done <<<"$out"
 }
 for b in ${bins[@]+"${bins[@]}"}; do copy_bin "$b"; done
+if "$vfio"; then
+  moddir="$(dirname "$(dirname "$kernel")")/modules"
+  mkdir -p "$root/lib/kvtier-modules"
+  : >"$root/etc/kvtier/modules"
+  for m in irqbypass vfio vfio_iommu_type1 vfio-pci-core vfio-pci; do
+    [ -f "$moddir/$m.ko" ] || die "--vfio: $moddir/$m.ko is missing (run tools/guest/setup.sh)"
+    cp "$moddir/$m.ko" "$root/lib/kvtier-modules/"
+    echo "$m" >>"$root/etc/kvtier/modules"
+  done
+fi
 for spec in ${files[@]+"${files[@]}"}; do
   [[ "$spec" == *:/* ]] || die "--file $spec: expected SRC:/absolute/dest"
   src="${spec%:*}" dest="${spec##*:}"
@@ -132,6 +148,12 @@ mount -t devtmpfs devtmpfs /dev
 mount -t tmpfs tmpfs /tmp
 mkdir -p /dev/shm && mount -t tmpfs tmpfs /dev/shm
 echo "KVTIER_GUEST_INIT_UPTIME=$(cut -d' ' -f1 /proc/uptime)"
+# --vfio: the modules, in dependency order (the file lists them that way).
+if [ -f /etc/kvtier/modules ]; then
+  while read -r m; do
+    insmod "/lib/kvtier-modules/$m.ko" || echo "kvtier-guest: insmod $m failed"
+  done </etc/kvtier/modules
+fi
 # The NVMe controller is probed asynchronously, after init has started.
 n=0
 while [ ! -e /dev/ng0n1 ] || [ ! -e /dev/nvme0n1 ]; do
@@ -144,6 +166,9 @@ if [ -e /dev/ng0n1 ] && [ -e /dev/nvme0n1 ]; then
   echo "kvtier-guest: kernel $(uname -r), nvme ready at uptime $(cut -d' ' -f1 /proc/uptime)"
   echo "kvtier-guest: logical_block_size=$(cat $q/logical_block_size) max_hw_sectors_kb=$(cat $q/max_hw_sectors_kb) io_poll=$(cat $q/io_poll)"
   ls -l /dev/ng0n1 /dev/nvme0 2>&1 | sed 's/^/kvtier-guest: /'
+  pci="$(basename "$(readlink -f /sys/class/nvme/nvme0/device)")"
+  export KVTIER_GUEST_NVME_PCI="$pci"
+  echo "kvtier-guest: nvme0 at PCI $pci, IOMMU group $(basename "$(readlink -f /sys/bus/pci/devices/$pci/iommu_group 2>/dev/null)" 2>/dev/null)"
   cd /tmp
   sh -c "$(cat /etc/kvtier/cmd)" </dev/null
   rc=$?
@@ -172,6 +197,13 @@ nvme_dev="nvme,serial=kvtier0,drive=nvm,logical_block_size=$lba,physical_block_s
 # panic=-1 with -no-reboot turns a guest panic into a QEMU exit instead of a hang until the
 # timeout; oops=panic does the same for an oops (the host then sees no exit marker).
 append="console=ttyS0 panic=-1 oops=panic quiet loglevel=5 nvme.poll_queues=$poll"
+machine=()
+if "$vfio"; then
+  # 48-bit IOVAs: QEMU's default (39) cannot map every user virtual address. The IOMMU must come
+  # before the devices it translates for on the command line.
+  machine=(-M q35 -device intel-iommu,intremap=on,aw-bits=48)
+  append="$append intel_iommu=on"
+fi
 [ -z "$extra_append" ] || append="$append $extra_append"
 
 mkdir -p "$(dirname "$logfile")"
@@ -181,7 +213,7 @@ mkdir -p "$(dirname "$logfile")"
 # this process group, so Ctrl-C or a CI cancel stops it instead of orphaning it.
 set +e
 timeout --foreground -k 10 "$secs" qemu-system-x86_64 \
-  -accel tcg -cpu "$cpu_model" -m "$mem_mib" -smp "$cpus" \
+  -accel tcg -cpu "$cpu_model" -m "$mem_mib" -smp "$cpus" ${machine[@]+"${machine[@]}"} \
   -nodefaults -nographic -serial mon:stdio -no-reboot -nic none \
   -kernel "$kernel" -initrd "$initrd" -append "$append" \
   -drive "file=$disk,if=none,id=nvm,format=raw" -device "$nvme_dev" \

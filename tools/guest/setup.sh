@@ -11,7 +11,8 @@
 #   KVTIER_GUEST_KERNEL_PKG  pin a kernel package instead of the newest 6.12 cloud one
 #   KVTIER_GUEST_REFRESH=1   refresh the package lists even when they are less than a day old
 #
-# Only the last line goes to stdout: KVTIER_GUEST_KERNEL=<path of vmlinuz>.
+# Only the last line goes to stdout: KVTIER_GUEST_KERNEL=<path of vmlinuz>. The VFIO modules
+# lie in modules/ beside boot/ (run.sh --vfio finds them there).
 set -euo pipefail
 
 cache="${KVTIER_GUEST_CACHE:-${HOME:?HOME is not set}/.cache/kvtier/guest}"
@@ -103,7 +104,15 @@ kver="${pkg#linux-image-}"
 kver="${kver%-unsigned}"
 dest="$cache/$kver"
 vmlinuz="$dest/boot/vmlinuz-$kver"
-if [ -f "$vmlinuz" ]; then
+# The VFIO modules (the cloud kernel builds VFIO as modules), in the order they must be loaded,
+# kept uncompressed so the guest's busybox insmod can load them as they are.
+vfio_modules=(virt/lib/irqbypass drivers/vfio/vfio drivers/vfio/vfio_iommu_type1
+  drivers/vfio/pci/vfio-pci-core drivers/vfio/pci/vfio-pci)
+modules_ok() {
+  local m
+  for m in "${vfio_modules[@]}"; do [ -f "$dest/modules/$(basename "$m").ko" ] || return 1; done
+}
+if [ -f "$vmlinuz" ] && modules_ok; then
   log "kernel $kver already cached"
 else
   refresh_lists || die "apt-get update failed"
@@ -115,14 +124,24 @@ else
   [ -n "$deb" ] || die "apt-get download $pkg produced no .deb"
   dpkg-deb -x "$deb" "$work/x"
   [ -f "$work/x/boot/vmlinuz-$kver" ] || die "$pkg has no boot/vmlinuz-$kver"
-  mkdir "$work/stage"
+  mkdir -p "$work/stage/modules"
   mv "$work/x/boot" "$work/stage/boot"
+  for m in "${vfio_modules[@]}"; do
+    src="$work/x/lib/modules/$kver/kernel/$m.ko"
+    if [ -f "$src.xz" ]; then
+      xz -dc "$src.xz" >"$work/stage/modules/$(basename "$m").ko"
+    elif [ -f "$src" ]; then
+      cp "$src" "$work/stage/modules/"
+    else
+      die "$pkg has no module $m"
+    fi
+  done
   # A rename, so an interrupted download never leaves a half-filled version directory.
   rm -rf "$dest"
   mv "$work/stage" "$dest"
 fi
 
-# run.sh passes no modules, so these must be built in.
+# These must be built in (run.sh loads only the VFIO modules, and only with --vfio).
 config="$dest/boot/config-$kver"
 if [ -f "$config" ]; then
   for opt in BLK_DEV_NVME NVME_CORE IO_URING DEVTMPFS BLK_DEV_INITRD TMPFS EXT4_FS SERIAL_8250_CONSOLE; do
