@@ -93,6 +93,13 @@ pub trait IoBackend {
         let _ = user_data;
         false
     }
+    /// Stops the device from touching memory for good (a controller driven from user space:
+    /// disabled, bus mastering off), so that requests in flight past their deadline complete as
+    /// failed and their memory can be handed back; false where the backend cannot (the kernel
+    /// owns the device: the worker then leaks its memory instead).
+    fn fence(&mut self) -> bool {
+        false
+    }
     /// Hands queued requests to the device. With `wait`, blocks until at least one completion
     /// is available or the worker's wake-up event fires.
     fn submit(&mut self, wait: bool) -> std::io::Result<()>;
@@ -100,6 +107,12 @@ pub trait IoBackend {
     /// submits): `kvtier_worker_submits_total`. A submit with nothing to hand over and no wait
     /// may make none.
     fn enters(&self) -> u64;
+    /// Times the worker really slept in [`IoBackend::submit`] so far, for a backend whose
+    /// waits are not all sleeps (a polled one spins while I/O is in flight); `None`: every
+    /// wait is one.
+    fn sleeps(&self) -> Option<u64> {
+        None
+    }
     /// Appends every available completion to `out`.
     fn complete(&mut self, out: &mut Vec<Completion>);
     /// Requests pushed whose completion has not yet been returned.
@@ -169,6 +182,9 @@ pub trait Storage: Send + Sync {
         buf_offset: usize,
         len: usize,
     ) -> Result<()>;
+    /// Called once every worker has stopped, before `Engine::shutdown` returns: a storage
+    /// whose devices do DMA on their own fences them here, so the caller may free the region.
+    fn shutdown(&self) {}
     /// Builds worker `worker`'s backend. Called on the worker's own thread.
     fn backend(
         &self,

@@ -22,6 +22,7 @@
 pub mod checksum;
 mod clock;
 mod cold;
+mod commands;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -43,6 +44,7 @@ pub mod slab;
 mod tier;
 pub mod uring;
 mod verdicts;
+pub mod vfio;
 mod worker;
 
 pub use config::{Config, ConfigError};

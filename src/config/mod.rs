@@ -127,6 +127,9 @@ pub enum DeviceKind {
     Nvme,
     /// Through the block layer even for `/dev/ngXnY` (its block device `/dev/nvmeXnY` is used).
     Block,
+    /// The NVMe controller at `pci`, taken from the kernel through VFIO and driven from user
+    /// space (the controller must be bound to `vfio-pci`; `kvtier probe` says how).
+    Vfio,
 }
 
 /// Locality tag carried by emitted events; spelt in upper case, as vLLM spells it.
@@ -177,12 +180,13 @@ impl Named for VerifyLoads {
 }
 
 impl Named for DeviceKind {
-    const ALL: &'static [Self] = &[Self::Auto, Self::Nvme, Self::Block];
+    const ALL: &'static [Self] = &[Self::Auto, Self::Nvme, Self::Block, Self::Vfio];
     fn name(self) -> &'static str {
         match self {
             Self::Auto => "auto",
             Self::Nvme => "nvme",
             Self::Block => "block",
+            Self::Vfio => "vfio",
         }
     }
 }
@@ -445,6 +449,18 @@ pub struct DeviceConfig {
     pub capacity_bytes: Option<u64>,
     /// Allow formatting an existing non-empty file or device that has no kvtier header.
     pub overwrite: bool,
+    /// `kind = "vfio"`: the controller's PCI address (`0000:01:00.0`); `path` is then
+    /// `vfio:<pci>`, the name logs and metrics use.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pci: Option<String>,
+    /// `kind = "vfio"`: the namespace the slab lives on (default 1).
+    #[serde(skip_serializing_if = "is_first_namespace")]
+    pub nsid: u32,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_first_namespace(nsid: &u32) -> bool {
+    *nsid == 1
 }
 
 impl DeviceConfig {
@@ -456,6 +472,19 @@ impl DeviceConfig {
             kind: DeviceKind::Auto,
             capacity_bytes: None,
             overwrite: false,
+            pci: None,
+            nsid: 1,
+        }
+    }
+
+    /// A slab device on namespace `nsid` of the NVMe controller at PCI address `pci`, driven
+    /// through VFIO.
+    pub fn vfio(pci: &str, nsid: u32) -> DeviceConfig {
+        DeviceConfig {
+            kind: DeviceKind::Vfio,
+            pci: Some(pci.to_owned()),
+            nsid,
+            ..DeviceConfig::new(format!("vfio:{pci}"))
         }
     }
 }

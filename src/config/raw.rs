@@ -354,6 +354,8 @@ pub(super) struct RawDevice {
     kind: Option<Value>,
     capacity_bytes: Option<Value>,
     overwrite: Option<Value>,
+    pci: Option<Value>,
+    nsid: Option<Value>,
 }
 
 impl TryFrom<RawConfig> for Config {
@@ -533,23 +535,78 @@ impl TryFrom<RawDevice> for DeviceConfig {
 }
 
 pub(super) fn device_from_raw(prefix: &str, raw: RawDevice) -> Result<DeviceConfig, ConfigError> {
-    let path_field = format!("{prefix}.path");
-    let path = match raw.path {
-        Some(Value::String(path)) => PathBuf::from(path),
-        Some(other) => return Err(invalid(path_field, other, PATH_FORMS)),
-        None => return Err(invalid(path_field, "(missing)", PATH_FORMS)),
+    let pci = match raw.pci {
+        None => None,
+        Some(Value::String(pci)) => {
+            kvtier_sys::vfio::check_pci_address(&pci)
+                .map_err(|_| invalid(format!("{prefix}.pci"), format!("\"{pci}\""), PCI_FORMS))?;
+            Some(pci)
+        }
+        Some(other) => return Err(invalid(format!("{prefix}.pci"), other, PCI_FORMS)),
     };
+    let mut kind = choice_or(&format!("{prefix}.kind"), raw.kind, DeviceKind::Auto)?;
+    let path_field = format!("{prefix}.path");
+    let path = match (raw.path, &pci) {
+        (Some(Value::String(path)), None) => PathBuf::from(path),
+        // The name a serialized VFIO device carries; anything else is ambiguous.
+        (Some(Value::String(path)), Some(pci)) if path == format!("vfio:{pci}") => {
+            PathBuf::from(path)
+        }
+        (Some(other), Some(pci)) => {
+            return Err(invalid(
+                path_field,
+                other,
+                format!("no path with pci = \"{pci}\" (a VFIO device is named by its PCI address)"),
+            ))
+        }
+        (None, Some(pci)) => PathBuf::from(format!("vfio:{pci}")),
+        (Some(other), None) => return Err(invalid(path_field, other, PATH_FORMS)),
+        (None, None) if kind == DeviceKind::Vfio => {
+            return Err(invalid(format!("{prefix}.pci"), "(missing)", PCI_FORMS))
+        }
+        (None, None) => return Err(invalid(path_field, "(missing)", PATH_FORMS)),
+    };
+    if pci.is_some() {
+        if kind == DeviceKind::Auto {
+            kind = DeviceKind::Vfio;
+        } else if kind != DeviceKind::Vfio {
+            return Err(invalid(
+                format!("{prefix}.kind"),
+                format!("\"{}\"", kind.name()),
+                "\"vfio\" (or no kind) for a device named by pci",
+            ));
+        }
+    }
+    let nsid = int_or(&format!("{prefix}.nsid"), raw.nsid, 1_u32, NSID_FORMS)?;
+    if nsid == 0 || (nsid != 1 && pci.is_none()) {
+        return Err(invalid(
+            format!("{prefix}.nsid"),
+            nsid,
+            if nsid == 0 {
+                NSID_FORMS
+            } else {
+                "no nsid: it applies to kind = \"vfio\" devices (the path names the namespace \
+                 otherwise)"
+            },
+        ));
+    }
     Ok(DeviceConfig {
         path,
         layout: choice_or(&format!("{prefix}.layout"), raw.layout, Layout::Slab)?,
-        kind: choice_or(&format!("{prefix}.kind"), raw.kind, DeviceKind::Auto)?,
+        kind,
         capacity_bytes: raw
             .capacity_bytes
             .map(|value| size_from_value(&format!("{prefix}.capacity_bytes"), &value))
             .transpose()?,
         overwrite: bool_or(&format!("{prefix}.overwrite"), raw.overwrite, false)?,
+        pci,
+        nsid,
     })
 }
+
+const PCI_FORMS: &str =
+    "a PCI address \"DDDD:BB:DD.F\" such as \"0000:01:00.0\" (`kvtier probe` lists NVMe controllers)";
+const NSID_FORMS: &str = "a namespace id from 1 to 4294967294";
 
 pub(super) fn size_or(field: &str, value: Option<Value>, default: u64) -> Result<u64, ConfigError> {
     value.map_or(Ok(default), |value| size_from_value(field, &value))

@@ -400,6 +400,8 @@ fn toml_round_trip() {
         kind: DeviceKind::Nvme,
         capacity_bytes: Some(20_000_000),
         overwrite: true,
+        pci: None,
+        nsid: 1,
     });
     config.files = Some(FilesConfig {
         namespace: crate::config::Namespace::new("org/m", "bfloat16", 16, 2),
@@ -716,4 +718,58 @@ fn verify_loads_is_recovered_or_always() {
         &message,
         &["`verify_loads`", "sometimes", "\"recovered\"", "\"always\""],
     );
+}
+
+// A VFIO device is named by its controller's PCI address; its path is derived from it, and
+// what cannot be meant (a path too, another kind, an nsid elsewhere, mixed devices) is refused
+// with the field named.
+#[test]
+fn vfio_devices() {
+    let config = Config::from_toml_str("[[devices]]\npci = \"0000:01:00.0\"\nnsid = 2\n")
+        .expect("a vfio device");
+    let d = &config.devices[0];
+    assert_eq!(d.kind, DeviceKind::Vfio);
+    assert_eq!(d.pci.as_deref(), Some("0000:01:00.0"));
+    assert_eq!(d.nsid, 2);
+    assert_eq!(d.path, Path::new("vfio:0000:01:00.0"));
+    assert_eq!(d, &{
+        let mut v = DeviceConfig::vfio("0000:01:00.0", 2);
+        v.kind = DeviceKind::Vfio;
+        v
+    });
+    // Printed and read back: the same device.
+    let text = config.to_toml_string();
+    assert!(
+        text.contains("pci = \"0000:01:00.0\"") && text.contains("nsid = 2"),
+        "{text}"
+    );
+    assert_eq!(Config::from_toml_str(&text).expect("printed"), config);
+
+    let message = error_of("[[devices]]\npci = \"01:00.0\"\n");
+    assert_mentions(
+        &message,
+        &["`devices[0].pci`", "\"01:00.0\"", "DDDD:BB:DD.F"],
+    );
+    let message = error_of("[[devices]]\nkind = \"vfio\"\n");
+    assert_mentions(&message, &["`devices[0].pci`", "(missing)"]);
+    let message = error_of("[[devices]]\npci = \"0000:01:00.0\"\npath = \"/dev/ng0n1\"\n");
+    assert_mentions(
+        &message,
+        &["`devices[0].path`", "\"/dev/ng0n1\"", "no path with pci"],
+    );
+    let message = error_of("[[devices]]\npci = \"0000:01:00.0\"\nkind = \"nvme\"\n");
+    assert_mentions(&message, &["`devices[0].kind`", "\"nvme\"", "\"vfio\""]);
+    let message = error_of(&format!("{ONE_DEVICE}nsid = 2\n"));
+    assert_mentions(&message, &["`devices[0].nsid`", "2", "kind = \"vfio\""]);
+    let message = error_of("[[devices]]\npci = \"0000:01:00.0\"\nnsid = 0\n");
+    assert_mentions(&message, &["`devices[0].nsid`", "0", "from 1"]);
+    let message = error_of(&format!(
+        "[[devices]]\npci = \"0000:01:00.0\"\n{ONE_DEVICE}"
+    ));
+    assert_mentions(
+        &message,
+        &["`devices[1].kind`", "\"auto\"", "\"vfio\", like devices[0]"],
+    );
+    let message = error_of("[[devices]]\npci = \"0000:01:00.0\"\nlayout = \"files\"\n");
+    assert_mentions(&message, &["`devices[0].kind`", "\"vfio\""]);
 }

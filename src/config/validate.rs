@@ -248,7 +248,7 @@ impl Config {
                     format!("devices[{index}].kind"),
                     device.kind,
                     "\"auto\" with layout = \"files\" (a files directory is not an NVMe \
-                     namespace; kind = \"nvme\" and \"block\" are for slab devices)",
+                     namespace; kind = \"nvme\", \"block\" and \"vfio\" are for slab devices)",
                 ));
             }
             if device.layout == Layout::Files && self.files.is_none() {
@@ -268,6 +268,23 @@ impl Config {
                     format!(
                         "\"{}\", like devices[0]: one engine runs one layout",
                         self.devices[0].layout.name()
+                    ),
+                ));
+            }
+            let vfio = |d: &DeviceConfig| d.kind == DeviceKind::Vfio;
+            if index > 0 && vfio(device) != vfio(&self.devices[0]) {
+                return Err(invalid(
+                    format!("devices[{index}].kind"),
+                    format!("\"{}\"", device.kind.name()),
+                    format!(
+                        "{}, like devices[0]: a worker polls its VFIO queue pairs and has no \
+                         ring for kernel devices, so one engine drives VFIO devices only or \
+                         none",
+                        if vfio(&self.devices[0]) {
+                            "\"vfio\""
+                        } else {
+                            "not \"vfio\""
+                        }
                     ),
                 ));
             }

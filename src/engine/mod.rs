@@ -95,6 +95,8 @@ pub struct Engine {
     router: Arc<Router>,
     /// The cold tier (`[s3]`), when configured.
     cold: Option<Arc<dyn ColdTier>>,
+    /// What opened the devices; told when the workers have stopped (VFIO fences there).
+    storage: Arc<dyn crate::io::Storage>,
     /// Every counter, for `stats` and the metrics endpoint.
     stats: Arc<stats::StatsSource>,
     /// `[metrics] listen`: stopped at shutdown.
@@ -111,13 +113,19 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Opens the engine on the kernel's devices (io_uring, O_DIRECT per config).
+    /// Opens the engine on the kernel's devices (io_uring, O_DIRECT per config), or on NVMe
+    /// controllers driven from user space when the devices are `kind = "vfio"`.
     pub fn open(config: &Config, region: Arc<Region>) -> Result<Engine> {
-        Engine::open_with(
-            config,
-            region,
-            Arc::new(crate::uring::KernelStorage::default()),
-        )
+        let vfio = config
+            .devices
+            .iter()
+            .any(|d| d.kind == crate::config::DeviceKind::Vfio);
+        let storage: Arc<dyn crate::io::Storage> = if vfio {
+            Arc::new(crate::vfio::VfioStorage::default())
+        } else {
+            Arc::new(crate::uring::KernelStorage::default())
+        };
+        Engine::open_with(config, region, storage)
     }
 
     /// Connects the cold tier: workers hand it their misses and (with `on_evict`) demotions.
@@ -296,6 +304,8 @@ impl Engine {
         for h in &self.shards {
             worker::fail_left_behind(&h.rx, &h.shared, &self.shared);
         }
+        // Devices that do DMA on their own are fenced before the caller may free the region.
+        self.storage.shutdown();
         // Write-through jobs whose NVMe half just ended report from the reactor: let them.
         if let Some(cold) = &self.cold {
             cold.stop();

@@ -87,6 +87,7 @@ impl Engine {
             queue_blocks_max: config.queue_blocks_max,
         });
         let mut engine = Engine {
+            storage: Arc::clone(&storage),
             region: Arc::clone(&region),
             region_blocks,
             block_bytes: derived.block_bytes,

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use kvtier_sys::file::DeviceFile;
 use kvtier_sys::ring::{Ring, RingConfig};
 
-use super::{errno_msg, nvme, Opened};
+use super::{errno_msg, Opened};
+use crate::commands::Commands;
 use crate::error::{Error, Result};
 use crate::io::{
     Completion, EventFd, FileOp, IoBackend, IoBuf, IoClass, IoKind, IoRequest, Region,
@@ -109,7 +110,7 @@ pub(super) struct UringBackend {
     /// The longest sleep while I/O is in flight (the worker checks deadlines between).
     wait_limit: std::time::Duration,
     /// Requests for NVMe passthrough devices, split into commands at the transfer limit.
-    passthrough: nvme::Passthrough,
+    passthrough: Commands,
     /// Completions straight off the ring, before passthrough parts are folded into requests.
     raw: Vec<Completion>,
     /// The kernel runs FSETXATTR/FGETXATTR (5.19+).
@@ -122,7 +123,7 @@ impl UringBackend {
         wake: Arc<EventFd>,
         (load_prio, store_prio): (u16, u16),
         wait_limit: std::time::Duration,
-        passthrough: nvme::Passthrough,
+        passthrough: Commands,
     ) -> UringBackend {
         UringBackend {
             xattr_ops: ring.supports_xattr_ops(),

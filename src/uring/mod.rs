@@ -354,11 +354,11 @@ impl Storage for KernelStorage {
             guard.iter().flatten().cloned().collect()
         };
         let files: Vec<Arc<DeviceFile>> = opened.iter().map(|d| Arc::clone(&d.file)).collect();
-        let passthrough = nvme::Passthrough::new(
+        let passthrough = crate::commands::Commands::new(
             opened
                 .iter()
                 .map(|d| {
-                    d.nvme.as_ref().map(|ns| nvme::Device {
+                    d.nvme.as_ref().map(|ns| crate::commands::Device {
                         path: ns.path().to_path_buf(),
                         geometry: ns.geometry().clone(),
                     })

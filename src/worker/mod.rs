@@ -231,6 +231,8 @@ pub(crate) struct Worker<L: Layout> {
     next_overdue_check: Instant,
     /// When the stop arrived.
     stop_at: Option<Instant>,
+    /// The backend fenced its device at a stop (the I/O past its deadline then fails).
+    fenced: bool,
 }
 
 /// For [`Layout::overdue_keys`]: the one key an op serves, whose block it may still move.
@@ -289,6 +291,7 @@ impl<L: Layout> Worker<L> {
             completions: Vec::with_capacity(p.ring_entries * 2),
             next_overdue_check: now,
             stop_at: None,
+            fenced: false,
         }
     }
 
@@ -310,6 +313,19 @@ impl<L: Layout> Worker<L> {
             self.core.publish_gauges();
             if self.core.stopping && self.core.idle() && self.layout.idle() {
                 break;
+            }
+            if self.hung_at_stop() && !self.fenced && self.core.backend.fence() {
+                // A device driven from user space can be stopped for good: its requests in
+                // flight then fail, their memory goes back, and the worker ends normally.
+                self.fenced = true;
+                tracing::error!(
+                    worker = self.core.id,
+                    in_flight = self.core.backend.in_flight(),
+                    deadline_ms = self.core.io_timeout.as_millis() as u64,
+                    "shutdown: I/O still in flight past its deadline; the device was fenced \
+                     (controller disabled, DMA off) and that I/O fails"
+                );
+                continue;
             }
             if self.hung_at_stop() {
                 tracing::error!(

@@ -119,8 +119,12 @@ pub(crate) fn submit_or_sleep(
     me.metrics
         .submits
         .store(backend.enters(), Ordering::Relaxed);
-    if wait {
-        me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
+    match backend.sleeps() {
+        Some(slept) => me.metrics.wakeups.store(slept, Ordering::Relaxed),
+        None if wait => {
+            me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
+        }
+        None => {}
     }
     r
 }

@@ -66,10 +66,12 @@ pub fn get(args: &GetArgs) -> CliResult<ExitCode> {
     let mut config = Config::from_file(&args.config)?;
     check_key_shape(&config, &args.key)?;
     inspect::require_existing(&config, "get")?;
-    // Nothing below may create, grow or reformat a device.
+    // Nothing below may create, grow or reformat a device. (On a block device, a namespace
+    // or a VFIO controller, capacity_bytes only bounds the slab: it stays, or the geometry
+    // would change.)
     for device in &mut config.devices {
         device.overwrite = false;
-        if device.layout == Layout::Slab {
+        if device.layout == Layout::Slab && device.path.is_file() {
             device.capacity_bytes = None;
         }
     }

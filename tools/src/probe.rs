@@ -47,7 +47,24 @@ struct Report {
     block_device: Option<QueueSection>,
     /// Every NVMe namespace's generic device (`/sys/class/nvme-generic`).
     nvme: Vec<NvmeSection>,
+    /// Every NVMe controller on the PCI bus, and what driving it through VFIO needs.
+    controllers: Vec<ControllerSection>,
     advice: Vec<String>,
+}
+
+/// One NVMe controller and whether `[[devices]] pci = "<pci>"` (kind = "vfio") can take it.
+#[derive(Serialize)]
+struct ControllerSection {
+    pci: String,
+    driver: Option<String>,
+    iommu_group: Option<u32>,
+    namespaces: Vec<String>,
+    /// File systems mounted from it: such a controller must never be given to kvtier.
+    mounted: Vec<String>,
+    /// Bound to vfio-pci, in a viable group this process may open.
+    vfio_ready: bool,
+    /// What to do before kvtier can take it (empty when ready, or when it must not be used).
+    steps: Vec<String>,
 }
 
 /// One NVMe generic device and whether kvtier can drive it by passthrough.
@@ -163,6 +180,7 @@ fn collect(dir: &Path) -> Report {
         .iter()
         .any(|&(name, ok)| name == "UringCmd" && ok);
     let nvme = probe_nvme(uring_cmd, &mut advice);
+    let controllers = probe_controllers(&memlock);
     Report {
         io_uring: UringSection {
             available: uring.available,
@@ -196,8 +214,77 @@ fn collect(dir: &Path) -> Report {
             max_sectors_kb: q.max_sectors_kb,
         }),
         nvme,
+        controllers,
         advice,
     }
+}
+
+/// Every NVMe controller on the PCI bus and what taking it through VFIO needs.
+fn probe_controllers(memlock: &MemlockSection) -> Vec<ControllerSection> {
+    kvtier_sys::vfio::nvme_controllers()
+        .into_iter()
+        .map(|c| {
+            let pci = &c.pci;
+            let group_node = c.iommu_group.map(|g| format!("/dev/vfio/{g}"));
+            let vfio_ready = c.driver.as_deref() == Some("vfio-pci")
+                && group_node.as_ref().is_some_and(|n| {
+                    std::fs::OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .open(n)
+                        .is_ok()
+                });
+            let mut steps = Vec::new();
+            if c.mounted.is_empty() && !vfio_ready {
+                if c.iommu_group.is_none() {
+                    steps.push(
+                        "boot with the IOMMU on (intel_iommu=on or amd_iommu=on): the \
+                         controller is in no IOMMU group"
+                            .to_owned(),
+                    );
+                }
+                if c.driver.as_deref() != Some("vfio-pci") {
+                    steps.push(format!(
+                        "as root: modprobe vfio-pci; {}echo vfio-pci > \
+                         /sys/bus/pci/devices/{pci}/driver_override; echo {pci} > \
+                         /sys/bus/pci/drivers_probe (its namespaces {} disappear from the \
+                         kernel)",
+                        c.driver.as_ref().map_or(String::new(), |_| format!(
+                            "echo {pci} > /sys/bus/pci/devices/{pci}/driver/unbind; "
+                        )),
+                        if c.namespaces.is_empty() {
+                            "-".to_owned()
+                        } else {
+                            c.namespaces.join(", ")
+                        }
+                    ));
+                }
+                if let Some(node) = &group_node {
+                    steps.push(format!(
+                        "run as root or give this user {node} (chown); every device of IOMMU \
+                         group {} must be bound to vfio-pci or to no driver",
+                        c.iommu_group.unwrap_or(0)
+                    ));
+                }
+            }
+            if c.mounted.is_empty() && !memlock.cap_ipc_lock && memlock.limit_bytes.is_some() {
+                steps.push(
+                    "raise the locked-memory limit (ulimit -l, or LimitMEMLOCK= in the unit): \
+                     VFIO pins the whole region and the queues"
+                        .to_owned(),
+                );
+            }
+            ControllerSection {
+                pci: c.pci,
+                driver: c.driver,
+                iommu_group: c.iommu_group,
+                namespaces: c.namespaces,
+                mounted: c.mounted,
+                vfio_ready,
+                steps,
+            }
+        })
+        .collect()
 }
 
 /// Opens every NVMe generic device as the engine would and reports its geometry, or why
@@ -544,6 +631,44 @@ fn render(report: &Report) -> String {
     out
 }
 
+fn render_controllers(report: &Report, out: &mut String) {
+    if report.controllers.is_empty() {
+        let _ = writeln!(out, "controllers    no NVMe controllers on the PCI bus");
+    }
+    for c in &report.controllers {
+        let _ = writeln!(
+            out,
+            "controller     {}: driver {}, IOMMU group {}, namespaces {}",
+            c.pci,
+            c.driver.as_deref().unwrap_or("none"),
+            c.iommu_group
+                .map_or_else(|| "none".to_owned(), |g| g.to_string()),
+            if c.namespaces.is_empty() {
+                "-".to_owned()
+            } else {
+                c.namespaces.join(", ")
+            }
+        );
+        if !c.mounted.is_empty() {
+            let _ = writeln!(
+                out,
+                "                 holds mounted file systems ({}): never give it to kvtier",
+                c.mounted.join(", ")
+            );
+        } else if c.vfio_ready {
+            let _ = writeln!(
+                out,
+                "                 ready for [[devices]] pci = \"{}\" (kind = \"vfio\")",
+                c.pci
+            );
+        } else {
+            for step in &c.steps {
+                let _ = writeln!(out, "                 to use with kind = \"vfio\": {step}");
+            }
+        }
+    }
+}
+
 fn render_nvme(report: &Report, out: &mut String) {
     if report.nvme.is_empty() {
         let _ = writeln!(out, "nvme           no NVMe generic devices (/dev/ngXnY)");
@@ -646,6 +771,7 @@ fn render_host(report: &Report, out: &mut String) {
         }
     }
     render_nvme(report, out);
+    render_controllers(report, out);
     out.push('\n');
     if report.advice.is_empty() {
         out.push_str("advice: none; this host offers everything kvtier uses\n");

@@ -150,6 +150,86 @@ pub fn pci_iommu_group(pci: &str) -> Option<u32> {
     link.file_name()?.to_str()?.parse().ok()
 }
 
+/// An NVMe controller on the PCI bus (class 01:08:02), as sysfs describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PciNvme {
+    pub pci: String,
+    /// The driver bound to it (`nvme`, `vfio-pci`), if any.
+    pub driver: Option<String>,
+    /// Its IOMMU group, if an IOMMU is on.
+    pub iommu_group: Option<u32>,
+    /// Its namespaces' block devices (`nvme0n1`) while the kernel's driver holds it.
+    pub namespaces: Vec<String>,
+    /// Mount points of file systems on those namespaces or their partitions.
+    pub mounted: Vec<String>,
+}
+
+/// Every NVMe controller on the PCI bus, by address.
+pub fn nvme_controllers() -> Vec<PciNvme> {
+    let Ok(entries) = fs::read_dir("/sys/bus/pci/devices") else {
+        return Vec::new();
+    };
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut out: Vec<PciNvme> = entries
+        .flatten()
+        .filter_map(|e| {
+            let pci = e.file_name().to_string_lossy().into_owned();
+            let class = fs::read_to_string(e.path().join("class")).ok()?;
+            (class.trim() == "0x010802").then_some(pci)
+        })
+        .map(|pci| {
+            let namespaces = controller_namespaces(&pci);
+            let mounted = mounts
+                .lines()
+                .filter_map(|line| {
+                    let mut f = line.split_whitespace();
+                    let (dev, at) = (f.next()?, f.next()?);
+                    let name = dev.strip_prefix("/dev/")?;
+                    namespaces
+                        .iter()
+                        .any(|ns| {
+                            name == ns
+                                || name
+                                    .strip_prefix(ns.as_str())
+                                    .is_some_and(|p| p.starts_with('p'))
+                        })
+                        .then(|| format!("{at} ({dev})"))
+                })
+                .collect();
+            PciNvme {
+                driver: pci_driver(&pci),
+                iommu_group: pci_iommu_group(&pci),
+                namespaces,
+                mounted,
+                pci,
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| a.pci.cmp(&b.pci));
+    out
+}
+
+/// The namespaces (`nvmeXnY`) of the controller at `pci`, from sysfs.
+fn controller_namespaces(pci: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let Ok(ctrls) = fs::read_dir(format!("/sys/bus/pci/devices/{pci}/nvme")) else {
+        return out;
+    };
+    for ctrl in ctrls.flatten() {
+        let Ok(entries) = fs::read_dir(ctrl.path()) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("nvme") && e.path().join("nsid").exists() {
+                out.push(name);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 /// Memory-mapped device registers (a BAR): 32- and 64-bit volatile accesses only.
 pub struct Mmio {
     ptr: NonNull<u8>,

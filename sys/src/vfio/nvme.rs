@@ -512,6 +512,16 @@ impl Controller {
         self.inner.fence();
     }
 
+    /// Shuts the controller down normally (CC.SHN, so a drive writes its volatile cache back)
+    /// and fences it; what the last handle's drop does, for a caller that cannot wait for every
+    /// handle to go.
+    pub fn close(&self) {
+        if !self.is_fenced() {
+            self.inner.shutdown_notify();
+        }
+        self.inner.fence();
+    }
+
     /// A synchronous admin command; its result dword.
     fn admin(&self, sqe: Sqe, what: &str) -> Result<u32, String> {
         let info = &self.inner.info;

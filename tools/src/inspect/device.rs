@@ -8,6 +8,7 @@ use super::{
 use crate::output;
 use crate::output::{CliError, CliResult};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvtier::config::{DeviceConfig, DeviceKind};
 use kvtier::key::KeyMap;
 use kvtier::slab::{HeaderRead, HeaderState, Recovered};
 use kvtier::{slab, Config, Engine, Key, KeyFailure};
@@ -15,14 +16,16 @@ use kvtier_sys::file::{DeviceFile, OpenOptions};
 use kvtier_sys::mem::{HugePages, Region};
 use serde_json::json;
 use std::io::IsTerminal;
-use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 pub(super) fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<ExitCode> {
     let (keys, scans) = scan_devices(&config)?;
     // Nothing below may create, grow or reformat a device.
     for device in &mut config.devices {
-        device.capacity_bytes = None;
+        // On a block device, a namespace or a VFIO controller it only bounds the slab.
+        if device.path.is_file() {
+            device.capacity_bytes = None;
+        }
         device.overwrite = false;
     }
     config.region_blocks = u64::from(VERIFY_DEPTH);
@@ -92,13 +95,13 @@ fn scan_devices(config: &Config) -> CliResult<(KeyMap<Stored>, Vec<Scan>)> {
         devices: config.devices.len(),
     };
     for (i, device) in config.devices.iter().enumerate() {
-        if !device.path.exists() {
+        if device.kind != DeviceKind::Vfio && !device.path.exists() {
             return Err(CliError::usage(format!(
                 "devices[{i}].path {} does not exist; inspect never creates devices",
                 device.path.display()
             )));
         }
-        let scan = scan_device(&device.path, i, config.block_size, routing, &mut keys)
+        let scan = scan_device(device, i, config.block_size, routing, &mut keys)
             .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
         scans.push(scan);
     }
@@ -168,11 +171,13 @@ fn verify_slots(
     Ok((checked, verify))
 }
 
-/// A slab device opened for reading: a file or block device, or an NVMe namespace read by
-/// passthrough commands (`/dev/ngXnY` has no `read(2)`).
+/// A slab device opened for reading: a file or block device, an NVMe namespace read by
+/// passthrough commands (`/dev/ngXnY` has no `read(2)`), or one read by the user-space driver
+/// (`kind = "vfio"`).
 pub(super) enum SlabReader {
     File(DeviceFile),
     Nvme(kvtier_sys::nvme::Namespace),
+    Vfio(Box<kvtier::vfio::SyncDevice>),
 }
 
 impl SlabReader {
@@ -190,11 +195,20 @@ impl SlabReader {
             SlabReader::Nvme(ns) => ns
                 .read_sync(offset, buf, at, len)
                 .map_err(|e| e.to_string()),
+            SlabReader::Vfio(dev) => dev
+                .read_sync(offset, buf, at, len)
+                .map_err(|e| e.to_string()),
         }
     }
 }
 
-pub(super) fn open_read_only(path: &Path) -> CliResult<SlabReader> {
+pub(super) fn open_read_only(device: &DeviceConfig) -> CliResult<SlabReader> {
+    if device.kind == DeviceKind::Vfio {
+        return kvtier::vfio::SyncDevice::open(device)
+            .map(|d| SlabReader::Vfio(Box::new(d)))
+            .map_err(|e| CliError::runtime(format!("open: {e}")));
+    }
+    let path = device.path.as_path();
     if kvtier_sys::nvme::generic_name(path).is_some() {
         return kvtier_sys::nvme::Namespace::open_read_only(path)
             .map(SlabReader::Nvme)
@@ -254,13 +268,13 @@ pub(super) struct Routing {
 /// Reads the header and the whole slot table of one device, read-only and buffered, and
 /// classifies each entry by the engine's recovery rule ([`slab::recover_entry`]).
 pub(super) fn scan_device(
-    path: &Path,
+    device_cfg: &DeviceConfig,
     device: usize,
     block_bytes: u64,
     routing: Routing,
     keys: &mut KeyMap<Stored>,
 ) -> CliResult<Scan> {
-    let file = open_read_only(path)?;
+    let file = open_read_only(device_cfg)?;
     let buf = Region::allocate(TABLE_CHUNK_BYTES, HugePages::Off)
         .map_err(|e| CliError::runtime(e.to_string()))?;
     let geometry = read_geometry(&file, &buf, block_bytes)?;

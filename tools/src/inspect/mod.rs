@@ -323,7 +323,7 @@ pub fn run(args: &InspectArgs) -> CliResult<ExitCode> {
 /// created or written. `command` names the caller in messages.
 pub(crate) fn require_existing(config: &Config, command: &str) -> CliResult<()> {
     for (i, device) in config.devices.iter().enumerate() {
-        if !device.path.exists() {
+        if device.kind != kvtier::config::DeviceKind::Vfio && !device.path.exists() {
             return Err(CliError::usage(format!(
                 "devices[{i}].path {} does not exist; {command} never creates devices",
                 device.path.display()
@@ -334,7 +334,7 @@ pub(crate) fn require_existing(config: &Config, command: &str) -> CliResult<()> 
                 files_data_dir(config, i)?;
             }
             Layout::Slab => {
-                let file = open_read_only(&device.path)
+                let file = open_read_only(device)
                     .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
                 let buf = Region::allocate(slab::HEADER_BYTES as usize, HugePages::Off)
                     .map_err(|e| CliError::runtime(e.to_string()))?;

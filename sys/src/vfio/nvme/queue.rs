@@ -183,10 +183,11 @@ impl IoQueue {
         (iova, self.prp_at.1 + list as u64)
     }
 
-    /// Rings the submission doorbell once for every command pushed since the last call.
-    pub fn submit(&mut self) {
+    /// Rings the submission doorbell once for every command pushed since the last call;
+    /// whether it rang (false with nothing new to send).
+    pub fn submit(&mut self) -> bool {
         if self.tail == self.rung || self.gone {
-            return;
+            return false;
         }
         // The entries (and their PRP lists) are in memory before the controller hears of them.
         fence(Ordering::SeqCst);
@@ -196,6 +197,7 @@ impl IoQueue {
             u32::from(self.tail),
         );
         self.rung = self.tail;
+        true
     }
 
     /// Moves every completion the controller has posted into `out` (dropping each command's
