@@ -245,6 +245,36 @@ fn shutdown_reports_what_a_hung_device_still_holds() {
     assert!(blocks.iter().all(|&b| region.is_leased(b)));
 }
 
+// A device that can be fenced (a controller driven from user space) is, at a shutdown that
+// would otherwise give up on it: the hung I/O fails, no byte of it lands, the job's blocks come
+// back and the report is clean, so the caller may free the region.
+#[test]
+fn shutdown_fences_a_hung_device_that_can_be_fenced_instead_of_leaking() {
+    let (sim, region, engine, on_hung, _) = setup(11, 8, 8, false);
+    sim.set_fenceable(true);
+    sim.hang_device(0, true);
+    let blocks = submit_load_of(&engine, 2, &on_hung);
+    engine.drain();
+    let report = engine.shutdown();
+    assert!(report.clean(), "{report:?}");
+    assert_eq!(report.workers_gave_up, 0, "{report:?}");
+    assert_eq!(
+        sim.fences(),
+        1,
+        "the worker with the hung reads fenced its queue"
+    );
+    let mut out = Vec::new();
+    assert_eq!(engine.poll_finished(&mut out), 1);
+    let r = &out[0];
+    assert!(r.released(), "free when reported: {r:?}");
+    assert_eq!(r.failures.len(), on_hung.len(), "{r:?}");
+    assert!(blocks.iter().all(|&b| !region.is_leased(b)));
+    // Lifting the hang now reaches nobody: the fenced requests never ran.
+    sim.hang_device(0, false);
+    assert_eq!(sim.take_strays(), Vec::<String>::new());
+    assert!(blocks.iter().all(|&b| !region.is_leased(b)));
+}
+
 #[test]
 fn shutdown_gives_up_on_a_device_that_never_answers() {
     let (sim, region, engine, on_hung, _) = setup(8, 8, 8, true);

@@ -30,6 +30,7 @@ impl SimBackend {
             wake,
             queued: Vec::new(),
             pending: Vec::new(),
+            fenced: None,
             round: 0,
             sq_entries,
         }
@@ -49,6 +50,8 @@ pub(super) struct SimBackend {
     rng: Rng,
     queued: Vec<IoRequest>,
     pending: Vec<Pending>,
+    /// After a fence: the requests it stopped, answered ECANCELED at the next `complete`.
+    fenced: Option<Vec<IoRequest>>,
     round: u64,
     sq_entries: usize,
 }
@@ -132,6 +135,9 @@ impl SimBackend {
 
 impl IoBackend for SimBackend {
     fn push(&mut self, req: IoRequest) -> bool {
+        if self.fenced.is_some() {
+            return false;
+        }
         if self.queued.len() + self.pending.len() >= self.sq_entries * 2 {
             return false;
         }
@@ -165,6 +171,17 @@ impl IoBackend for SimBackend {
 
     fn enters(&self) -> u64 {
         self.round
+    }
+
+    fn fence(&mut self) -> bool {
+        if !self.state.fenceable.load(Ordering::SeqCst) {
+            return false;
+        }
+        self.state.fences.fetch_add(1, Ordering::SeqCst);
+        let stopped = self.fenced.get_or_insert_with(Vec::new);
+        stopped.extend(self.queued.drain(..));
+        stopped.extend(self.pending.drain(..).map(|p| p.req));
+        true
     }
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
@@ -212,6 +229,14 @@ impl IoBackend for SimBackend {
     }
 
     fn complete(&mut self, out: &mut Vec<Completion>) {
+        if let Some(stopped) = &mut self.fenced {
+            // Nothing of theirs was copied: the device stopped before it reached them.
+            out.extend(stopped.drain(..).map(|req| Completion {
+                user_data: req.user_data,
+                result: -(Errno::ECANCELED as i32),
+            }));
+            return;
+        }
         if self.state.paused.load(Ordering::SeqCst) {
             return;
         }
@@ -240,7 +265,7 @@ impl IoBackend for SimBackend {
     }
 
     fn in_flight(&self) -> usize {
-        self.queued.len() + self.pending.len()
+        self.queued.len() + self.pending.len() + self.fenced.as_ref().map_or(0, Vec::len)
     }
 
     fn describe(&self) -> String {

@@ -132,6 +132,10 @@ struct State {
     failing: AtomicU64,
     /// Whether the queue refuses slot-table page writes (as a ring full of other I/O would).
     meta_refused: AtomicBool,
+    /// Whether backends can fence their devices (as a controller driven from user space can).
+    fenceable: AtomicBool,
+    /// Backend fences so far.
+    fences: AtomicU64,
     log: Mutex<Vec<LogEntry>>,
     log_enabled: AtomicBool,
     /// Completed writes not yet durable, oldest first (`None`: not tracking).
@@ -178,6 +182,8 @@ impl SimStorage {
                 hung: AtomicU64::new(0),
                 failing: AtomicU64::new(0),
                 meta_refused: AtomicBool::new(false),
+                fenceable: AtomicBool::new(false),
+                fences: AtomicU64::new(0),
                 log: Mutex::new(Vec::new()),
                 log_enabled: AtomicBool::new(false),
                 journal: Mutex::new(None),
@@ -207,6 +213,19 @@ impl SimStorage {
     /// Reads delivered with a flipped bit so far.
     pub fn read_flips(&self) -> u64 {
         self.state.read_flips.load(Ordering::SeqCst)
+    }
+
+    /// Lets the workers' queues fence their devices (`IoBackend::fence`: every request in
+    /// flight, hung or not, completes with ECANCELED without touching memory, and the queue
+    /// takes no more), as a controller driven from user space can be disabled; by default they
+    /// cannot, as the kernel's ring cannot.
+    pub fn set_fenceable(&self, fenceable: bool) {
+        self.state.fenceable.store(fenceable, Ordering::SeqCst);
+    }
+
+    /// How many times a worker fenced its queue.
+    pub fn fences(&self) -> u64 {
+        self.state.fences.load(Ordering::SeqCst)
     }
 
     /// Makes every worker's queue refuse slot-table page writes (`true`: `push` answers "full"
