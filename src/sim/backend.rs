@@ -179,7 +179,7 @@ impl IoBackend for SimBackend {
         }
         self.state.fences.fetch_add(1, Ordering::SeqCst);
         let stopped = self.fenced.get_or_insert_with(Vec::new);
-        stopped.extend(self.queued.drain(..));
+        stopped.append(&mut self.queued);
         stopped.extend(self.pending.drain(..).map(|p| p.req));
         true
     }
