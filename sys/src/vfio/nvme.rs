@@ -57,6 +57,7 @@ const ADMIN_DELETE_CQ: u8 = 0x04;
 const ADMIN_CREATE_CQ: u8 = 0x05;
 const ADMIN_IDENTIFY: u8 = 0x06;
 const ADMIN_SET_FEATURES: u8 = 0x09;
+const ADMIN_DOORBELL_BUFFER_CONFIG: u8 = 0x7c;
 const FEATURE_NUMBER_OF_QUEUES: u32 = 0x07;
 const IO_FLUSH: u8 = 0x00;
 
@@ -249,6 +250,17 @@ struct Inner {
     /// Regions mapped for DMA and their IOVAs; kept alive until after the fence.
     regions: Mutex<Vec<(Arc<Region>, u64)>>,
     queues_made: Mutex<u16>,
+    /// Shadow doorbells (Doorbell Buffer Config), where the controller offers them: the shadow
+    /// page, then the EventIdx page; `None`: every doorbell is a register write.
+    dbbuf: Option<DmaMem>,
+}
+
+/// Whether a shadow doorbell moving from `old` to `new` passed the controller's EventIdx
+/// (the controller asked to be told when the value moves past it): then the register must be
+/// written too. All three are ring indexes (wrapping 16-bit arithmetic, as the specification
+/// and Linux's `nvme_dbbuf_need_event` have it).
+fn dbbuf_need_event(event_idx: u16, new: u16, old: u16) -> bool {
+    new.wrapping_sub(event_idx).wrapping_sub(1) < new.wrapping_sub(old)
 }
 
 /// An NVMe controller owned by this process through VFIO. Clones of the handle share it; the
@@ -377,6 +389,7 @@ impl Controller {
             dma: Mutex::new(Vec::new()),
             regions: Mutex::new(Vec::new()),
             queues_made: Mutex::new(0),
+            dbbuf: None,
         });
         let mut ctrl = Controller { inner };
         let ctrl_data = ctrl.identify(1, 0)?;
@@ -393,10 +406,63 @@ impl Controller {
         info = ctrl.inner.info.clone();
         fill_identify(&mut info, &ctrl_data, &ns_data, queues)
             .map_err(|e| format!("{pci}: {e}"))?;
-        Arc::get_mut(&mut ctrl.inner)
-            .expect("no queue exists yet")
-            .info = info;
+        let dbbuf = if info.shadow_doorbells {
+            ctrl.shadow_doorbells()
+        } else {
+            None
+        };
+        let inner = Arc::get_mut(&mut ctrl.inner).expect("no queue exists yet");
+        inner.info = info;
+        inner.dbbuf = dbbuf;
         Ok(ctrl)
+    }
+
+    /// Doorbell Buffer Config: two pages the controller reads the queues' tails and heads from
+    /// (and writes its EventIdx values to); `None`, with a warning, if it refuses them.
+    fn shadow_doorbells(&self) -> Option<DmaMem> {
+        let mem = {
+            let mut dev = self.inner.dev.lock().expect("device lock");
+            DmaMem::new(&mut dev, 2 * PAGE).ok()?
+        };
+        let configured = self.admin(
+            Sqe::new(ADMIN_DOORBELL_BUFFER_CONFIG, 0, 0).prp(mem.iova, mem.iova + PAGE as u64),
+            "doorbell buffer config",
+        );
+        match configured {
+            Ok(_) => Some(mem),
+            Err(e) => {
+                tracing::warn!("{e}: every doorbell is a register write");
+                // Mapped, and the controller may have read it: it goes with the controller.
+                self.inner.dma.lock().expect("dma lock").push(mem);
+                None
+            }
+        }
+    }
+
+    /// Whether the I/O queues use shadow doorbells.
+    pub fn shadow_doorbells_on(&self) -> bool {
+        self.inner.dbbuf.is_some()
+    }
+
+    /// Writes doorbell `index` (2 × qid for a submission queue's tail, 2 × qid + 1 for a
+    /// completion queue's head) from `old` to `value`: in the shadow page, and in the register
+    /// only when the controller's EventIdx asks for it (always, without shadow doorbells).
+    /// Whether the register was written.
+    fn ring(&self, index: usize, old: u16, value: u16) -> bool {
+        let offset = index * self.inner.info.doorbell_stride;
+        if let Some(db) = &self.inner.dbbuf {
+            db.write32(offset, u32::from(value));
+            // The new value is visible before the EventIdx is read (the controller reads the
+            // shadow after it writes the EventIdx).
+            fence(Ordering::SeqCst);
+            // Truncation intended: EventIdx values are 16-bit ring indexes.
+            let event_idx = db.read32(PAGE + offset) as u16;
+            if !dbbuf_need_event(event_idx, value, old) {
+                return false;
+            }
+        }
+        self.inner.bar.write32(DOORBELLS + offset, u32::from(value));
+        true
     }
 
     pub fn info(&self) -> &ControllerInfo {
@@ -499,6 +565,7 @@ impl Controller {
             free: (0..depth).rev().collect(),
             regions,
             gone: false,
+            register_writes: 0,
         };
         let mut dma = self.inner.dma.lock().expect("dma lock");
         dma.extend([sq, cq, prp]);
@@ -739,5 +806,24 @@ impl Drop for Inner {
         }
         self.dma.get_mut().expect("dma lock").clear();
         self.regions.get_mut().expect("regions lock").clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dbbuf_need_event;
+
+    #[test]
+    fn a_shadow_doorbell_rings_the_register_only_past_the_event_index() {
+        // The controller saw tail 5 (EventIdx 5): moving 5 -> 6 passes it.
+        assert!(dbbuf_need_event(5, 6, 5));
+        // It asked to hear at 9: moving 5 -> 7 does not reach it, 5 -> 10 passes it.
+        assert!(!dbbuf_need_event(9, 7, 5));
+        assert!(dbbuf_need_event(9, 10, 5));
+        // Across the wrap of the 16-bit index.
+        assert!(dbbuf_need_event(0xffff, 1, 0xfffe));
+        assert!(!dbbuf_need_event(3, 1, 0xfffe));
+        // No movement never rings.
+        assert!(!dbbuf_need_event(5, 5, 5));
     }
 }

@@ -5,8 +5,7 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
 use super::{
-    Controller, Failure, IoCompletion, Sqe, ADMIN_DELETE_CQ, ADMIN_DELETE_SQ, DOORBELLS, IO_FLUSH,
-    PAGE,
+    Controller, Failure, IoCompletion, Sqe, ADMIN_DELETE_CQ, ADMIN_DELETE_SQ, IO_FLUSH, PAGE,
 };
 use crate::blocks::IoBuf;
 use crate::mem::Region;
@@ -41,6 +40,7 @@ pub struct IoQueue {
     pub(super) regions: Vec<(Arc<Region>, u64)>,
     /// The queue was deleted or its controller fenced: its slots were answered.
     pub(super) gone: bool,
+    pub(super) register_writes: u64,
 }
 
 // SAFETY: the raw pointers are into queue memory the controller keeps mapped while any queue
@@ -191,13 +191,19 @@ impl IoQueue {
         }
         // The entries (and their PRP lists) are in memory before the controller hears of them.
         fence(Ordering::SeqCst);
-        let info = &self.ctrl.inner.info;
-        self.ctrl.inner.bar.write32(
-            DOORBELLS + 2 * usize::from(self.qid) * info.doorbell_stride,
-            u32::from(self.tail),
-        );
+        if self
+            .ctrl
+            .ring(2 * usize::from(self.qid), self.rung, self.tail)
+        {
+            self.register_writes += 1;
+        }
         self.rung = self.tail;
         true
+    }
+
+    /// Doorbell register writes so far (with shadow doorbells, fewer than the batches rung).
+    pub fn register_writes(&self) -> u64 {
+        self.register_writes
     }
 
     /// Moves every completion the controller has posted into `out` (dropping each command's
@@ -208,6 +214,7 @@ impl IoQueue {
             return self.answer_all(out, Failure::Fenced);
         }
         let mut n = 0;
+        let head_before = self.head;
         loop {
             let at = usize::from(self.head) * 16;
             // SAFETY: entry `head` < depth of the completion queue's memory (volatile: the
@@ -239,12 +246,12 @@ impl IoQueue {
             });
             n += 1;
         }
-        if n > 0 {
-            let info = &self.ctrl.inner.info;
-            self.ctrl.inner.bar.write32(
-                DOORBELLS + (2 * usize::from(self.qid) + 1) * info.doorbell_stride,
-                u32::from(self.head),
-            );
+        if n > 0
+            && self
+                .ctrl
+                .ring(2 * usize::from(self.qid) + 1, head_before, self.head)
+        {
+            self.register_writes += 1;
         }
         n
     }
