@@ -56,26 +56,27 @@ impl IoRequest {
     }
 }
 
-/// A worker's queue to its devices.
-pub trait IoBackend {
+/// Reads and writes of byte ranges of a device (a file, a block device, an NVMe namespace by
+/// passthrough or VFIO): what the slab layout asks of a backend.
+pub trait BlockQueue {
     /// Queues one request; `false` if the submission queue is full (nothing queued; the
     /// request, its claim with it, is dropped).
     fn push(&mut self, req: IoRequest) -> bool;
-    /// Queues a file-system operation (the `files` layout); `FileOp::ReadFd` and
-    /// `FileOp::WriteFd` come with the claim on their buffer (`buf`, in buffer `region`),
-    /// kept as [`IoBackend::push`] keeps a request's. Backends that cannot do them are never
-    /// given a `files` device (see [`Storage::supports_files`]).
+}
+
+/// File-system operations: what the `files` layout asks of a backend.
+pub trait FileOpQueue {
+    /// Queues a file-system operation; `FileOp::ReadFd` and `FileOp::WriteFd` come with the
+    /// claim on their buffer (`buf`, in buffer `region`), kept as [`BlockQueue::push`] keeps a
+    /// request's. `false` if the queue is full.
     fn push_file(
         &mut self,
         user_data: u64,
         op: &FileOp<'_>,
         buf: Option<(u16, IoBuf)>,
         class: IoClass,
-    ) -> bool {
-        let _ = (user_data, op, buf, class);
-        unreachable!("this backend has no file operations; the engine checks supports_files")
-    }
-    /// Whether [`FileOp::SetXattr`] and [`FileOp::GetXattr`] run on this backend (else the
+    ) -> bool;
+    /// Whether [`FileOp::SetXattr`] and [`FileOp::GetXattr`] run on this queue (else the
     /// files layout makes those two calls itself).
     fn xattr_ops(&self) -> bool {
         false
@@ -83,6 +84,19 @@ pub trait IoBackend {
     /// The value buffer of a completed [`FileOp::GetXattr`] pushed with `user_data`.
     fn take_file_value(&mut self, user_data: u64) -> Option<Box<[u8]>> {
         let _ = user_data;
+        None
+    }
+}
+
+/// A worker's queue to its devices: a block queue, a file-op queue or both (chosen by the
+/// storage from the device config), and what every queue shares: submitting, the worker's
+/// sleep, completions, cancellation and the fence.
+pub trait IoBackend {
+    /// The block queue (the slab layout's); `None` for a backend of file operations only.
+    fn blocks(&mut self) -> Option<&mut dyn BlockQueue>;
+    /// The file-op queue (the files layout's); `None` for a backend of block I/O only (VFIO,
+    /// the simulated slab device). [`Storage::supports_files`] says which a storage builds.
+    fn files(&mut self) -> Option<&mut dyn FileOpQueue> {
         None
     }
     /// Asks the device to cancel the request pushed with `user_data` (past its deadline); false
@@ -119,6 +133,22 @@ pub trait IoBackend {
     fn in_flight(&self) -> usize;
     /// A one-line description for logs and `Engine::info` (ring flags, or "sim").
     fn describe(&self) -> String;
+}
+
+impl dyn IoBackend {
+    /// The block queue; panics on a backend without one (the engine gives slab devices only
+    /// to storages whose backends have one).
+    pub fn block_queue(&mut self) -> &mut dyn BlockQueue {
+        self.blocks()
+            .expect("the slab layout runs on a backend with a block queue")
+    }
+
+    /// The file-op queue; panics on a backend without one (the engine checks
+    /// [`Storage::supports_files`] before it opens a files device).
+    pub fn file_queue(&mut self) -> &mut dyn FileOpQueue {
+        self.files()
+            .expect("the files layout runs on a backend with file operations (supports_files)")
+    }
 }
 
 /// What the engine learns about a device when it opens it.

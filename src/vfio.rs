@@ -28,7 +28,8 @@ use crate::commands::{CommandQueue, Commands, Device};
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, Completion, DeviceInfo, EventFd, IoBackend, IoBuf, IoRequest, Region, Storage,
+    BackendSettings, BlockQueue, Completion, DeviceInfo, EventFd, IoBackend, IoBuf, IoRequest,
+    Region, Storage,
 };
 
 /// The bounce buffer of the synchronous transfers made while opening.
@@ -426,9 +427,15 @@ pub(crate) struct VfioBackend {
     raw: Vec<Completion>,
 }
 
-impl IoBackend for VfioBackend {
+impl BlockQueue for VfioBackend {
     fn push(&mut self, req: IoRequest) -> bool {
         self.commands.push(&mut self.queues, req)
+    }
+}
+
+impl IoBackend for VfioBackend {
+    fn blocks(&mut self) -> Option<&mut dyn BlockQueue> {
+        Some(self)
     }
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {

@@ -306,7 +306,7 @@ impl Layout for FilesLayout {
             offset: start,
             buf: claim.buf_ref(BUF_REGION),
         };
-        core.backend.push_file(
+        core.backend.file_queue().push_file(
             core.ops.user_data(idx, chunk),
             &file_op,
             Some((BUF_REGION, claim)),

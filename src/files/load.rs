@@ -80,7 +80,7 @@ impl FilesLayout {
     /// call here; then the read.
     pub(super) fn start_read(&mut self, core: &mut Core<Op>, idx: u32, fd: i32) {
         let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
-        let on_ring = dev.checksums && core.backend.xattr_ops();
+        let on_ring = dev.checksums && core.backend.file_queue().xattr_ops();
         let crc = if dev.checksums && !on_ring {
             read_crc(fd, &dev)
         } else {
@@ -96,7 +96,10 @@ impl FilesLayout {
     /// The block's crc32c xattr was read on the ring (4 bytes), or it has none: read the data.
     pub(super) fn on_get_xattr(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         // Always taken, so the buffer does not stay behind in the ring.
-        let value = core.backend.take_file_value(core.ops.user_data(idx, 0));
+        let value = core
+            .backend
+            .file_queue()
+            .take_file_value(core.ops.user_data(idx, 0));
         let crc = match (result, value) {
             (4, Some(v)) if v.len() >= 4 => Some(u32::from_le_bytes([v[0], v[1], v[2], v[3]])),
             _ => None,

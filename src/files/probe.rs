@@ -87,6 +87,7 @@ impl FilesLayout {
         // Always taken, so the buffer does not stay behind in the ring.
         let info = core
             .backend
+            .file_queue()
             .take_file_value(core.ops.user_data(idx, 0))
             .and_then(|buf| StatxInfo::parse(&buf));
         let op = &core.ops[idx as usize];

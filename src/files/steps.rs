@@ -6,7 +6,7 @@ use std::path::Path;
 use nix::fcntl::OFlag;
 
 use crate::files::device::c_path;
-use crate::io::{FileOp, IoClass};
+use crate::io::{FileOp, IoBuf, IoClass};
 use crate::worker::{Core, BUF_REGION, BUF_STAGING};
 
 use super::layout::{FilesLayout, RENAME_NOREPLACE};
@@ -33,28 +33,7 @@ impl FilesLayout {
         let at = dev.dir_fd();
         let dest = dev.rel(&op.dest);
         let tmp = dev.rel(&op.tmp);
-        // The one step that moves block bytes: the read of a load (into the job's block) or
-        // of a demotion (into its staging slot), claimed for the transfer.
-        let claim = (op.step == Step::Read).then(|| {
-            let bytes = core.block_bytes as usize;
-            match op.staging {
-                Some(slot) => (
-                    BUF_STAGING,
-                    core.demote
-                        .as_ref()
-                        .and_then(|m| m.staging.checkout(slot as usize * bytes, bytes, true).ok())
-                        .expect("a staging slot taken for a read is the worker's, unclaimed"),
-                ),
-                None => (
-                    BUF_REGION,
-                    core.claim_block(
-                        op.job.as_ref().expect("a load op has a job"),
-                        op.block,
-                        true,
-                    ),
-                ),
-            }
-        });
+        let claim = (op.step == Step::Read).then(|| Self::claim_read(core, idx));
         let crc_bytes = op.crc.unwrap_or(0).to_le_bytes();
         let file_op = match op.step {
             Step::GetXattr => FileOp::GetXattr {
@@ -124,7 +103,33 @@ impl FilesLayout {
             }
             Step::Write => unreachable!("writes are pushed chunk by chunk"),
         };
-        core.backend.push_file(user_data, &file_op, claim, class)
+        core.backend
+            .file_queue()
+            .push_file(user_data, &file_op, claim, class)
+    }
+
+    /// The one step that moves block bytes: the read of a load (into the job's block) or of a
+    /// demotion (into its staging slot), claimed for the transfer.
+    fn claim_read(core: &Core<Op>, idx: u32) -> (u16, IoBuf) {
+        let op = &core.ops[idx as usize];
+        let bytes = core.block_bytes as usize;
+        match op.staging {
+            Some(slot) => (
+                BUF_STAGING,
+                core.demote
+                    .as_ref()
+                    .and_then(|m| m.staging.checkout(slot as usize * bytes, bytes, true).ok())
+                    .expect("a staging slot taken for a read is the worker's, unclaimed"),
+            ),
+            None => (
+                BUF_REGION,
+                core.claim_block(
+                    op.job.as_ref().expect("a load op has a job"),
+                    op.block,
+                    true,
+                ),
+            ),
+        }
     }
 
     /// The directory steps of `idx`: opening the block's directory (to fsync it) or `<hhh>`,
@@ -167,7 +172,9 @@ impl FilesLayout {
                 mode: dev.dir_mode,
             },
         };
-        core.backend.push_file(user_data, &file_op, None, class)
+        core.backend
+            .file_queue()
+            .push_file(user_data, &file_op, None, class)
     }
 
     pub(super) fn push_stalled(&mut self, core: &mut Core<Op>) -> bool {

@@ -212,7 +212,7 @@ impl FilesLayout {
                 return;
             }
         }
-        let on_ring = core.backend.xattr_ops();
+        let on_ring = core.backend.file_queue().xattr_ops();
         let op = &mut core.ops[idx as usize];
         if op.crc.is_some() && on_ring {
             op.step = Step::SetXattr;

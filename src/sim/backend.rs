@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::io::{Completion, EventFd, IoBackend, IoClass, IoKind, IoRequest, Region};
+use crate::io::{BlockQueue, Completion, EventFd, IoBackend, IoClass, IoKind, IoRequest, Region};
 
 use super::Memory;
 use crate::Errno;
@@ -133,7 +133,7 @@ impl SimBackend {
     }
 }
 
-impl IoBackend for SimBackend {
+impl BlockQueue for SimBackend {
     fn push(&mut self, req: IoRequest) -> bool {
         if self.fenced.is_some() {
             return false;
@@ -167,6 +167,12 @@ impl IoBackend for SimBackend {
         }
         self.queued.push(req);
         true
+    }
+}
+
+impl IoBackend for SimBackend {
+    fn blocks(&mut self) -> Option<&mut dyn BlockQueue> {
+        Some(self)
     }
 
     fn enters(&self) -> u64 {

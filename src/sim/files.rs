@@ -5,7 +5,7 @@
 //! Faults: EIO on any operation (on data I/O only, with `data_only`), ENOSPC on a write or a
 //! creating open, short reads and writes, torn writes (a prefix lands, the write fails), reads
 //! that deliver a flipped bit. The extended attributes and `statx` are not offered on this
-//! backend ([`IoBackend::xattr_ops`] is false: the layout makes those calls itself).
+//! backend ([`FileOpQueue::xattr_ops`] is false: the layout makes those calls itself).
 //!
 //! Durability: with [`SimFiles::track_durability`] the backend journals which files hold data
 //! written since their last sync and which renames happened since their directory's last
@@ -26,8 +26,8 @@ use kvtier_sys::fd as sys;
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, Completion, DeviceInfo, EventFd, FileOp, IoBackend, IoBuf, IoClass, IoKind,
-    IoRequest, Region, Storage,
+    BackendSettings, BlockQueue, Completion, DeviceInfo, EventFd, FileOp, FileOpQueue, IoBackend,
+    IoBuf, IoClass, IoKind, Region, Storage,
 };
 use crate::Errno;
 
@@ -574,12 +574,7 @@ impl FilesBackend {
     }
 }
 
-impl IoBackend for FilesBackend {
-    fn push(&mut self, req: IoRequest) -> bool {
-        let _ = req;
-        unreachable!("the simulated files storage runs the files layout only")
-    }
-
+impl FileOpQueue for FilesBackend {
     fn push_file(
         &mut self,
         user_data: u64,
@@ -600,6 +595,16 @@ impl IoBackend for FilesBackend {
         self.queued
             .push((user_data, Op::of(op, buf.map(|(_, b)| b))));
         true
+    }
+}
+
+impl IoBackend for FilesBackend {
+    fn blocks(&mut self) -> Option<&mut dyn BlockQueue> {
+        None
+    }
+
+    fn files(&mut self) -> Option<&mut dyn FileOpQueue> {
+        Some(self)
     }
 
     fn enters(&self) -> u64 {

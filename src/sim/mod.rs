@@ -586,7 +586,7 @@ impl Storage for SimStorage {
 mod tests {
     use super::*;
     use crate::config::HugePages;
-    use crate::io::{Completion, IoRequest};
+    use crate::io::{BlockQueue, Completion, IoRequest};
     use std::sync::Arc;
 
     /// A simulated transfer moves bytes only under its claim, which keeps the job's blocks

@@ -74,7 +74,7 @@ impl SlabLayout {
             buf,
             class: IoClass::Store,
         };
-        if !core.backend.push(req) {
+        if !core.backend.block_queue().push(req) {
             core.ops.release(idx);
             give_back(core);
             return None;

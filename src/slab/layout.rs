@@ -306,7 +306,7 @@ impl Layout for SlabLayout {
             buf: core.claim_block(job, block, true),
             class: IoClass::Load,
         };
-        if !core.backend.push(req) {
+        if !core.backend.block_queue().push(req) {
             core.ops.release(idx);
             return Start::Blocked;
         }
@@ -422,7 +422,7 @@ impl Layout for SlabLayout {
             buf: core.claim(job, at, len as usize, false),
             class: IoClass::Store,
         };
-        core.backend.push(req)
+        core.backend.block_queue().push(req)
     }
 
     fn on_written(&mut self, core: &mut Core<Op>, idx: u32, failure: Option<(KeyFailure, String)>) {

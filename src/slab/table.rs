@@ -203,7 +203,7 @@ impl SlabLayout {
                     .expect("a page not in flight is the worker's, unclaimed"),
                 class: IoClass::Meta,
             };
-            if !core.backend.push(req) {
+            if !core.backend.block_queue().push(req) {
                 core.ops.release(idx);
                 break;
             }
@@ -332,7 +332,7 @@ impl SlabLayout {
                         .expect("the table pages are read once each, at recovery"),
                     class: IoClass::Meta,
                 };
-                while !core.backend.push(request()) {
+                while !core.backend.block_queue().push(request()) {
                     core.backend.submit(true).map_err(|e| e.to_string())?;
                     pending -= reap_recover(core)?;
                 }

@@ -12,7 +12,8 @@ use super::{errno_msg, Opened};
 use crate::commands::Commands;
 use crate::error::{Error, Result};
 use crate::io::{
-    Completion, EventFd, FileOp, IoBackend, IoBuf, IoClass, IoKind, IoRequest, Region,
+    BlockQueue, Completion, EventFd, FileOp, FileOpQueue, IoBackend, IoBuf, IoClass, IoKind,
+    IoRequest, Region,
 };
 
 pub(super) fn build_ring(
@@ -139,7 +140,7 @@ impl UringBackend {
     }
 }
 
-impl IoBackend for UringBackend {
+impl BlockQueue for UringBackend {
     fn push(&mut self, req: IoRequest) -> bool {
         let prio = match req.class {
             IoClass::Load => self.load_prio,
@@ -163,11 +164,9 @@ impl IoBackend for UringBackend {
                 .is_ok(),
         }
     }
+}
 
-    fn cancel(&mut self, user_data: u64) -> bool {
-        self.ring.push_cancel(user_data).is_ok()
-    }
-
+impl FileOpQueue for UringBackend {
     fn push_file(
         &mut self,
         user_data: u64,
@@ -192,6 +191,20 @@ impl IoBackend for UringBackend {
 
     fn take_file_value(&mut self, user_data: u64) -> Option<Box<[u8]>> {
         self.ring.take_value(user_data)
+    }
+}
+
+impl IoBackend for UringBackend {
+    fn blocks(&mut self) -> Option<&mut dyn BlockQueue> {
+        Some(self)
+    }
+
+    fn files(&mut self) -> Option<&mut dyn FileOpQueue> {
+        Some(self)
+    }
+
+    fn cancel(&mut self, user_data: u64) -> bool {
+        self.ring.push_cancel(user_data).is_ok()
     }
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
