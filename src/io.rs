@@ -127,6 +127,14 @@ pub trait IoBackend {
     fn sleeps(&self) -> Option<u64> {
         None
     }
+    /// For the simulator's stepped workers, which never block: whether the wait of a
+    /// `submit(true)` would have returned by now (a completion ready, the wake-up eventfd
+    /// written); the backend moves its own time to the completion as a wait would. Backends
+    /// of real devices never run stepped.
+    #[cfg(any(test, feature = "sim"))]
+    fn sim_wake(&mut self) -> bool {
+        true
+    }
     /// Appends every available completion to `out`.
     fn complete(&mut self, out: &mut Vec<Completion>);
     /// Requests pushed whose completion has not yet been returned.

@@ -32,6 +32,15 @@ impl Router {
         me.nudge();
     }
 
+    /// Tells every worker to stop, waking it whether it sleeps or is about to (`Engine::shutdown`
+    /// and the simulator's `Cluster::stop`).
+    pub fn stop(&self) {
+        for (tx, me) in &self.shards {
+            let _ = tx.send(Msg::Stop);
+            me.wake.notify();
+        }
+    }
+
     /// Sends every key of an internal job to its worker, if every worker has queue room for
     /// its part (`queue_blocks_max`, as for the caller's jobs); false, with nothing sent, if
     /// not. Internal jobs are admitted with the caller's job they serve, so they only count

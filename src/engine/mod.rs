@@ -284,10 +284,7 @@ impl Engine {
         if let Some(cold) = &self.cold {
             cold.close();
         }
-        for h in &self.shards {
-            let _ = h.tx.send(Msg::Stop);
-            h.shared.wake.notify();
-        }
+        self.router.stop();
         let threads: Vec<JoinHandle<()>> = self
             .threads
             .lock()

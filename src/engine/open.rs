@@ -363,23 +363,7 @@ fn start_workers(
     for f in scanned {
         scanned_per_worker[f.key.shard(workers)].push(f);
     }
-    let settings = BackendSettings {
-        ring_entries: config.ring_entries,
-        sqpoll: config.sqpoll,
-        sqpoll_idle_ms: config.sqpoll_idle_ms,
-        iopoll: config.iopoll,
-        ioprio: config.scheduler.ioprio,
-        piece_bytes: derived.piece_bytes,
-        files_io_wq_workers: (derived.layout == Layout::Files).then(|| {
-            config
-                .files
-                .as_ref()
-                .map_or(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS, |f| {
-                    f.io_wq_workers
-                })
-        }),
-        wait_limit: worker::overdue_check_interval(io_timeout(config)),
-    };
+    let settings = backend_settings(config, derived);
     let mut shards = Vec::with_capacity(workers);
     let mut threads = Vec::with_capacity(workers);
     let (ready_tx, ready_rx) = crossbeam_channel::unbounded();
@@ -458,7 +442,29 @@ fn start_workers(
     })
 }
 
+/// The workers' backend settings, from the config once validated (the engine's and the
+/// simulator's, which turns off what needs a real ring).
+pub(crate) fn backend_settings(config: &Config, derived: &Derived) -> BackendSettings {
+    BackendSettings {
+        ring_entries: config.ring_entries,
+        sqpoll: config.sqpoll,
+        sqpoll_idle_ms: config.sqpoll_idle_ms,
+        iopoll: config.iopoll,
+        ioprio: config.scheduler.ioprio,
+        piece_bytes: derived.piece_bytes,
+        files_io_wq_workers: (derived.layout == Layout::Files).then(|| {
+            config
+                .files
+                .as_ref()
+                .map_or(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS, |f| {
+                    f.io_wq_workers
+                })
+        }),
+        wait_limit: worker::overdue_check_interval(io_timeout(config)),
+    }
+}
+
 /// `io_timeout_ms` as a duration.
-pub(super) fn io_timeout(config: &Config) -> std::time::Duration {
+pub(crate) fn io_timeout(config: &Config) -> std::time::Duration {
     std::time::Duration::from_millis(u64::from(config.io_timeout_ms))
 }

@@ -102,6 +102,7 @@ pub(super) fn worker_main(ctx: WorkerCtx) {
             ctx.scanned,
             ctx.files_stores_opening,
             &ctx.me,
+            FilesLayout::temp_seed(),
         );
         let indexed = layout.indexed();
         let mut worker = Worker::new(params, layout, crate::files::layout::Op::empty);

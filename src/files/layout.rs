@@ -84,14 +84,25 @@ pub(crate) struct FilesLayout {
 }
 
 impl FilesLayout {
+    /// A seed for temp file names that another process writing the same directory (a
+    /// restarted kvtier, a second one) does not draw: the pid and the time.
+    pub fn temp_seed() -> u64 {
+        (u64::from(std::process::id()) << 32)
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(7, |d| d.as_nanos() as u64)
+    }
+
     /// Worker `id`'s layout over `devices`, indexing the files the scan at open found for it;
-    /// at most `stores_opening` stores preparing at once.
+    /// at most `stores_opening` stores preparing at once; `seed` draws its temp file names
+    /// ([`FilesLayout::temp_seed`] in the engine, the simulator's seed there).
     pub fn new(
         id: usize,
         devices: Vec<Arc<FilesDevice>>,
         scanned: Vec<ScannedFile>,
         stores_opening: usize,
         me: &crate::worker::WorkerShared,
+        seed: u64,
     ) -> FilesLayout {
         let mut w = FilesLayout {
             id,
@@ -105,15 +116,15 @@ impl FilesLayout {
             stores_opening_max: stores_opening.max(1),
             probes: VecDeque::new(),
             probes_in_flight: 0,
-            rng: (u64::from(std::process::id()) << 32)
-                ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                ^ std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(7, |d| d.as_nanos() as u64),
+            // Never zero: the generator (xorshift) would stay there.
+            rng: (seed ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1,
         };
-        // Seed the LRU from file times: oldest first.
+        // Seed the LRU from file times: oldest first, ties by key (not by the directory's
+        // listing order).
         let mut scanned = scanned;
-        scanned.sort_by_key(|f| f.last_use_secs);
+        scanned.sort_by(|a, b| {
+            (a.last_use_secs, a.key.as_bytes()).cmp(&(b.last_use_secs, b.key.as_bytes()))
+        });
         let devices = w.devs.len();
         for f in scanned {
             let dev = f.key.device(devices) as u16;

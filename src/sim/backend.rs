@@ -165,6 +165,15 @@ impl BlockQueue for SimBackend {
                     len: req.bytes(),
                 });
         }
+        super::trace(&[
+            1,
+            self.worker as u64,
+            req.user_data,
+            req.kind as u64,
+            u64::from(req.device),
+            req.offset,
+            u64::from(req.bytes()),
+        ]);
         self.queued.push(req);
         true
     }
@@ -234,6 +243,30 @@ impl IoBackend for SimBackend {
         Ok(())
     }
 
+    fn sim_wake(&mut self) -> bool {
+        if self.wake.drain() > 0 || self.fenced.is_some() {
+            return true;
+        }
+        if self.state.paused.load(Ordering::SeqCst) {
+            return false;
+        }
+        // The wait returns with the earliest completion a device that is not hung will give.
+        let hung = self.state.hung.load(Ordering::SeqCst);
+        match self
+            .pending
+            .iter()
+            .filter(|p| hung & (1u64 << p.req.device) == 0)
+            .map(|p| p.due)
+            .min()
+        {
+            Some(earliest) => {
+                self.round = self.round.max(earliest);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn complete(&mut self, out: &mut Vec<Completion>) {
         if let Some(stopped) = &mut self.fenced {
             // Nothing of theirs was copied: the device stopped before it reached them.
@@ -263,6 +296,7 @@ impl IoBackend for SimBackend {
         }
         for req in ready {
             let result = self.execute(&req);
+            super::trace(&[2, self.worker as u64, req.user_data, result as u64]);
             out.push(Completion {
                 user_data: req.user_data,
                 result,

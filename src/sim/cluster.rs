@@ -64,8 +64,9 @@ impl<L: Layout> Stepped for Worker<L> {
 /// The devices a cluster's workers run on.
 enum Devices {
     Slab(Vec<DeviceSpec>),
-    /// Directories, what their scan found per worker, and `[files] stores_opening`.
-    Files(Vec<Arc<FilesDevice>>, Vec<Vec<ScannedFile>>, usize),
+    /// Directories, what their scan found per worker, `[files] stores_opening`, and the seed
+    /// of the workers' temp file names.
+    Files(Vec<Arc<FilesDevice>>, Vec<Vec<ScannedFile>>, usize, u64),
 }
 
 impl Devices {
@@ -92,13 +93,14 @@ impl Devices {
                     .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;
                 Ok(Box::new(worker))
             }
-            Devices::Files(devices, scanned, stores_opening) => {
+            Devices::Files(devices, scanned, stores_opening, temp_seed) => {
                 let layout = FilesLayout::new(
                     id,
                     devices.clone(),
                     std::mem::take(&mut scanned[id]),
                     *stores_opening,
                     me,
+                    *temp_seed,
                 );
                 let mut worker = Worker::new(params, layout, FilesOp::empty);
                 let (layout, core) = worker.parts();
@@ -149,17 +151,13 @@ pub struct StopProgress {
 /// How far the cluster's clock moves for each worker turn (or each round of [`Cluster::settle`]).
 pub const STEP_TIME: std::time::Duration = std::time::Duration::from_micros(50);
 
-/// The simulated backends' settings (no polling: nothing runs on a real ring).
-fn backend_settings(config: &Config, derived: &Derived, files: bool) -> BackendSettings {
+/// The simulated backends' settings: the engine's, without what needs a real ring (polling).
+fn backend_settings(config: &Config, derived: &Derived) -> BackendSettings {
     BackendSettings {
-        ring_entries: config.ring_entries,
         sqpoll: false,
         sqpoll_idle_ms: 0,
         iopoll: false,
-        ioprio: config.scheduler.ioprio,
-        piece_bytes: derived.piece_bytes,
-        files_io_wq_workers: files.then_some(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS),
-        wait_limit: std::time::Duration::from_secs(1),
+        ..crate::engine::open::backend_settings(config, derived)
     }
 }
 
@@ -268,7 +266,12 @@ impl Cluster {
             &derived,
             region,
             files.as_ref(),
-            Devices::Files(devices, scanned, files_cfg.stores_opening as usize),
+            Devices::Files(
+                devices,
+                scanned,
+                files_cfg.stores_opening as usize,
+                files.temp_seed(),
+            ),
             seed,
             cold,
         )
@@ -307,7 +310,7 @@ impl Cluster {
         if let Some(c) = &cold {
             let _ = shared.miss_fallback.set(c.miss_fallback());
         }
-        let settings = backend_settings(config, derived, matches!(devices, Devices::Files(..)));
+        let settings = backend_settings(config, derived);
         let clock = Clock::manual();
         let mut senders = Vec::new();
         let mut left_behind = Vec::new();
@@ -362,7 +365,7 @@ impl Cluster {
                 ring_entries: config.ring_entries as usize,
                 demote,
                 // Deadlines also run on the cluster's clock, so a seed replays.
-                io_timeout: std::time::Duration::from_millis(config.io_timeout_ms.into()),
+                io_timeout: crate::engine::open::io_timeout(config),
                 clock: clock.clone(),
             };
             list.push(devices.worker(params, workers, meta, &me)?);
@@ -460,10 +463,12 @@ impl Cluster {
         if w < self.workers.len() && self.freezes(w) {
             return false;
         }
-        match self.workers.get_mut(w) {
+        let moved = match self.workers.get_mut(w) {
             Some(worker) => worker.step(),
             None => self.cold.as_ref().is_some_and(|c| c.step()),
-        }
+        };
+        super::trace(&[5, w as u64, u64::from(moved)]);
+        moved
     }
 
     /// Whether worker `w` is frozen: after a stop, a worker whose `run` loop gave up is not
@@ -488,7 +493,9 @@ impl Cluster {
             let mut any = false;
             for w in 0..self.workers.len() {
                 if !self.freezes(w) {
-                    any |= self.workers[w].step();
+                    let moved = self.workers[w].step();
+                    super::trace(&[6, w as u64, u64::from(moved)]);
+                    any |= moved;
                 }
             }
             if let Some(cold) = &self.cold {
@@ -514,9 +521,7 @@ impl Cluster {
         if let Some(cold) = &self.cold {
             cold.close();
         }
-        for (tx, _) in &self.router.shards {
-            let _ = tx.send(crate::worker::Msg::Stop);
-        }
+        self.router.stop();
     }
 
     /// Where the workers' `run` loops would be since [`Cluster::stop`].
@@ -562,7 +567,14 @@ impl Cluster {
 
     /// Moves every finished job's result into `out`.
     pub fn poll(&self, out: &mut Vec<JobResult>) {
-        out.extend(self.results.try_iter());
+        for r in self.results.try_iter() {
+            super::trace(&[7, r.id, r.failures.len() as u64]);
+            for f in &r.failures {
+                let reason = xxhash_rust::xxh3::xxh3_64(format!("{:?}", f.reason).as_bytes());
+                super::trace(&[f.key_index as u64, reason]);
+            }
+            out.push(r);
+        }
     }
 
     /// Checks, once settled, that nothing leaked: no op, pin, queue room, in-flight count or

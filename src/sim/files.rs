@@ -58,7 +58,30 @@ struct State {
     /// The directory's file system stopped answering: operations are accepted and none
     /// completes until it answers again.
     hung: AtomicBool,
+    /// Renames into place so far: a published file's times are set from it
+    /// ([`LOGICAL_EPOCH_SECS`] + the count), so a reopen orders files as the run stored them,
+    /// not by the wall clock's seconds.
+    renames: AtomicU64,
+    /// Clusters opened on these directories so far (each draws temp names of its own).
+    opens: AtomicU64,
 }
+
+impl State {
+    /// Sets the times of a file just published at `path` from the count of publications so
+    /// far (the simulation's clock for file times).
+    fn stamp(&self, path: &Path) {
+        let n = self.renames.fetch_add(1, Ordering::SeqCst);
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(LOGICAL_EPOCH_SECS + n);
+        // Best effort: a file removed since (a fault, the neighbour) is simply not there.
+        if let Ok(f) = std::fs::File::open(path) {
+            let _ = f.set_times(std::fs::FileTimes::new().set_accessed(t).set_modified(t));
+        }
+    }
+}
+
+/// Where the simulated file times start: far after any wall clock, so a read's access-time
+/// update (relatime: to now) never moves a file's last use past its logical one.
+const LOGICAL_EPOCH_SECS: u64 = 4_000_000_000;
 
 #[derive(Default)]
 struct Journal {
@@ -81,6 +104,8 @@ impl SimFiles {
                 read_flips: AtomicU64::new(0),
                 strays: Strays::default(),
                 hung: AtomicBool::new(false),
+                renames: AtomicU64::new(0),
+                opens: AtomicU64::new(0),
             }),
         })
     }
@@ -91,6 +116,14 @@ impl SimFiles {
             .faults
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = faults;
+    }
+
+    /// The seed of the temp file names of the next cluster opened on these directories: from
+    /// the simulation's seed, different at every open (as a restarted process's pid and time
+    /// are), so a replay draws the same names.
+    pub fn temp_seed(&self) -> u64 {
+        let opens = self.state.opens.fetch_add(1, Ordering::SeqCst) + 1;
+        self.state.seed ^ opens.wrapping_mul(0xD6E8_FEB8_6659_FD93)
     }
 
     /// Reads delivered with a flipped bit so far.
@@ -128,6 +161,9 @@ impl SimFiles {
         let done = std::fs::create_dir_all(dir)
             .and_then(|()| std::fs::write(&temp, bytes))
             .and_then(|()| std::fs::rename(&temp, path));
+        if done.is_ok() {
+            self.state.stamp(path);
+        }
         j.unsynced.remove(path);
         j.renamed.remove(path);
         done.is_ok()
@@ -276,8 +312,8 @@ impl Storage for SimFiles {
         wake: Arc<EventFd>,
         settings: &BackendSettings,
     ) -> Result<Box<dyn IoBackend>> {
-        let _ = wake;
         Ok(Box::new(FilesBackend {
+            wake,
             state: Arc::clone(&self.state),
             buffers,
             rng: Rng::new(self.state.seed ^ (worker as u64).wrapping_mul(0x9FB2_1C65_1E98_DF25)),
@@ -333,6 +369,23 @@ enum Op {
 }
 
 impl Op {
+    /// What the trace records of the op: its kind, the path it names (relative to its
+    /// directory), offset and length; not descriptors, whose numbers other threads move.
+    fn trace_words(&self) -> [u64; 3] {
+        let path = |p: &CString| xxhash_rust::xxh3::xxh3_64(p.as_bytes());
+        match self {
+            Op::Open { path: p, flags, .. } => [10, path(p), *flags as u64],
+            Op::Read { offset, buf, .. } => [11, *offset, buf.len() as u64],
+            Op::Write { offset, buf, .. } => [12, *offset, buf.len() as u64],
+            Op::Close(_) => [13, 0, 0],
+            Op::Rename { from, to, .. } => [14, path(from), path(to)],
+            Op::Unlink { path: p, .. } => [15, path(p), 0],
+            Op::Sync { data_only, .. } => [16, u64::from(*data_only), 0],
+            Op::Mkdir { path: p, .. } => [17, path(p), 0],
+            Op::Unsupported => [18, 0, 0],
+        }
+    }
+
     /// The op, with the claim on its buffer for a read or a write.
     fn of(op: &FileOp<'_>, claim: Option<IoBuf>) -> Op {
         match *op {
@@ -399,6 +452,8 @@ struct Pending {
 }
 
 struct FilesBackend {
+    /// The worker's wake-up eventfd, which a parked worker's wait returns on.
+    wake: Arc<EventFd>,
     state: Arc<State>,
     buffers: Vec<Arc<Region>>,
     rng: Rng,
@@ -467,6 +522,7 @@ impl FilesBackend {
             } => match sys::rename_at(*dir, from, to, *flags) {
                 Ok(()) => {
                     let (from, to) = (path_at(*dir, from), path_at(*dir, to));
+                    self.state.stamp(&to);
                     let mut j = self.state.journal();
                     if j.tracking {
                         if j.unsynced.remove(&from) {
@@ -592,8 +648,10 @@ impl FileOpQueue for FilesBackend {
                 "a claim on another buffer than the op's"
             );
         }
-        self.queued
-            .push((user_data, Op::of(op, buf.map(|(_, b)| b))));
+        let op = Op::of(op, buf.map(|(_, b)| b));
+        let [a, b, c] = op.trace_words();
+        super::trace(&[4, user_data, a, b, c]);
+        self.queued.push((user_data, op));
         true
     }
 }
@@ -635,6 +693,23 @@ impl IoBackend for FilesBackend {
         Ok(())
     }
 
+    fn sim_wake(&mut self) -> bool {
+        if self.wake.drain() > 0 {
+            return true;
+        }
+        if self.state.hung.load(Ordering::SeqCst) {
+            return false;
+        }
+        // The wait returns with the earliest completion.
+        match self.pending.iter().map(|p| p.due).min() {
+            Some(earliest) => {
+                self.round = self.round.max(earliest);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn complete(&mut self, out: &mut Vec<Completion>) {
         if self.state.hung.load(Ordering::SeqCst) {
             return;
@@ -652,6 +727,14 @@ impl IoBackend for FilesBackend {
         }
         for p in ready {
             let result = self.execute(&p.op);
+            // An open's result is a descriptor, whose number other threads move: traced as
+            // success only.
+            let traced = if matches!(p.op, Op::Open { .. }) {
+                result.min(0)
+            } else {
+                result
+            };
+            super::trace(&[3, p.user_data, traced as u64]);
             out.push(Completion {
                 user_data: p.user_data,
                 result,

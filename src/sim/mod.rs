@@ -93,6 +93,32 @@ impl Rng {
     }
 }
 
+thread_local! {
+    /// The trace of the simulation running on this thread ([`trace`]).
+    static TRACE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Folds `values` into this thread's trace: what a stepped simulation does, in order (the
+/// worker drawn and whether it moved, every request pushed and every completion with its
+/// result, every job result). Two runs of one seed have equal traces ([`take_trace`]) or did
+/// not replay. Threads of a real engine on simulated devices fold into their own, unread.
+pub(crate) fn trace(values: &[u64]) {
+    TRACE.with(|t| {
+        let mut h = t.get();
+        for &v in values {
+            // FNV-1a's multiply over whole words, then a finaliser's mix: order-sensitive.
+            h = (h ^ v).wrapping_mul(0x0000_0100_0000_01B3);
+            h ^= h >> 29;
+        }
+        t.set(h);
+    });
+}
+
+/// This thread's trace since the last take, and a fresh one from here.
+pub fn take_trace() -> u64 {
+    TRACE.with(|t| t.replace(0))
+}
+
 /// The seed for a simulation test: `KVTIER_SIM_SEED` if set, else time-based. Printed, so a
 /// failing test's output says how to replay it.
 pub fn seed_from_env() -> u64 {

@@ -73,6 +73,21 @@ impl Demote {
         })
     }
 
+    /// Takes back the staging slots the S3 tier gave back since the last turn; true if any
+    /// came. Every turn does, so a slot given back never stays in the channel, where the
+    /// worker's sleep check would see work and keep it from sleeping (a worker with a slot
+    /// back and no store needing one spun instead of sleeping; found when the simulator began
+    /// running the real loop).
+    pub(crate) fn reclaim(&mut self) -> bool {
+        let mut any = false;
+        while let Ok(s) = self.returned.try_recv() {
+            self.handed -= 1;
+            self.free.push(s);
+            any = true;
+        }
+        any
+    }
+
     /// A staging slot taken but not used.
     pub(crate) fn put_back(&mut self, staging: u32) {
         self.free.push(staging);
@@ -183,5 +198,52 @@ mod tests {
         assert_eq!(got, vec![0, 1]);
         assert!(m.take_staging().is_none());
         assert!(!m.will_free());
+    }
+
+    /// A slot the cold tier gave back is taken back at the worker's next turn, leaving the
+    /// channel empty: the sleep check reads a non-empty channel as work to do, and a slot left
+    /// there kept the worker from ever sleeping.
+    #[test]
+    fn a_turn_takes_back_the_slots_given_back() {
+        let staging =
+            Arc::new(Region::allocate(2 * 4096, kvtier_sys::mem::HugePages::Off).expect("8 KiB"));
+        let sink = DemoteSink::default();
+        let held: Arc<std::sync::Mutex<Vec<Demotion>>> = Arc::default();
+        let into = Arc::clone(&held);
+        let _ = sink.set(Box::new(move |d| {
+            into.lock().expect("not poisoned").push(d);
+        }));
+        let wake = Arc::new(crate::io::EventFd::new().expect("an eventfd"));
+        let worker = Arc::new(WorkerShared::new(Arc::clone(&wake), 1));
+        let mut m = Demote::new(staging, 2, sink);
+        let key = Key::new(b"k").expect("a key");
+        assert!(!m.reclaim(), "nothing was handed out");
+        let a = m.take_staging().expect("a slot");
+        m.started();
+        assert!(m.finished(a, 4096, Some((key, None)), &worker));
+        assert!(!m.reclaim(), "the slot is still with the cold tier");
+        worker
+            .sleeping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        held.lock().expect("not poisoned").clear();
+        assert_eq!(
+            wake.drain(),
+            1,
+            "giving a slot back wakes its sleeping worker"
+        );
+        assert_eq!(m.returned().len(), 1);
+        assert!(m.reclaim(), "the turn takes it back");
+        assert!(
+            m.returned().is_empty(),
+            "nothing left to keep the worker awake"
+        );
+        assert!(!m.will_free());
+        m.check_quiet().expect("quiet");
+        let mut got = vec![
+            m.take_staging().expect("a slot"),
+            m.take_staging().expect("a slot"),
+        ];
+        got.sort_unstable();
+        assert_eq!(got, vec![0, 1]);
     }
 }

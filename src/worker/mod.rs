@@ -45,7 +45,8 @@ pub(crate) use ops::{OpTable, TableOp};
 pub(crate) use published::Publisher;
 pub(crate) use queue::{fail_left_behind, Msg, Part, Removed, WorkQueue};
 pub(crate) use sched::{Chunks, Scheduler};
-pub(crate) use shared::{submit_or_sleep, WorkerShared};
+pub(crate) use shared::WorkerShared;
+use shared::{awake, ready_to_sleep};
 
 use std::sync::atomic::Ordering;
 
@@ -233,6 +234,31 @@ pub(crate) struct Worker<L: Layout> {
     stop_at: Option<Instant>,
     /// The backend fenced its device at a stop (the I/O past its deadline then fails).
     fenced: bool,
+    #[cfg(any(test, feature = "sim"))]
+    sim: SimLoop,
+}
+
+/// How one pass of a worker's loop ends ([`Worker::pass`]).
+enum Pass {
+    /// Submit, sleeping in the submit if `wait` (nothing moved and nothing is queued).
+    Submit { wait: bool },
+    /// Go round again at once (the device was just fenced).
+    Again,
+    /// Stopped and idle: the thread exits.
+    Exit,
+    /// Stopped with only I/O past its deadline left: the worker leaks itself.
+    GiveUp,
+}
+
+/// What the simulator keeps of a stepped worker's loop: where it is parked in a wait, and how
+/// its loop ended.
+#[cfg(any(test, feature = "sim"))]
+struct SimLoop {
+    /// Parked in a pass's wait since then (on the worker's clock).
+    parked_at: Option<Instant>,
+    /// How long the ring's wait sleeps at most with I/O in flight (`BackendSettings::wait_limit`).
+    wait_limit: Duration,
+    outcome: Option<Stopped>,
 }
 
 /// For [`Layout::overdue_keys`]: the one key an op serves, whose block it may still move.
@@ -292,6 +318,12 @@ impl<L: Layout> Worker<L> {
             next_overdue_check: now,
             stop_at: None,
             fenced: false,
+            #[cfg(any(test, feature = "sim"))]
+            sim: SimLoop {
+                parked_at: None,
+                wait_limit: overdue_check_interval(p.io_timeout),
+                outcome: None,
+            },
         }
     }
 
@@ -306,82 +338,136 @@ impl<L: Layout> Worker<L> {
 
     /// Runs until stopped and idle, or stopped with only I/O that outlived its deadline left
     /// (then the worker is leaked, with its ring and the region, since the kernel may still
-    /// write them).
+    /// write them). The simulator runs the same passes ([`Worker::step`]), one at a time.
     pub fn run(mut self) {
         loop {
-            let progress = self.turn();
-            self.core.publish_gauges();
-            if self.core.stopping && self.core.idle() && self.layout.idle() {
-                break;
-            }
-            if self.hung_at_stop() && !self.fenced && self.core.backend.fence() {
-                // A device driven from user space can be stopped for good: its requests in
-                // flight then fail, their memory goes back, and the worker ends normally.
-                self.fenced = true;
-                tracing::error!(
-                    worker = self.core.id,
-                    in_flight = self.core.backend.in_flight(),
-                    deadline_ms = self.core.io_timeout.as_millis() as u64,
-                    "shutdown: I/O still in flight past its deadline; the device was fenced \
-                     (controller disabled, DMA off) and that I/O fails"
-                );
-                continue;
-            }
-            if self.hung_at_stop() {
-                tracing::error!(
-                    worker = self.core.id,
-                    in_flight = self.core.backend.in_flight(),
-                    deadline_ms = self.core.io_timeout.as_millis() as u64,
-                    "shutdown: I/O still in flight past its deadline; this worker's ring and the \
-                     region stay allocated (leaked) so the device can never write freed memory. \
-                     Check the device (dmesg) before reusing it"
-                );
-                self.core.give_up();
-                std::mem::forget(self);
-                return;
-            }
-            let returned = self.core.demote.as_ref().map(Demote::returned);
-            let r = submit_or_sleep(
-                self.core.backend.as_mut(),
-                &self.core.me,
-                &self.rx,
-                progress,
-                || returned.is_some_and(|r| !r.is_empty()),
-            );
-            self.layout.after_submit(&mut self.core);
-            if let Err(e) = r {
-                // The ring itself failed (not one I/O): nothing can be completed any more
-                // without it, so log and keep reaping; a persistent failure is a bug.
-                self.core.log_error(&format!("submit failed: {e}"));
-                std::thread::sleep(std::time::Duration::from_millis(1));
+            match self.pass() {
+                Pass::Again => {}
+                Pass::Exit => break,
+                Pass::GiveUp => {
+                    self.give_up();
+                    std::mem::forget(self);
+                    return;
+                }
+                Pass::Submit { wait } => {
+                    let r = self.core.backend.submit(wait);
+                    self.finish_pass(wait, r);
+                }
             }
         }
         self.core.publish_gauges();
     }
 
-    /// One turn and a submit that never sleeps, for the simulator (which steps every worker
-    /// from one thread); true if anything moved or is still in flight.
-    #[cfg(any(test, feature = "sim"))]
-    pub fn step(&mut self) -> bool {
+    /// One pass of the loop up to its submit: a turn, then the stop's checks, then whether
+    /// to sleep in the submit (the sleeping flag set when it does).
+    fn pass(&mut self) -> Pass {
         let progress = self.turn();
         self.core.publish_gauges();
-        let r = self.core.backend.submit(false);
-        self.layout.after_submit(&mut self.core);
-        assert!(r.is_ok(), "the simulated backend cannot fail a submit");
-        progress || self.core.backend.in_flight() > 0
+        if self.core.stopping && self.core.idle() && self.layout.idle() {
+            return Pass::Exit;
+        }
+        if self.hung_at_stop() && !self.fenced && self.core.backend.fence() {
+            // A device driven from user space can be stopped for good: its requests in
+            // flight then fail, their memory goes back, and the worker ends normally.
+            self.fenced = true;
+            tracing::error!(
+                worker = self.core.id,
+                in_flight = self.core.backend.in_flight(),
+                deadline_ms = self.core.io_timeout.as_millis() as u64,
+                "shutdown: I/O still in flight past its deadline; the device was fenced \
+                 (controller disabled, DMA off) and that I/O fails"
+            );
+            return Pass::Again;
+        }
+        if self.hung_at_stop() {
+            return Pass::GiveUp;
+        }
+        let returned = self.core.demote.as_ref().map(Demote::returned);
+        let wait = ready_to_sleep(&self.core.me, &self.rx, progress, || {
+            returned.is_some_and(|r| !r.is_empty())
+        });
+        Pass::Submit { wait }
     }
 
-    /// For the simulator: where this worker's `run` loop would be after a stop. `None` while
-    /// it runs (or was never stopped).
+    /// After the pass's submit (and its sleep, when it slept).
+    fn finish_pass(&mut self, waited: bool, r: std::io::Result<()>) {
+        awake(self.core.backend.as_ref(), &self.core.me, waited);
+        self.layout.after_submit(&mut self.core);
+        if let Err(e) = r {
+            // The ring itself failed (not one I/O): nothing can be completed any more
+            // without it, so log and keep reaping; a persistent failure is a bug.
+            self.core.log_error(&format!("submit failed: {e}"));
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// The stop gave up on I/O past its deadline: say so and count it (the shutdown report).
+    fn give_up(&self) {
+        tracing::error!(
+            worker = self.core.id,
+            in_flight = self.core.backend.in_flight(),
+            deadline_ms = self.core.io_timeout.as_millis() as u64,
+            "shutdown: I/O still in flight past its deadline; this worker's ring and the \
+             region stay allocated (leaked) so the device can never write freed memory. \
+             Check the device (dmesg) before reusing it"
+        );
+        self.core.give_up();
+    }
+
+    /// For the simulator, which steps every worker from one thread: one pass of [`Worker::run`]
+    /// on the cluster's clock, its sleep included. A pass that would sleep submits and parks
+    /// the worker; a parked worker wakes as the ring's wait would return (a completion, its
+    /// eventfd written by a nudge, or the wait's limit on the clock with I/O still in flight)
+    /// and then finishes that pass. A worker whose loop ended is not stepped again, except
+    /// one that gave up, which runs on (for the checks after a stop; a real one never does).
+    /// True if anything moved or is still in flight.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn step(&mut self) -> bool {
+        if self.sim.outcome == Some(Stopped::Exited) {
+            return false;
+        }
+        if let Some(at) = self.sim.parked_at {
+            let in_flight = self.core.backend.in_flight() > 0;
+            let limit = in_flight && self.core.ops.now().duration_since(at) >= self.sim.wait_limit;
+            if !self.core.backend.sim_wake() && !limit {
+                return in_flight;
+            }
+            self.sim.parked_at = None;
+            self.finish_pass(true, Ok(()));
+            return true;
+        }
+        let pass = self.pass();
+        let wait = match pass {
+            Pass::Again => return true,
+            Pass::Exit => {
+                self.sim.outcome = Some(Stopped::Exited);
+                self.core.publish_gauges();
+                return false;
+            }
+            Pass::GiveUp => {
+                if self.sim.outcome.is_none() {
+                    self.sim.outcome = Some(Stopped::GaveUp);
+                    self.give_up();
+                }
+                false
+            }
+            Pass::Submit { wait } => wait,
+        };
+        let r = self.core.backend.submit(false);
+        assert!(r.is_ok(), "the simulated backend cannot fail a submit");
+        if wait {
+            self.sim.parked_at = Some(self.core.ops.now());
+            return self.core.backend.in_flight() > 0;
+        }
+        self.finish_pass(false, r);
+        true
+    }
+
+    /// For the simulator: where this worker's `run` loop ended, if it did: exited, or gave up
+    /// (and runs on only for the simulator's checks).
     #[cfg(any(test, feature = "sim"))]
     pub fn stopped(&self) -> Option<Stopped> {
-        if self.core.stopping && self.core.idle() && self.layout.idle() {
-            Some(Stopped::Exited)
-        } else if self.hung_at_stop() {
-            Some(Stopped::GaveUp)
-        } else {
-            None
-        }
+        self.sim.outcome
     }
 
     /// For the simulator, once idle: nothing leaked (ops, queue room, in-flight counts, and
@@ -518,6 +604,7 @@ impl<L: Layout> Worker<L> {
     /// One turn of the loop without submitting or sleeping; true if anything moved.
     fn turn(&mut self) -> bool {
         let mut progress = self.intake();
+        progress |= self.core.demote.as_mut().is_some_and(Demote::reclaim);
         progress |= self.reap();
         progress |= self.expire_overdue();
         progress |= self.layout.unstall(&mut self.core);

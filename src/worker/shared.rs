@@ -75,7 +75,7 @@ impl WorkerShared {
     }
 
     /// Wakes the worker if it is (about to be) asleep. Pairs with the fence in
-    /// [`submit_or_sleep`]. The first nudge of a sleep clears the flag and writes the eventfd;
+    /// [`ready_to_sleep`]. The first nudge of a sleep clears the flag and writes the eventfd;
     /// the ones after it, before the worker is up again, see the flag clear and skip the system
     /// call: the worker drains its whole queue when it wakes, so their work is not missed.
     pub fn nudge(&self) {
@@ -94,39 +94,38 @@ pub(crate) fn thread_cpu_ns(tid: i32) -> u64 {
         .unwrap_or(0)
 }
 
-/// Submits what the worker queued; with no `progress` this turn, sleeps in the kernel until a
-/// completion or a submitter's wake-up. The sleeping flag and the fence pair with
-/// [`WorkerShared::nudge`], so a job sent while the worker decides to sleep is never missed.
-pub(crate) fn submit_or_sleep(
-    backend: &mut dyn IoBackend,
+/// Whether the worker may sleep in its next submit: not if its turn moved anything, nor if
+/// work is queued (its channel, or `other_work`). When it may, the sleeping flag is set first
+/// and the queues checked after it, so whoever adds work after the check sees the flag and
+/// wakes the wait ([`WorkerShared::nudge`]); [`awake`] clears it.
+pub(crate) fn ready_to_sleep(
     me: &WorkerShared,
     rx: &Receiver<Msg>,
     progress: bool,
     other_work: impl Fn() -> bool,
-) -> std::io::Result<()> {
-    let mut wait = !progress;
-    if wait {
-        me.sleeping.store(true, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        // Checked after `sleeping` is set: whoever adds work after this check sees the flag
-        // and wakes the ring wait.
-        if !rx.is_empty() || other_work() {
-            wait = false;
-        }
+) -> bool {
+    if progress {
+        return false;
     }
-    let r = backend.submit(wait);
+    me.sleeping.store(true, Ordering::SeqCst);
+    std::sync::atomic::fence(Ordering::SeqCst);
+    rx.is_empty() && !other_work()
+}
+
+/// After the submit that [`ready_to_sleep`] prepared (`waited`: it was allowed to sleep): the
+/// flag cleared, the ring's enters and sleeps counted.
+pub(crate) fn awake(backend: &dyn IoBackend, me: &WorkerShared, waited: bool) {
     me.sleeping.store(false, Ordering::SeqCst);
     me.metrics
         .submits
         .store(backend.enters(), Ordering::Relaxed);
     match backend.sleeps() {
         Some(slept) => me.metrics.wakeups.store(slept, Ordering::Relaxed),
-        None if wait => {
+        None if waited => {
             me.metrics.wakeups.fetch_add(1, Ordering::Relaxed);
         }
         None => {}
     }
-    r
 }
 
 /// crc32c of `len` bytes at `offset` of the primary region, in a block of `job`: read through

@@ -104,6 +104,9 @@ pub struct Report {
     pub removals_asked: u64,
     pub keys_removed: u64,
     pub cold: ObjectCounts,
+    /// The run's trace ([`crate::sim::take_trace`]): a seed that replays has the same one.
+    /// Summed runs combine theirs in order.
+    pub trace: u64,
 }
 
 impl Report {
@@ -134,6 +137,7 @@ impl Report {
         self.removals_asked += r.removals_asked;
         self.keys_removed += r.keys_removed;
         self.cold.add(&r.cold);
+        self.trace = self.trace.rotate_left(17) ^ r.trace;
     }
 }
 
@@ -756,6 +760,8 @@ pub fn run_removing(seed: u64, steps: u64) -> Result<Report, String> {
 }
 
 fn run_with(seed: u64, steps: u64, removals: bool) -> Result<Report, String> {
+    // The trace starts here: every step, request, completion and result of this run.
+    let _ = crate::sim::take_trace();
     let mut rng = Rng::new(seed);
     let workers = 1 + rng.below(3) as usize;
     let devices = 1 + rng.below(2) as usize;
@@ -856,6 +862,7 @@ fn run_with(seed: u64, steps: u64, removals: bool) -> Result<Report, String> {
         run.report.cold_runs = 1;
         run.report.cold = c.counts();
     }
+    run.report.trace = crate::sim::take_trace();
     Ok(run.report)
 }
 
@@ -980,6 +987,30 @@ pub fn seeds(first: u64, count: u64, steps: u64) -> Result<Report, String> {
 
 /// Runs `run` for `count` seeds from `first` and adds up their reports; the first failure
 /// names its seed and the command that replays it (`replay_test`, below `sim::cluster::`).
+/// Runs `seed` twice and the next seed once: the two runs of `seed` must match in every count
+/// and in their trace (every step, request, completion and result, in order), and the other
+/// seed's trace must differ (a trace that records nothing would match too).
+#[cfg(test)]
+pub(super) fn check_replay(seed: u64, steps: u64, run: fn(u64, u64) -> Result<Report, String>) {
+    let a = run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    let b = run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    assert_eq!(
+        format!("{a:?}"),
+        format!("{b:?}"),
+        "seed {seed}: the counts replay"
+    );
+    assert_eq!(
+        a.trace, b.trace,
+        "seed {seed}: the trace replays step for step"
+    );
+    let other = seed + 1;
+    let c = run(other, steps).unwrap_or_else(|e| panic!("seed {other}: {e}"));
+    assert_ne!(
+        a.trace, c.trace,
+        "seeds {seed} and {other} traced the same run"
+    );
+}
+
 fn over_seeds(
     first: u64,
     count: u64,
@@ -1130,9 +1161,7 @@ mod tests {
     fn replays_one_seed() {
         let seed = env("KVTIER_SIM_SEED", 7);
         let steps = env("KVTIER_SIM_STEPS", 1500);
-        let a = run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        let b = run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
+        check_replay(seed, steps, run);
     }
 
     /// The campaign with removals among its actions (`KVTIER_SIM_REMOVAL_SEEDS`, default 300).
@@ -1164,9 +1193,7 @@ mod tests {
     fn replays_one_removal_seed() {
         let seed = env("KVTIER_SIM_SEED", 7);
         let steps = env("KVTIER_SIM_STEPS", 1500);
-        let a = run_removing(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        let b = run_removing(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
+        check_replay(seed, steps, run_removing);
     }
 }
 

@@ -74,6 +74,8 @@ pub fn files_run_removing(seed: u64, steps: u64) -> Result<Report, String> {
 }
 
 fn files_run_with(seed: u64, steps: u64, removals: bool) -> Result<Report, String> {
+    // The trace starts here: every step, request, completion and result of this run.
+    let _ = crate::sim::take_trace();
     let mut rng = Rng::new(seed ^ 0xF1_1E5);
     let workers = 1 + rng.below(3) as usize;
     let loss_at = (rng.below(2) == 1).then(|| rng.below(steps));
@@ -158,6 +160,7 @@ fn files_run_with(seed: u64, steps: u64, removals: bool) -> Result<Report, Strin
         run.report.cold = c.counts();
     }
     drop(cluster);
+    run.report.trace = crate::sim::take_trace();
     Ok(run.report)
 }
 
@@ -276,9 +279,7 @@ mod tests {
     fn replays_one_removal_seed() {
         let seed = env("KVTIER_SIM_SEED", 7);
         let steps = env("KVTIER_SIM_STEPS", 1500);
-        let a = files_run_removing(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        let b = files_run_removing(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        assert_eq!(a.keys_removed, b.keys_removed, "seed {seed}");
+        super::super::check_replay(seed, steps, files_run_removing);
     }
 
     /// `KVTIER_SIM_SEEDS=100000 cargo test --release -p kvtier --lib --features sim
@@ -348,8 +349,6 @@ mod tests {
     fn replays_one_seed() {
         let seed = env("KVTIER_SIM_SEED", 7);
         let steps = env("KVTIER_SIM_STEPS", 1500);
-        let a = files_run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        let b = files_run(seed, steps).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
+        super::super::check_replay(seed, steps, files_run);
     }
 }
