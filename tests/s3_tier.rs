@@ -588,6 +588,16 @@ fn check_demotion(engine: &Engine, region: &Region, server: &S3Server, total: u6
         assert!(Instant::now() < deadline, "uploads never finished: {s3:?}");
         std::thread::sleep(Duration::from_millis(20));
     };
+    // Every staging slot is back and nothing is queued: the workers sleep. (They once spun
+    // with a slot given back and no store needing it: 2.0 s of CPU in 2 s idle.) The bound
+    // tells a sleeping worker (about 0) from a spinning one (the whole second), not a speed.
+    let cpu = engine.stats().worker_cpu_seconds;
+    std::thread::sleep(Duration::from_secs(1));
+    let idle_cpu = engine.stats().worker_cpu_seconds - cpu;
+    assert!(
+        idle_cpu < 0.5,
+        "idle workers spent {idle_cpu:.3} s of CPU in 1 s: they do not sleep"
+    );
     eprintln!("evictions {}, handed over {}, dropped at the worker {}, uploaded {}, dropped at the reactor {}", stats.evictions, stats.demotions, stats.demotions_dropped, s3.demotions, s3.demotions_dropped);
     assert!(s3.demotions > 0, "{s3:?}");
     assert_eq!(s3.background_upload_failures, 0, "{s3:?}");
