@@ -3,29 +3,35 @@
 //! and touches.
 
 use super::{Engine, Lookup, Tier};
+use crate::cold::ColdTier;
 use crate::config::FirstLookup;
 use crate::key::Key;
-use crate::route::items_by_worker;
+use crate::route::{items_by_worker, Router};
 use crate::verdicts::Verdict;
 use crate::worker::shared::PROBES_OUTSTANDING_MAX;
 use crate::worker::Msg;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-impl Engine {
-    /// Answers from the in-memory index: a key is a hit once its store completed. With the
-    /// files layout, a key not indexed is answered from what its worker learnt by `statx`
-    /// (`files.first_lookup` says what the first lookup answers). With an S3 tier, a key absent
-    /// locally is [`Lookup::Pending`] until a HEAD answers (one per key, shared by concurrent
-    /// lookups), then `Hit(Tier::S3)` or `Miss`, cached (bounded by `s3.lookup_cache_max`,
-    /// trusted for `s3.lookup_ttl_ms`). A failed load from S3 makes its keys `Miss`. Never a
-    /// system call or a wait on the caller's thread.
-    pub fn lookup(&self, keys: &[Key]) -> Vec<Lookup> {
-        let workers = self.shards.len();
-        let held: Vec<_> = self
-            .shards
+/// What a lookup reads, written once: `Engine::lookup` and the simulator's `Cluster::lookup`
+/// both answer through it.
+pub(crate) struct Lookups<'a> {
+    pub router: &'a Router,
+    /// The files layout: what a key no worker indexed answers first.
+    pub first_lookup: Option<FirstLookup>,
+    pub cold: Option<&'a dyn ColdTier>,
+    /// Not shut down: workers may be asked (after shutdown none answers).
+    pub open: bool,
+}
+
+impl Lookups<'_> {
+    /// See [`Engine::lookup`].
+    pub fn answer(&self, keys: &[Key]) -> Vec<Lookup> {
+        let shards = &self.router.shards;
+        let workers = shards.len();
+        let held: Vec<_> = shards
             .iter()
-            .map(|h| h.shared.published.snapshot())
+            .map(|(_, me)| me.published.snapshot())
             .collect();
         let mut out: Vec<Lookup> = keys
             .iter()
@@ -41,7 +47,7 @@ impl Engine {
         if let Some(first) = self.first_lookup {
             self.ask_unindexed(keys, &mut out, first);
         }
-        if let Some(cold) = &self.cold {
+        if let Some(cold) = self.cold {
             // Keys a probe is still asking about are asked of the cold tier at the same time
             // (their answer stays Pending), so the next lookup has both answers.
             let (missing, ask): (Vec<usize>, Vec<Key>) = keys
@@ -59,7 +65,6 @@ impl Engine {
                 }
             }
         }
-        self.count_lookups(&out);
         out
     }
 
@@ -69,20 +74,19 @@ impl Engine {
     /// (a miss, or Pending) while its worker `statx`es the block path on its ring; an answer
     /// older than `files.lookup_ttl_ms` is still served while the worker asks again. No system
     /// call here.
-    pub(super) fn ask_unindexed(&self, keys: &[Key], out: &mut [Lookup], first: FirstLookup) {
-        let workers = self.shards.len();
-        // After shutdown no worker answers.
-        let open = !self.shut.load(Ordering::Acquire);
+    fn ask_unindexed(&self, keys: &[Key], out: &mut [Lookup], first: FirstLookup) {
+        let shards = &self.router.shards;
+        let workers = shards.len();
         let mut asks: Vec<Vec<(Key, u64)>> = vec![Vec::new(); workers];
         for (k, l) in keys.iter().zip(out.iter_mut()) {
             if *l != Lookup::Miss {
                 continue;
             }
             let s = k.shard(workers);
-            let me = &self.shards[s].shared;
+            let me = &shards[s].1;
             // Past the bound of outstanding questions a key is answered from what is known,
             // or as a miss, without asking (the worker's queue stays bounded).
-            let may_ask = open
+            let may_ask = self.open
                 && me.probes_outstanding.load(Ordering::Acquire) + asks[s].len()
                     < PROBES_OUTSTANDING_MAX;
             let mut answers = me.unindexed();
@@ -105,17 +109,35 @@ impl Engine {
                 asks[s].push((*k, generation));
             }
         }
-        for (s, ask) in asks.into_iter().enumerate() {
+        for ((tx, me), ask) in shards.iter().zip(asks) {
             if !ask.is_empty() {
-                let h = &self.shards[s];
-                h.shared
-                    .probes_outstanding
-                    .fetch_add(ask.len(), Ordering::AcqRel);
-                if h.tx.send(Msg::Probe(ask)).is_ok() {
-                    h.shared.nudge();
+                me.probes_outstanding.fetch_add(ask.len(), Ordering::AcqRel);
+                if tx.send(Msg::Probe(ask)).is_ok() {
+                    me.nudge();
                 }
             }
         }
+    }
+}
+
+impl Engine {
+    /// Answers from the in-memory index: a key is a hit once its store completed. With the
+    /// files layout, a key not indexed is answered from what its worker learnt by `statx`
+    /// (`files.first_lookup` says what the first lookup answers). With an S3 tier, a key absent
+    /// locally is [`Lookup::Pending`] until a HEAD answers (one per key, shared by concurrent
+    /// lookups), then `Hit(Tier::S3)` or `Miss`, cached (bounded by `s3.lookup_cache_max`,
+    /// trusted for `s3.lookup_ttl_ms`). A failed load from S3 makes its keys `Miss`. Never a
+    /// system call or a wait on the caller's thread.
+    pub fn lookup(&self, keys: &[Key]) -> Vec<Lookup> {
+        let out = Lookups {
+            router: &self.router,
+            first_lookup: self.first_lookup,
+            cold: self.cold.as_deref(),
+            open: !self.shut.load(Ordering::Acquire),
+        }
+        .answer(keys);
+        self.count_lookups(&out);
+        out
     }
 
     pub(super) fn count_lookups(&self, answers: &[Lookup]) {

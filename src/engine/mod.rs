@@ -28,7 +28,7 @@ use crate::slab::Geometry;
 use crate::worker::{self, Msg, WorkerShared};
 
 pub(crate) mod admit;
-mod lookup;
+pub(crate) mod lookup;
 pub(crate) mod open;
 pub(crate) mod start;
 pub(crate) mod stats;
@@ -85,6 +85,8 @@ struct ShardHandle {
 pub struct Engine {
     region: Arc<Region>,
     region_blocks: u64,
+    /// Read when the S3 tier opens.
+    #[cfg_attr(not(feature = "s3"), allow(dead_code))]
     block_bytes: u64,
     /// The files layout: what the first lookup of a key not indexed answers (`None`: slab).
     first_lookup: Option<FirstLookup>,

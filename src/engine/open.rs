@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
-use crate::config::{Config, Derived, Layout, VerifyLoads};
+use crate::config::{Config, Derived, FirstLookup, Layout, VerifyLoads};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
@@ -91,11 +91,7 @@ impl Engine {
             region: Arc::clone(&region),
             region_blocks,
             block_bytes: derived.block_bytes,
-            first_lookup: config
-                .files
-                .as_ref()
-                .filter(|_| derived.layout == crate::config::Layout::Files)
-                .map(|f| f.first_lookup),
+            first_lookup: first_lookup(config, &derived),
             queue_blocks_max: config.queue_blocks_max,
             jobs_in_flight_max: config.jobs_in_flight_max,
             shared: Arc::clone(&shared),
@@ -440,6 +436,16 @@ fn start_workers(
         summaries: summaries.into_iter().flatten().collect(),
         error,
     })
+}
+
+/// The files layout's `first_lookup` (what a lookup of a key no worker indexed answers first);
+/// `None` for the slab.
+pub(crate) fn first_lookup(config: &Config, derived: &Derived) -> Option<FirstLookup> {
+    config
+        .files
+        .as_ref()
+        .filter(|_| derived.layout == Layout::Files)
+        .map(|f| f.first_lookup)
 }
 
 /// The workers' backend settings, from the config once validated (the engine's and the

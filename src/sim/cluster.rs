@@ -29,7 +29,7 @@ use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::route::Router;
 use crate::slab::layout::{DeviceSpec, SlabLayout};
 use crate::slab::prepare::prepare_slab;
-use crate::tier::{Lookup, Tier};
+use crate::tier::Lookup;
 use crate::worker::{
     Demote, DemoteSink, Layout, Scheduler, Stopped, Worker, WorkerParams, WorkerShared,
 };
@@ -125,6 +125,8 @@ pub struct Cluster {
     jobs_in_flight_max: usize,
     /// The files layout (admission sends loads of keys not indexed to their worker).
     files: bool,
+    /// The files layout's `first_lookup` (lookups ask its workers about keys not indexed).
+    first_lookup: Option<crate::config::FirstLookup>,
     cold: Option<Arc<SimObjectStore>>,
     rng: Rng,
     /// The workers' clock: it moves [`STEP_TIME`] a turn, never with the wall clock, so a seed
@@ -180,6 +182,15 @@ fn open_devices(
         });
     }
     Ok(devices)
+}
+
+/// Where the workers hand their demotions: the object store's sink, if it takes them.
+fn demote_sink(cold: Option<&SimObjectStore>) -> Option<DemoteSink> {
+    cold.and_then(SimObjectStore::demote_sink).map(|f| {
+        let sink = DemoteSink::default();
+        let _ = sink.set(f);
+        sink
+    })
 }
 
 /// A worker's demotion staging (buffer 2 of its backend), as the engine builds it.
@@ -301,16 +312,12 @@ impl Cluster {
             crate::sim::Rng::new(seed ^ 0xEA51).below(2) == 1,
             std::sync::atomic::Ordering::Relaxed,
         );
-        let demote_sink: Option<DemoteSink> =
-            cold.as_ref().and_then(|c| c.demote_sink()).map(|f| {
-                let sink = DemoteSink::default();
-                let _ = sink.set(f);
-                sink
-            });
+        let demote_sink = demote_sink(cold.as_deref());
         if let Some(c) = &cold {
             let _ = shared.miss_fallback.set(c.miss_fallback());
         }
         let settings = backend_settings(config, derived);
+        let first_lookup = crate::engine::open::first_lookup(config, derived);
         let clock = Clock::manual();
         let mut senders = Vec::new();
         let mut left_behind = Vec::new();
@@ -386,7 +393,8 @@ impl Cluster {
             region: Arc::clone(region),
             region_blocks: region.len() as u64 / block_bytes,
             jobs_in_flight_max: config.jobs_in_flight_max,
-            files: config.files.is_some() && derived.layout == crate::config::Layout::Files,
+            files: first_lookup.is_some(),
+            first_lookup,
             cold,
             rng: Rng::new(seed),
             clock,
@@ -415,30 +423,17 @@ impl Cluster {
         .admit(kind, job)
     }
 
-    /// Answers a lookup as `Engine::lookup` does: the workers' published keys, then the cold
-    /// tier for the rest (which may queue HEADs).
+    /// Answers a lookup through `Engine::lookup`'s own code (`engine::lookup::Lookups`): the
+    /// workers' published keys, the files layout's answers for keys not indexed (which its
+    /// workers probe), then the cold tier for the rest (which may queue HEADs).
     pub fn lookup(&self, keys: &[crate::key::Key]) -> Vec<Lookup> {
-        let workers = self.workers.len();
-        let mut answers: Vec<Lookup> = keys
-            .iter()
-            .map(|k| {
-                if self.router.shards[k.shard(workers)].1.published.contains(k) {
-                    Lookup::Hit(Tier::Nvme)
-                } else {
-                    Lookup::Miss
-                }
-            })
-            .collect();
-        if let Some(cold) = &self.cold {
-            let rest: Vec<usize> = (0..keys.len())
-                .filter(|&i| answers[i] == Lookup::Miss)
-                .collect();
-            let asked: Vec<crate::key::Key> = rest.iter().map(|&i| keys[i]).collect();
-            for (i, a) in rest.into_iter().zip(cold.lookup(&asked)) {
-                answers[i] = a;
-            }
+        crate::engine::lookup::Lookups {
+            router: &self.router,
+            first_lookup: self.first_lookup,
+            cold: self.cold.as_deref().map(|c| c as &dyn ColdTier),
+            open: !self.stopped,
         }
-        answers
+        .answer(keys)
     }
 
     /// Asks the workers to remove `keys`, as `Engine::remove` does; their answers

@@ -4,8 +4,9 @@
 //!
 //! Faults: EIO on any operation (on data I/O only, with `data_only`), ENOSPC on a write or a
 //! creating open, short reads and writes, torn writes (a prefix lands, the write fails), reads
-//! that deliver a flipped bit. The extended attributes and `statx` are not offered on this
-//! backend ([`FileOpQueue::xattr_ops`] is false: the layout makes those calls itself).
+//! that deliver a flipped bit. `statx` runs as the ring runs it (a lookup's probe of a key not
+//! indexed); the extended attributes are not offered on this backend
+//! ([`FileOpQueue::xattr_ops`] is false: the layout makes those calls itself).
 //!
 //! Durability: with [`SimFiles::track_durability`] the backend journals which files hold data
 //! written since their last sync and which renames happened since their directory's last
@@ -319,6 +320,7 @@ impl Storage for SimFiles {
             rng: Rng::new(self.state.seed ^ (worker as u64).wrapping_mul(0x9FB2_1C65_1E98_DF25)),
             queued: Vec::new(),
             pending: Vec::new(),
+            values: HashMap::new(),
             round: 0,
             sq_entries: settings.ring_entries as usize,
         }))
@@ -364,7 +366,11 @@ enum Op {
         path: CString,
         mode: u32,
     },
-    /// `statx` and the xattr operations are not offered here.
+    Stat {
+        dir: RawFd,
+        path: CString,
+    },
+    /// The xattr operations are not offered here.
     Unsupported,
 }
 
@@ -382,6 +388,7 @@ impl Op {
             Op::Unlink { path: p, .. } => [15, path(p), 0],
             Op::Sync { data_only, .. } => [16, u64::from(*data_only), 0],
             Op::Mkdir { path: p, .. } => [17, path(p), 0],
+            Op::Stat { path: p, .. } => [19, path(p), 0],
             Op::Unsupported => [18, 0, 0],
         }
     }
@@ -434,9 +441,11 @@ impl Op {
                 path: path.to_owned(),
                 mode,
             },
-            FileOp::SetXattr { .. } | FileOp::GetXattr { .. } | FileOp::Statx { .. } => {
-                Op::Unsupported
-            }
+            FileOp::Statx { dir, path } => Op::Stat {
+                dir,
+                path: path.to_owned(),
+            },
+            FileOp::SetXattr { .. } | FileOp::GetXattr { .. } => Op::Unsupported,
         }
     }
 
@@ -459,6 +468,8 @@ struct FilesBackend {
     rng: Rng,
     queued: Vec<(u64, Op)>,
     pending: Vec<Pending>,
+    /// What a completed `statx` wrote, until the layout takes it.
+    values: HashMap<u64, Box<[u8]>>,
     round: u64,
     sq_entries: usize,
 }
@@ -470,7 +481,7 @@ fn neg(e: Errno) -> i32 {
 impl FilesBackend {
     /// Runs `op` (faults first) and returns its result as the ring would: a count, an fd, 0,
     /// or -errno.
-    fn execute(&mut self, op: &Op) -> i32 {
+    fn execute(&mut self, user_data: u64, op: &Op) -> i32 {
         let f = self.state.faults();
         let faulty = op.is_data() || !f.data_only;
         if faulty && self.rng.hit(f.eio_ppm) {
@@ -562,6 +573,13 @@ impl FilesBackend {
             Op::Mkdir { dir, path, mode } => {
                 sys::mkdir_at(*dir, path, *mode).map_or_else(neg, |()| 0)
             }
+            Op::Stat { dir, path } => match sys::statx_at(*dir, path) {
+                Ok(buf) => {
+                    self.values.insert(user_data, buf);
+                    0
+                }
+                Err(e) => neg(e),
+            },
             Op::Unsupported => neg(Errno::EOPNOTSUPP),
         }
     }
@@ -654,6 +672,10 @@ impl FileOpQueue for FilesBackend {
         self.queued.push((user_data, op));
         true
     }
+
+    fn take_file_value(&mut self, user_data: u64) -> Option<Box<[u8]>> {
+        self.values.remove(&user_data)
+    }
 }
 
 impl IoBackend for FilesBackend {
@@ -726,7 +748,7 @@ impl IoBackend for FilesBackend {
             }
         }
         for p in ready {
-            let result = self.execute(&p.op);
+            let result = self.execute(p.user_data, &p.op);
             // An open's result is a descriptor, whose number other threads move: traced as
             // success only.
             let traced = if matches!(p.op, Op::Open { .. }) {

@@ -87,6 +87,28 @@ pub fn unlink_at(dir: RawFd, path: &CStr) -> Result<(), Errno> {
     check(unsafe { libc::unlinkat(dir, path.as_ptr(), 0) })
 }
 
+/// `statx(dir, path, AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_SIZE)`, synchronously: the bytes
+/// the kernel wrote, as [`crate::ring::FileOp::Statx`] hands them over (read them with
+/// [`crate::ring::StatxInfo::parse`]).
+pub fn statx_at(dir: RawFd, path: &CStr) -> Result<Box<[u8]>, Errno> {
+    let mut st = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: `path` is NUL-terminated and `st` is a writable statx, both live for the call.
+    check(unsafe {
+        libc::statx(
+            dir,
+            path.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+            libc::STATX_TYPE | libc::STATX_SIZE,
+            st.as_mut_ptr(),
+        )
+    })?;
+    let bytes = std::mem::size_of::<libc::statx>();
+    // SAFETY: zeroed and then filled by the kernel: `bytes` initialised bytes, read only while
+    // `st` lives.
+    let raw = unsafe { std::slice::from_raw_parts(st.as_ptr().cast::<u8>(), bytes) };
+    Ok(raw.into())
+}
+
 /// `mkdirat(dir, path, mode)`.
 pub fn mkdir_at(dir: RawFd, path: &CStr, mode: u32) -> Result<(), Errno> {
     // SAFETY: `path` is NUL-terminated and read during the call only.

@@ -91,6 +91,9 @@ pub struct Report {
     pub neighbour_published: u64,
     pub neighbour_removed: u64,
     pub neighbour_served: u64,
+    /// Lookups that answered a hit for a key only the neighbour published (its worker's
+    /// `statx` probe found the file).
+    pub neighbour_looked_up: u64,
     /// Runs that ended in a stop (`Cluster::stop`, as `Engine::shutdown`), workers whose stop
     /// gave up on I/O past its deadline (a real one leaks itself and the region), and keys
     /// served exactly after the store reopened from a clean stop.
@@ -129,6 +132,7 @@ impl Report {
         self.neighbour_published += r.neighbour_published;
         self.neighbour_removed += r.neighbour_removed;
         self.neighbour_served += r.neighbour_served;
+        self.neighbour_looked_up += r.neighbour_looked_up;
         self.stops += r.stops;
         self.stops_gave_up += r.stops_gave_up;
         self.after_stop_served += r.after_stop_served;
@@ -735,6 +739,9 @@ impl Run {
             match answer {
                 Lookup::Hit(Tier::Nvme) if !self.named.contains(&k) => {
                     return Err(format!("lookup: key {k} is a hit on NVMe, never stored"));
+                }
+                Lookup::Hit(Tier::Nvme) if self.external.contains(&k) => {
+                    self.report.neighbour_looked_up += 1;
                 }
                 Lookup::Hit(Tier::S3) if !self.cold.as_ref().is_some_and(|c| c.holds(&key(k))) => {
                     return Err(format!(

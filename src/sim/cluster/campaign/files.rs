@@ -323,6 +323,10 @@ mod tests {
             "another process published and removed blocks, and loads served what it \
              published: {r:?}"
         );
+        assert!(
+            r.neighbour_looked_up > 0,
+            "lookups found what another process published (the workers' statx probes): {r:?}"
+        );
     }
 
     /// 23, found once the directory hung: a store that hit a full file system handed its key
