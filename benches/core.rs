@@ -8,7 +8,8 @@
 //! eviction and the caller/worker handoff are reachable only through the engine, so those run on
 //! one worker over the simulated device (`kvtier::sim::SimStorage`, which copies bytes in
 //! memory): an empty job (admission and the result channel, no worker), a load that misses
-//! (caller -> worker -> caller, no I/O), a lookup of 1000 stored keys, a store + load of one
+//! (caller -> worker -> caller, no I/O), a lookup of 1000 stored keys and of one (alone, and beside a
+//! second caller), a store + load of one
 //! 64 KiB block, and stores into a full device (each one evicts).
 //!
 //! `cargo bench --bench core` measures (about 2 s per benchmark); `cargo test --all-targets`
@@ -18,7 +19,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use kvtier::config::{Cores, DeviceConfig, HugePages};
 use kvtier::sim::SimStorage;
 use kvtier::slab::{Entry, Geometry, ENTRY_BYTES};
@@ -210,6 +212,45 @@ impl SimEngine {
     }
 }
 
+/// Lookups of stored keys: 1000 a call, one a call, and one a call beside a second caller.
+fn lookups(g: &mut BenchmarkGroup<'_, WallTime>) {
+    let mut e = SimEngine::new((LOOKUP_KEYS + 64) * BLOCK + (8 << 20));
+    for n in 0..LOOKUP_KEYS {
+        assert!(e.store(key(n)).success, "filling the index");
+    }
+    let keys: Vec<Key> = (0..LOOKUP_KEYS).map(key).collect();
+    g.throughput(Throughput::Elements(LOOKUP_KEYS));
+    g.bench_function("lookup_1000_hits", |b| {
+        b.iter(|| e.engine.lookup(black_box(&keys)));
+    });
+    // One key a call: what a call costs besides the probe (picking up each worker's table).
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("lookup_1_hit", |b| {
+        b.iter(|| e.engine.lookup(black_box(&keys[..1])));
+    });
+    // The same while another thread looks up without pause (two callers: what they share).
+    g.bench_function("lookup_1_hit_beside_another_caller", |b| {
+        b.iter_custom(|iters| {
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        black_box(e.engine.lookup(black_box(&keys[1..2])));
+                    }
+                });
+                let started = Instant::now();
+                for _ in 0..iters {
+                    black_box(e.engine.lookup(black_box(&keys[..1])));
+                }
+                let took = started.elapsed();
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                took
+            })
+        });
+    });
+    drop(e);
+}
+
 fn engine_on_sim(c: &mut Criterion) {
     let mut g = c.benchmark_group("engine_sim");
 
@@ -261,16 +302,7 @@ fn engine_on_sim(c: &mut Criterion) {
     });
     drop(e);
 
-    let mut e = SimEngine::new((LOOKUP_KEYS + 64) * BLOCK + (8 << 20));
-    for n in 0..LOOKUP_KEYS {
-        assert!(e.store(key(n)).success, "filling the index");
-    }
-    let keys: Vec<Key> = (0..LOOKUP_KEYS).map(key).collect();
-    g.throughput(Throughput::Elements(LOOKUP_KEYS));
-    g.bench_function("lookup_1000_hits", |b| {
-        b.iter(|| e.engine.lookup(black_box(&keys)));
-    });
-    drop(e);
+    lookups(&mut g);
 
     // Enough slots that most iterations store into a free slot; the device wraps into
     // evictions only after tens of thousands of iterations.

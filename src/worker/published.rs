@@ -11,8 +11,10 @@
 //! table's keys over a slice at a time: [`MIGRATE_STEP`] old slots per publish or removal, so no
 //! change pauses the worker for more than one slice. Meanwhile callers read both tables (new
 //! keys go to the new one, a removal marks both), and a key is in at least one of them from its
-//! publication to its removal. A caller takes a read lock only to pick up the current pair, and
-//! the worker takes the write lock only to swap it (at the start and the end of a rebuild).
+//! publication to its removal. The current pair is published through an `ArcSwap`: a caller
+//! picks it up without a lock and without touching its reference count (a hazard slot of its
+//! own thread, `arc_swap`'s debt list), and the worker swaps it at the start and the end of a
+//! rebuild; an old pair is freed when the last caller that picked it up lets go.
 //!
 //! A key is published before its store is reported, so a caller that saw the success also sees
 //! the key. Two keys with the same 64-bit hash look alike: a lookup may answer "held" for a key
@@ -20,7 +22,9 @@
 //! keys held the chance is about n / 2^64 per lookup.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+use arc_swap::{ArcSwap, Guard};
 
 use crate::key::Key;
 
@@ -116,49 +120,38 @@ impl Tables {
 
 /// The callers' side, shared with the worker's [`Publisher`].
 pub(crate) struct PublishedKeys {
-    current: RwLock<Arc<Tables>>,
+    current: ArcSwap<Tables>,
 }
 
 impl Default for PublishedKeys {
     fn default() -> Self {
         PublishedKeys {
-            current: RwLock::new(Arc::new(Tables {
+            current: ArcSwap::from_pointee(Tables {
                 new: Arc::new(Table::new(MIN_CAPACITY)),
                 old: None,
-            })),
+            }),
         }
     }
 }
 
 impl PublishedKeys {
-    fn tables(&self) -> Arc<Tables> {
-        Arc::clone(
-            &self
-                .current
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        )
-    }
-
     fn set(&self, tables: Tables) {
-        *self
-            .current
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(tables);
+        self.current.store(Arc::new(tables));
     }
 
     pub fn contains(&self, key: &Key) -> bool {
-        self.tables().contains(fingerprint(key))
+        self.current.load().contains(fingerprint(key))
     }
 
-    /// The current tables, for many lookups at one lock acquisition.
+    /// The current tables, for many lookups at one pick-up.
     pub fn snapshot(&self) -> Snapshot {
-        Snapshot(self.tables())
+        Snapshot(self.current.load())
     }
 }
 
-/// The published keys at one moment ([`PublishedKeys::snapshot`]).
-pub(crate) struct Snapshot(Arc<Tables>);
+/// The published keys at one moment ([`PublishedKeys::snapshot`]); hold it briefly (a lookup's
+/// length): it keeps the tables it saw alive.
+pub(crate) struct Snapshot(Guard<Arc<Tables>>);
 
 impl Snapshot {
     pub fn contains(&self, key: &Key) -> bool {
