@@ -1,6 +1,6 @@
 //! Criterion micro-benchmarks of kvtier's hot paths, through the public API only.
 //!
-//! Pure functions: key construction (xxh3 of the key bytes) and routing (`Key::shard`,
+//! Pure functions: key construction (xxh3 of the key bytes) and routing (`Key::worker`,
 //! `Key::device`), slot-table entry encode/decode, slab geometry, and crc32c (kvtier's and the
 //! `crc32c` crate's) of a 256 KiB and a 2 MiB block (what a worker computes for every stored
 //! block, and for the first load of a recovered one), both over a block in cache and over blocks
@@ -57,7 +57,7 @@ fn keys_and_routing(c: &mut Criterion) {
     g.bench_function("route_shard_and_device", |b| {
         b.iter(|| {
             let k = black_box(&k);
-            (k.shard(black_box(2)), k.device(black_box(3)))
+            (k.worker(black_box(2)), k.device(black_box(3)))
         });
     });
     g.finish();

@@ -93,7 +93,7 @@ pub(crate) fn load_remote(
         });
         let moved = before - items.len();
         if moved > 0 {
-            router.shards[s]
+            router.workers[s]
                 .1
                 .queued_blocks
                 .fetch_sub(moved, std::sync::atomic::Ordering::AcqRel);

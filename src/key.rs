@@ -96,12 +96,12 @@ impl Key {
         s
     }
 
-    /// The worker (shard) that owns this key, out of `workers`.
-    pub fn shard(&self, workers: usize) -> usize {
+    /// The worker that owns this key, out of `workers`.
+    pub fn worker(&self, workers: usize) -> usize {
         fast_range(self.hash, workers)
     }
 
-    /// The device this key lives on, out of `devices`; independent of the shard choice.
+    /// The device this key lives on, out of `devices`; independent of the worker choice.
     pub fn device(&self, devices: usize) -> usize {
         fast_range(
             self.hash
@@ -184,14 +184,14 @@ mod tests {
 
     #[test]
     fn routing_is_in_range_and_spreads() {
-        let mut per_shard = [0usize; 4];
+        let mut per_worker = [0usize; 4];
         let mut per_dev = [0usize; 3];
         for i in 0u32..4000 {
             let k = Key::new(&i.to_le_bytes()).expect("key");
-            per_shard[k.shard(4)] += 1;
+            per_worker[k.worker(4)] += 1;
             per_dev[k.device(3)] += 1;
         }
-        assert!(per_shard.iter().all(|&n| n > 800), "{per_shard:?}");
+        assert!(per_worker.iter().all(|&n| n > 800), "{per_worker:?}");
         assert!(per_dev.iter().all(|&n| n > 1100), "{per_dev:?}");
     }
 }

@@ -14,15 +14,15 @@ use crate::worker::{Msg, Part, Removed, WorkerShared};
 /// Sends work to the workers: the engine's admitted jobs and its own internal jobs (promotions
 /// from S3, the NVMe half of write-through stores).
 pub(crate) struct Router {
-    pub shards: Vec<(Sender<Msg>, Arc<WorkerShared>)>,
+    pub workers: Vec<(Sender<Msg>, Arc<WorkerShared>)>,
     /// The per-worker bound on queued blocks, which internal jobs respect too.
     pub queue_blocks_max: usize,
 }
 
 impl Router {
-    /// Sends `items` of `job` to worker `shard` (their queue room is already reserved).
-    pub fn send(&self, shard: usize, job: &Arc<JobState>, items: Vec<u32>) {
-        let (tx, me) = &self.shards[shard];
+    /// Sends `items` of `job` to worker `w` (their queue room is already reserved).
+    pub fn send(&self, w: usize, job: &Arc<JobState>, items: Vec<u32>) {
+        let (tx, me) = &self.workers[w];
         // Cannot fail: the engine holds a receiver of every channel until it is dropped, and
         // shutdown fails whatever is left in them.
         let _ = tx.send(Msg::Work(Part {
@@ -35,7 +35,7 @@ impl Router {
     /// Tells every worker to stop, waking it whether it sleeps or is about to (`Engine::shutdown`
     /// and the simulator's `Cluster::stop`).
     pub fn stop(&self) {
-        for (tx, me) in &self.shards {
+        for (tx, me) in &self.workers {
             let _ = tx.send(Msg::Stop);
             me.wake.notify();
         }
@@ -47,7 +47,7 @@ impl Router {
     /// their queued blocks.
     #[cfg_attr(not(feature = "s3"), allow(dead_code))]
     pub fn try_dispatch(&self, job: &Arc<JobState>) -> bool {
-        let parts = items_by_worker(&job.job.keys, self.shards.len());
+        let parts = items_by_worker(&job.job.keys, self.workers.len());
         if self.reserve_or(&parts).is_err() {
             return false;
         }
@@ -62,9 +62,9 @@ impl Router {
     /// Asks every worker that holds some of `keys` to remove them (`Engine::remove`); each
     /// answers on `reply` with `(index in keys, removed)`. Returns how many workers were asked.
     pub fn ask_remove(&self, keys: &[Key], reply: &Sender<Removed>) -> usize {
-        let parts = items_by_worker(keys, self.shards.len());
+        let parts = items_by_worker(keys, self.workers.len());
         let mut asked = 0;
-        for ((tx, me), items) in self.shards.iter().zip(parts) {
+        for ((tx, me), items) in self.workers.iter().zip(parts) {
             if !items.is_empty() {
                 let part = items.iter().map(|&i| (i, keys[i as usize])).collect();
                 let _ = tx.send(Msg::Remove(part, reply.clone()));
@@ -83,14 +83,14 @@ impl Router {
             if n == 0 {
                 continue;
             }
-            let before = self.shards[s]
+            let before = self.workers[s]
                 .1
                 .queued_blocks
                 .fetch_add(n, Ordering::AcqRel);
             if before + n > self.queue_blocks_max {
                 for (t, done) in parts.iter().enumerate().take(s + 1) {
                     if !done.is_empty() {
-                        self.shards[t]
+                        self.workers[t]
                             .1
                             .queued_blocks
                             .fetch_sub(done.len(), Ordering::AcqRel);
@@ -107,7 +107,7 @@ impl Router {
 pub(crate) fn items_by_worker(keys: &[Key], workers: usize) -> Vec<Vec<u32>> {
     let mut parts: Vec<Vec<u32>> = vec![Vec::new(); workers];
     for (i, key) in keys.iter().enumerate() {
-        parts[key.shard(workers)].push(i as u32);
+        parts[key.worker(workers)].push(i as u32);
     }
     parts
 }

@@ -756,7 +756,7 @@ fn a_store_with_no_slot_to_evict_fails_after_demotions_instead_of_hanging() {
     let engine = Engine::open(&cfg, Arc::clone(&region)).expect("engine opens");
     // Keys of worker 1: on device 0 (it owns about 30 slots there), and one on device 1.
     let of = |device: usize| {
-        (1000u64..).filter(move |&i| key(i).shard(2) == 1 && key(i).device(2) == device)
+        (1000u64..).filter(move |&i| key(i).worker(2) == 1 && key(i).device(2) == device)
     };
     let store_one = |job: u64, id: u64| {
         region.write(0, &content(id, BIG as usize));

@@ -85,7 +85,7 @@ impl Admission<'_> {
         let Some((lease, job)) = self.lease(kind, job) else {
             return Ok(());
         };
-        let workers = self.router.shards.len();
+        let workers = self.router.workers.len();
         let mut parts = items_by_worker(&job.keys, workers);
         // Reserve queue room on every worker first, so a job is queued whole or not at all.
         if let Err((s, before, n)) = self.router.reserve_or(&parts) {
@@ -168,7 +168,7 @@ impl Admission<'_> {
     /// have published it; the worker's open finds out, and a miss there still falls back to the
     /// cold tier).
     fn is_local(&self, key: &Key) -> bool {
-        let me = &self.router.shards[key.shard(self.router.shards.len())].1;
+        let me = &self.router.workers[key.worker(self.router.workers.len())].1;
         me.published.contains(key)
             || (self.files && me.unindexed().peek(key) != Some((Verdict::Absent, true)))
     }

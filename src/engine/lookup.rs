@@ -27,16 +27,16 @@ pub(crate) struct Lookups<'a> {
 impl Lookups<'_> {
     /// See [`Engine::lookup`].
     pub fn answer(&self, keys: &[Key]) -> Vec<Lookup> {
-        let shards = &self.router.shards;
-        let workers = shards.len();
-        let held: Vec<_> = shards
+        let handles = &self.router.workers;
+        let workers = handles.len();
+        let held: Vec<_> = handles
             .iter()
             .map(|(_, me)| me.published.snapshot())
             .collect();
         let mut out: Vec<Lookup> = keys
             .iter()
             .map(|k| {
-                if held[k.shard(workers)].contains(k) {
+                if held[k.worker(workers)].contains(k) {
                     Lookup::Hit(Tier::Nvme)
                 } else {
                     Lookup::Miss
@@ -75,15 +75,15 @@ impl Lookups<'_> {
     /// older than `files.lookup_ttl_ms` is still served while the worker asks again. No system
     /// call here.
     fn ask_unindexed(&self, keys: &[Key], out: &mut [Lookup], first: FirstLookup) {
-        let shards = &self.router.shards;
-        let workers = shards.len();
+        let handles = &self.router.workers;
+        let workers = handles.len();
         let mut asks: Vec<Vec<(Key, u64)>> = vec![Vec::new(); workers];
         for (k, l) in keys.iter().zip(out.iter_mut()) {
             if *l != Lookup::Miss {
                 continue;
             }
-            let s = k.shard(workers);
-            let me = &shards[s].1;
+            let s = k.worker(workers);
+            let me = &handles[s].1;
             // Past the bound of outstanding questions a key is answered from what is known,
             // or as a miss, without asking (the worker's queue stays bounded).
             let may_ask = self.open
@@ -109,7 +109,7 @@ impl Lookups<'_> {
                 asks[s].push((*k, generation));
             }
         }
-        for ((tx, me), ask) in shards.iter().zip(asks) {
+        for ((tx, me), ask) in handles.iter().zip(asks) {
             if !ask.is_empty() {
                 me.probes_outstanding.fetch_add(ask.len(), Ordering::AcqRel);
                 if tx.send(Msg::Probe(ask)).is_ok() {
@@ -181,12 +181,12 @@ impl Engine {
             return out;
         }
         let (tx, rx) = crossbeam_channel::unbounded();
-        for h in &self.shards {
+        for h in &self.workers {
             let _ = h.tx.send(Msg::Keys(tx.clone()));
             h.shared.nudge();
         }
         drop(tx);
-        for _ in 0..self.shards.len() {
+        for _ in 0..self.workers.len() {
             match rx.recv_timeout(Duration::from_secs(10)) {
                 Ok(keys) => out.extend(keys),
                 Err(_) => break,
@@ -229,8 +229,8 @@ impl Engine {
         if keys.is_empty() || self.shut.load(Ordering::Acquire) {
             return;
         }
-        let parts = items_by_worker(keys, self.shards.len());
-        for (h, items) in self.shards.iter().zip(parts) {
+        let parts = items_by_worker(keys, self.workers.len());
+        for (h, items) in self.workers.iter().zip(parts) {
             if !items.is_empty() {
                 let part = items.iter().map(|&i| keys[i as usize]).collect();
                 // Cannot fail (see Router::send); a worker that stopped drops it at shutdown.

@@ -75,7 +75,7 @@ pub struct EngineInfo {
     pub open_seconds: f64,
 }
 
-struct ShardHandle {
+struct WorkerHandle {
     tx: Sender<Msg>,
     /// A second receiver, to fail work that arrives after the worker stopped.
     rx: Receiver<Msg>,
@@ -93,7 +93,7 @@ pub struct Engine {
     queue_blocks_max: usize,
     jobs_in_flight_max: usize,
     shared: Arc<Shared>,
-    shards: Vec<ShardHandle>,
+    workers: Vec<WorkerHandle>,
     router: Arc<Router>,
     /// The cold tier (`[s3]`), when configured.
     cold: Option<Arc<dyn ColdTier>>,
@@ -300,7 +300,7 @@ impl Engine {
         }
         // Work that reached a channel after its worker stopped is failed here, so every job
         // is reported exactly once. The submit gate guarantees no submit is still running.
-        for h in &self.shards {
+        for h in &self.workers {
             worker::fail_left_behind(&h.rx, &h.shared, &self.shared);
         }
         // Devices that do DMA on their own are fenced before the caller may free the region.
@@ -381,7 +381,7 @@ impl Engine {
     }
 
     pub fn workers(&self) -> usize {
-        self.shards.len()
+        self.workers.len()
     }
 }
 

@@ -20,7 +20,7 @@ use kvtier_sys::mem::Backing;
 
 use super::start::{worker_main, WorkerCtx};
 use super::stats::StatsSource;
-use super::{DeviceSummary, Engine, EngineInfo, ShardHandle, WorkerSummary};
+use super::{DeviceSummary, Engine, EngineInfo, WorkerHandle, WorkerSummary};
 use crate::metrics::serve::MetricsServer;
 
 /// The devices as opened: slab devices for the workers, or `files` directories with what their
@@ -34,7 +34,7 @@ struct Devices {
 
 /// The workers as started.
 struct Started {
-    shards: Vec<ShardHandle>,
+    handles: Vec<WorkerHandle>,
     threads: Vec<JoinHandle<()>>,
     summaries: Vec<WorkerSummary>,
     /// The first worker that failed to start, if any (the others are running).
@@ -79,8 +79,8 @@ impl Engine {
         // pinned) every page: what backs it now is what every block's I/O will use.
         let region_huge_percent = region_pages(&region, derived.block_bytes);
         let router = Arc::new(Router {
-            shards: workers
-                .shards
+            workers: workers
+                .handles
                 .iter()
                 .map(|h| (h.tx.clone(), Arc::clone(&h.shared)))
                 .collect(),
@@ -95,7 +95,7 @@ impl Engine {
             queue_blocks_max: config.queue_blocks_max,
             jobs_in_flight_max: config.jobs_in_flight_max,
             shared: Arc::clone(&shared),
-            shards: workers.shards,
+            workers: workers.handles,
             router: Arc::clone(&router),
             cold: None,
             stats: Arc::new(StatsSource::new(
@@ -357,10 +357,10 @@ fn start_workers(
     let devices = Arc::new(devices);
     let mut scanned_per_worker: Vec<Vec<ScannedFile>> = vec![Vec::new(); workers];
     for f in scanned {
-        scanned_per_worker[f.key.shard(workers)].push(f);
+        scanned_per_worker[f.key.worker(workers)].push(f);
     }
     let settings = backend_settings(config, derived);
-    let mut shards = Vec::with_capacity(workers);
+    let mut handles = Vec::with_capacity(workers);
     let mut threads = Vec::with_capacity(workers);
     let (ready_tx, ready_rx) = crossbeam_channel::unbounded();
     for (id, core) in cores.iter().copied().enumerate() {
@@ -376,7 +376,7 @@ fn start_workers(
         }
         let me = Arc::new(me);
         let (tx, rx) = crossbeam_channel::unbounded();
-        shards.push(ShardHandle {
+        handles.push(WorkerHandle {
             tx,
             rx: rx.clone(),
             shared: Arc::clone(&me),
@@ -431,7 +431,7 @@ fn start_workers(
         }
     }
     Ok(Started {
-        shards,
+        handles,
         threads,
         summaries: summaries.into_iter().flatten().collect(),
         error,

@@ -43,7 +43,7 @@ impl StatsSource {
     ) -> StatsSource {
         StatsSource {
             workers: router
-                .shards
+                .workers
                 .iter()
                 .zip(cores)
                 .map(|(h, c)| (Arc::clone(&h.1), *c))

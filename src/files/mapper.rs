@@ -361,7 +361,7 @@ fn parse_relative(top: &str, mid: &str, file: &str) -> Option<Vec<u8>> {
     let hash = decode_lower_hex(hash_hex)?;
     let (_, group_text) = mid.split_once("_g")?;
     let group: u32 = group_text.parse().ok()?;
-    // Re-render and compare: rejects leading zeros, `+`, and shard dirs of another hash.
+    // Re-render and compare: rejects leading zeros, `+`, and hash directories of another hash.
     let (want_top, want_mid) = shard_dirs(hash_hex, group);
     if top != want_top || mid != want_mid {
         return None;

@@ -1,7 +1,7 @@
 //! Jobs, their per-key outcomes and their results.
 //!
-//! A job names keys and primary-region blocks in parallel lists. The engine splits it by shard;
-//! each shard resolves its keys (loaded, stored, or failed with a [`KeyFailure`]) and the last
+//! A job names keys and primary-region blocks in parallel lists. The engine splits it by worker;
+//! each worker resolves its keys (loaded, stored, or failed with a [`KeyFailure`]) and the last
 //! resolution publishes exactly one [`JobResult`]. A failed load reports how many keys *in job
 //! order* loaded before the first failure (vLLM's `successful_keys` prefix semantics).
 
@@ -374,7 +374,7 @@ impl Shared {
 /// What an internal job does with its result instead of reporting it to the caller.
 pub(crate) type Then = Box<dyn FnOnce(JobResult) + Send>;
 
-/// One job in flight, shared by the shards that hold its keys.
+/// One job in flight, shared by the workers that hold its keys.
 pub(crate) struct JobState {
     pub kind: JobKind,
     pub job: Job,

@@ -5,7 +5,7 @@
 //!
 //! Where each figure is counted: per device of each worker ([`DeviceMetrics`]: bytes, I/Os,
 //! errors by class, timeouts, checksum failures, evictions, per-block latency, capacity), per
-//! worker ([`ShardMetrics`]: block outcomes, queues, recovery), per engine ([`EngineMetrics`]:
+//! worker ([`WorkerMetrics`]: block outcomes, queues, recovery), per engine ([`EngineMetrics`]:
 //! jobs, job latency, lookups, backpressure) and in the S3 tier ([`S3Metrics`]).
 
 pub mod render;
@@ -271,7 +271,7 @@ impl DeviceMetrics {
 }
 
 /// One worker's counters.
-pub struct ShardMetrics {
+pub struct WorkerMetrics {
     pub loads_ok: AtomicU64,
     pub loads_failed: AtomicU64,
     pub load_misses: AtomicU64,
@@ -295,10 +295,10 @@ pub struct ShardMetrics {
     pub devices: Box<[DeviceMetrics]>,
 }
 
-impl ShardMetrics {
-    pub fn new(devices: usize) -> ShardMetrics {
+impl WorkerMetrics {
+    pub fn new(devices: usize) -> WorkerMetrics {
         let a = || AtomicU64::new(0);
-        ShardMetrics {
+        WorkerMetrics {
             loads_ok: a(),
             loads_failed: a(),
             load_misses: a(),
@@ -665,7 +665,7 @@ pub struct S3Stats {
 
 impl Stats {
     /// Adds worker `m`'s counters (device `d` of `m` into `self.devices[d]`, which must exist).
-    pub(crate) fn add(&mut self, m: &ShardMetrics) {
+    pub(crate) fn add(&mut self, m: &WorkerMetrics) {
         let l = |a: &AtomicU64| a.load(Relaxed);
         self.loads_ok += l(&m.loads_ok);
         self.loads_failed += l(&m.loads_failed);

@@ -268,7 +268,7 @@ impl Cluster {
             let (dev, found, _) =
                 FilesDevice::open(i, dcfg, files_cfg, derived.block_bytes, config.direct_io)?;
             for f in found {
-                scanned[f.key.shard(workers)].push(f);
+                scanned[f.key.worker(workers)].push(f);
             }
             devices.push(Arc::new(dev));
         }
@@ -377,8 +377,8 @@ impl Cluster {
             };
             list.push(devices.worker(params, workers, meta, &me)?);
         }
-        let router = |shards| Router {
-            shards,
+        let router = |senders| Router {
+            workers: senders,
             queue_blocks_max: config.queue_blocks_max,
         };
         if let Some(c) = &cold {
@@ -543,7 +543,7 @@ impl Cluster {
     /// after it stopped ([`crate::worker::fail_left_behind`]), then reports every result still
     /// waiting for a hung I/O to free its blocks, with its release unset.
     pub fn finish_stop(&self) {
-        for (rx, (_, me)) in self.left_behind.iter().zip(&self.router.shards) {
+        for (rx, (_, me)) in self.left_behind.iter().zip(&self.router.workers) {
             crate::worker::fail_left_behind(rx, me, &self.shared);
         }
         self.shared.report_held();

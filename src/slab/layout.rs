@@ -218,7 +218,7 @@ impl SlabLayout {
         workers: usize,
         meta: Arc<crate::io::Region>,
         devices: &[DeviceSpec],
-        metrics: &crate::metrics::ShardMetrics,
+        metrics: &crate::metrics::WorkerMetrics,
     ) -> SlabLayout {
         let mut devs = Vec::with_capacity(devices.len());
         let mut meta_offset = 0usize;

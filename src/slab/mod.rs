@@ -143,7 +143,7 @@ pub fn recover_entry(
         EntryRead::Empty => Recovered::Empty,
         EntryRead::Torn => Recovered::Torn,
         EntryRead::Valid(e) => {
-            let routed_here = e.key.shard(workers) == worker && e.key.device(devices) == device;
+            let routed_here = e.key.worker(workers) == worker && e.key.device(devices) == device;
             if routed_here && u64::from(e.data_len) == block_bytes {
                 Recovered::Kept(e)
             } else {
@@ -375,7 +375,7 @@ mod tests {
             recover_entry(&raw, 0, 1, 0, 1, 4096),
             Recovered::Kept(entry(4096))
         );
-        let (w, d) = (key.shard(3), key.device(2));
+        let (w, d) = (key.worker(3), key.device(2));
         assert_eq!(
             recover_entry(&raw, d, 2, w, 3, 4096),
             Recovered::Kept(entry(4096))

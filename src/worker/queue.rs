@@ -8,7 +8,7 @@ use crate::job::{JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::worker::shared::WorkerShared;
 
-/// Work for one shard: the indexes of the job's keys that hash to it.
+/// Work for one worker: the indexes of the job's keys that hash to it.
 pub(crate) struct Part {
     pub job: Arc<JobState>,
     pub items: Vec<u32>,

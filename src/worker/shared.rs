@@ -9,7 +9,7 @@ use crossbeam_utils::CachePadded;
 
 use crate::io::{EventFd, IoBackend, Region};
 use crate::job::JobState;
-use crate::metrics::ShardMetrics;
+use crate::metrics::WorkerMetrics;
 use crate::verdicts::Verdicts;
 use crate::worker::published::PublishedKeys;
 use crate::worker::queue::Msg;
@@ -19,7 +19,7 @@ use crate::worker::queue::Msg;
 /// neither bounces the line the other one or the metrics live on.
 pub(crate) struct WorkerShared {
     pub published: Arc<PublishedKeys>,
-    pub metrics: ShardMetrics,
+    pub metrics: WorkerMetrics,
     pub sleeping: CachePadded<AtomicBool>,
     pub wake: Arc<EventFd>,
     pub queued_blocks: CachePadded<AtomicUsize>,
@@ -41,7 +41,7 @@ impl WorkerShared {
     pub fn new(wake: Arc<EventFd>, devices: usize) -> WorkerShared {
         WorkerShared {
             published: Arc::new(PublishedKeys::default()),
-            metrics: ShardMetrics::new(devices),
+            metrics: WorkerMetrics::new(devices),
             sleeping: CachePadded::new(AtomicBool::new(false)),
             wake,
             queued_blocks: CachePadded::new(AtomicUsize::new(0)),

@@ -276,7 +276,7 @@ fn inspect_agrees_with_recovery_on_unroutable_entries() {
     assert_eq!(map.len() as u64, KEYS);
     let unroutable: BTreeSet<u64> = map
         .iter()
-        .filter(|(n, slot)| key(*n).shard(2) != g.worker_of(*slot, 2))
+        .filter(|(n, slot)| key(*n).worker(2) != g.worker_of(*slot, 2))
         .map(|(n, _)| *n)
         .collect();
     assert!(
