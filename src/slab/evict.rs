@@ -8,13 +8,13 @@ use crate::io::{IoClass, IoKind, IoRequest};
 use crate::key::Key;
 use crate::worker::{Core, Demote, Removal, BUF_STAGING};
 
-use super::layout::{describe_result, Op, OpKind, SlabLayout, SlotState, FREE_SLOT};
+use super::layout::{describe_result, Op, OpKind, SlabLayout, SlotState};
 
 impl SlabLayout {
     /// A free slot on device `d`: from the free list, else by evicting (with demotion: `None`
     /// while the victim is read out; the store waits for that read).
     pub(super) fn alloc_slot(&mut self, core: &mut Core<Op>, d: usize) -> Option<u32> {
-        if let Some(s) = self.devs[d].free.pop() {
+        if let Some(s) = self.devs[d].slots.take_free() {
             return Some(s);
         }
         if core.demote.is_some() {
@@ -22,7 +22,7 @@ impl SlabLayout {
         }
         let victim = self.clock_victim(d)?;
         self.evict(core, d, victim, Removal::Evicted);
-        self.devs[d].free.pop()
+        self.devs[d].slots.take_free()
     }
 
     /// With demotion: starts reading a victim into a staging slot and returns `None` (the store
@@ -42,7 +42,7 @@ impl SlabLayout {
                 .demotions_dropped
                 .fetch_add(1, Ordering::Relaxed);
             self.evict(core, d, victim, Removal::Evicted);
-            return self.devs[d].free.pop();
+            return self.devs[d].slots.take_free();
         };
         let give_back = |core: &mut Core<Op>| {
             if let Some(m) = core.demote.as_mut() {
@@ -82,7 +82,7 @@ impl SlabLayout {
         let op = &mut core.ops[idx as usize];
         op.dev = d as u16;
         op.slot = victim;
-        self.devs[d].slots[victim as usize].pins += 1;
+        self.devs[d].slots.pin(victim);
         if let Some(m) = core.demote.as_mut() {
             m.started();
         }
@@ -127,23 +127,8 @@ impl SlabLayout {
         }
     }
 
-    /// CLOCK: the first valid, unpinned slot whose reference bit is clear, clearing bits on the way.
     fn clock_victim(&mut self, d: usize) -> Option<u32> {
-        let dev = &mut self.devs[d];
-        let n = dev.slots.len();
-        for _ in 0..2 * n {
-            dev.hand = (dev.hand + 1) % n;
-            let s = &mut dev.slots[dev.hand];
-            if s.state != SlotState::Valid || s.pins > 0 {
-                continue;
-            }
-            if s.referenced {
-                s.referenced = false;
-                continue;
-            }
-            return Some(dev.hand as u32);
-        }
-        None
+        self.devs[d].slots.clock_victim()
     }
 
     /// Frees valid, unpinned slot `local` of device `d`: unpublished, its table entry cleared
@@ -175,16 +160,10 @@ impl SlabLayout {
     /// doomed meanwhile is freed by its last unpin, whichever read that is (a demotion's read
     /// once left it doomed for good: found by the simulator, seed 21365).
     pub(super) fn unpin(&mut self, d: usize, local: u32) {
-        let s = &mut self.devs[d].slots[local as usize];
-        s.pins -= 1;
-        if s.pins == 0 && s.state == SlotState::Doomed {
-            self.free_slot(d, local);
-        }
+        self.devs[d].slots.unpin(local);
     }
 
     pub(super) fn free_slot(&mut self, d: usize, local: u32) {
-        let dev = &mut self.devs[d];
-        dev.slots[local as usize] = FREE_SLOT;
-        dev.free.push(local);
+        self.devs[d].slots.free(local);
     }
 }

@@ -30,6 +30,7 @@ use crate::worker::{
 };
 use crate::Errno;
 
+use super::slots::Slots;
 use super::table::PageState;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,9 +92,7 @@ pub(super) struct Dev {
     pub geometry: Geometry,
     /// First slot this worker owns; local slot `i` is device slot `first + i`.
     pub first: u64,
-    pub slots: Vec<SlotMeta>,
-    pub free: Vec<u32>,
-    pub hand: usize,
+    pub slots: Slots,
     /// Byte offset of this device's table range in the meta buffer.
     pub meta_offset: usize,
     /// `devices[i] <path>`, for error messages.
@@ -234,9 +233,7 @@ impl SlabLayout {
             devs.push(Dev {
                 geometry: d.geometry,
                 first: r.start,
-                slots: vec![FREE_SLOT; n],
-                free: (0..n as u32).rev().collect(),
-                hand: 0,
+                slots: Slots::new(n),
                 meta_offset,
                 pages: vec![PageState::default(); pages],
                 name: d.name.clone(),
@@ -316,9 +313,9 @@ impl Layout for SlabLayout {
         op.dev = d;
         op.slot = local;
         op.block = block;
-        let s = &mut self.devs[d as usize].slots[local as usize];
-        s.pins += 1;
-        s.referenced = true;
+        let slots = &mut self.devs[d as usize].slots;
+        slots.pin(local);
+        slots[local as usize].referenced = true;
         Start::Started
     }
 
@@ -616,17 +613,7 @@ impl Layout for SlabLayout {
                     ));
                 }
             }
-            let free = dev
-                .slots
-                .iter()
-                .filter(|s| s.state == SlotState::Free)
-                .count();
-            if free != dev.free.len() {
-                return Err(format!(
-                    "device {d}: {free} free slots but {} on the free list",
-                    dev.free.len()
-                ));
-            }
+            dev.slots.check().map_err(|e| format!("device {d}: {e}"))?;
         }
         for (key, &(d, local)) in &self.index {
             let s = &self.devs[d as usize].slots[local as usize];

@@ -20,6 +20,7 @@ mod evict;
 pub(crate) mod layout;
 mod outcome;
 pub(crate) mod prepare;
+mod slots;
 pub(crate) mod table;
 
 pub const HEADER_BYTES: u64 = 4096;

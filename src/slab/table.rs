@@ -413,11 +413,7 @@ impl SlabLayout {
                 }
             }
         }
-        let dev = &mut self.devs[d];
-        dev.free = (0..n as u32)
-            .rev()
-            .filter(|&s| dev.slots[s as usize].state == SlotState::Free)
-            .collect();
+        self.devs[d].slots.rebuild_free_list();
         for (key, _, _) in &keep {
             if self.index.contains_key(key) {
                 core.publisher.insert(key);
