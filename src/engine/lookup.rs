@@ -6,6 +6,7 @@ use super::{Engine, Lookup, Tier};
 use crate::cold::ColdTier;
 use crate::config::FirstLookup;
 use crate::key::Key;
+use crate::metrics;
 use crate::route::{items_by_worker, Router};
 use crate::verdicts::Verdict;
 use crate::worker::shared::PROBES_OUTSTANDING_MAX;
@@ -144,24 +145,15 @@ impl Engine {
         let mut n = [0u64; 4];
         for l in answers {
             n[match l {
-                Lookup::Hit(Tier::Nvme) => 0,
-                Lookup::Hit(Tier::S3) => 1,
-                Lookup::Miss => 2,
-                Lookup::Pending => 3,
+                Lookup::Hit(Tier::Nvme) => metrics::LOOKUP_HIT_NVME,
+                Lookup::Hit(Tier::S3) => metrics::LOOKUP_HIT_S3,
+                Lookup::Miss => metrics::LOOKUP_MISS,
+                Lookup::Pending => metrics::LOOKUP_PENDING,
             }] += 1;
         }
-        let m = &self.shared.metrics;
-        for (count, c) in [
-            &m.lookup_hit_nvme,
-            &m.lookup_hit_s3,
-            &m.lookup_miss,
-            &m.lookup_pending,
-        ]
-        .into_iter()
-        .zip(n)
-        {
+        for (i, c) in n.into_iter().enumerate() {
             if c > 0 {
-                count.fetch_add(c, Ordering::Relaxed);
+                self.shared.metrics.lookups.add(i, c);
             }
         }
     }

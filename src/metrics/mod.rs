@@ -328,6 +328,55 @@ impl WorkerMetrics {
     }
 }
 
+/// The [`EngineMetrics::lookups`] counter of each answer kind.
+pub const LOOKUP_HIT_NVME: usize = 0;
+pub const LOOKUP_HIT_S3: usize = 1;
+pub const LOOKUP_MISS: usize = 2;
+pub const LOOKUP_PENDING: usize = 3;
+
+/// Stripes of a [`Striped`] counter set.
+const STRIPES: usize = 16;
+
+/// `N` counters that callers on many threads bump at once without sharing a cache line: one
+/// line per stripe, each thread counting into the stripe it drew at its first count, the
+/// stripes summed when read.
+pub struct Striped<const N: usize> {
+    stripes: Box<[crossbeam_utils::CachePadded<[AtomicU64; N]>]>,
+}
+
+impl<const N: usize> Default for Striped<N> {
+    fn default() -> Self {
+        Striped {
+            stripes: (0..STRIPES)
+                .map(|_| {
+                    crossbeam_utils::CachePadded::new(std::array::from_fn(|_| AtomicU64::new(0)))
+                })
+                .collect(),
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's stripe, drawn in turn at its first count.
+    static STRIPE: usize = {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        NEXT.fetch_add(1, Relaxed) as usize % STRIPES
+    };
+}
+
+impl<const N: usize> Striped<N> {
+    /// Adds `n` to counter `i`.
+    pub fn add(&self, i: usize, n: u64) {
+        let stripe = STRIPE.with(|s| *s);
+        self.stripes[stripe][i].fetch_add(n, Relaxed);
+    }
+
+    /// Every counter, summed over the stripes.
+    pub fn sums(&self) -> [u64; N] {
+        std::array::from_fn(|i| self.stripes.iter().map(|s| s[i].load(Relaxed)).sum())
+    }
+}
+
 /// The engine's own counters: jobs as callers see them, lookups, admission.
 #[derive(Default)]
 pub struct EngineMetrics {
@@ -343,10 +392,9 @@ pub struct EngineMetrics {
     pub store_job_latency: Histogram,
     /// Load jobs that finished while at least one store job was in flight.
     pub load_job_latency_under_stores: Histogram,
-    pub lookup_hit_nvme: AtomicU64,
-    pub lookup_hit_s3: AtomicU64,
-    pub lookup_miss: AtomicU64,
-    pub lookup_pending: AtomicU64,
+    /// Lookup answers by kind ([`LOOKUP_HIT_NVME`] and the others), striped: callers on many
+    /// threads count at once.
+    pub lookups: Striped<4>,
     /// Submissions refused by `jobs_in_flight_max` and by `queue_blocks_max`.
     pub refused_jobs_in_flight: AtomicU64,
     pub refused_queue_blocks: AtomicU64,
@@ -479,12 +527,12 @@ impl EngineMetrics {
     }
 
     pub fn lookups(&self) -> LookupStats {
-        let l = |a: &AtomicU64| a.load(Relaxed);
+        let [hit_nvme, hit_s3, miss, pending] = self.lookups.sums();
         LookupStats {
-            hit_nvme: l(&self.lookup_hit_nvme),
-            hit_s3: l(&self.lookup_hit_s3),
-            miss: l(&self.lookup_miss),
-            pending: l(&self.lookup_pending),
+            hit_nvme,
+            hit_s3,
+            miss,
+            pending,
         }
     }
 }
@@ -718,6 +766,25 @@ impl Stats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Counts from threads that land on different stripes (and on the same one, past 16
+    /// threads) sum exactly.
+    #[test]
+    fn striped_counts_from_many_threads_sum_exactly() {
+        let c = Striped::<4>::default();
+        std::thread::scope(|s| {
+            for t in 0..20u64 {
+                let c = &c;
+                s.spawn(move || {
+                    for _ in 0..1000 {
+                        c.add(LOOKUP_MISS, 1);
+                        c.add(LOOKUP_HIT_NVME, t);
+                    }
+                });
+            }
+        });
+        assert_eq!(c.sums(), [1000 * (0..20).sum::<u64>(), 0, 20_000, 0]);
+    }
 
     #[test]
     fn export_bounds_are_bucket_edges_so_cumulative_counts_are_exact() {
