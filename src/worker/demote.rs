@@ -161,23 +161,32 @@ impl Demote {
 mod tests {
     use super::*;
 
+    /// Demotions the cold tier has not copied out yet: dropping one gives its slot back.
+    type Held = Arc<std::sync::Mutex<Vec<Demotion>>>;
+
+    /// Two staging slots of 4 KiB whose sink keeps every demotion in `Held`, and their worker
+    /// with its wake-up eventfd.
+    fn two_slots() -> (Demote, Held, Arc<WorkerShared>, Arc<crate::io::EventFd>) {
+        let staging =
+            Arc::new(Region::allocate(2 * 4096, kvtier_sys::mem::HugePages::Off).expect("8 KiB"));
+        let sink = DemoteSink::default();
+        let held: Held = Arc::default();
+        let into = Arc::clone(&held);
+        let _ = sink.set(Box::new(move |d| {
+            into.lock().expect("not poisoned").push(d);
+        }));
+        let wake = Arc::new(crate::io::EventFd::new().expect("an eventfd"));
+        let worker = Arc::new(WorkerShared::new(Arc::clone(&wake), 1));
+        (Demote::new(staging, 2, sink), held, worker, wake)
+    }
+
     /// A staging slot handed to the cold tier and given back (the tier copied it out) is no
     /// longer one to wait for, before and after the worker takes it from the channel. Counting
     /// it (the `handed` count only drops when a slot is taken) left a store that found no victim
     /// to evict waiting forever: the simulator's seed 202.
     #[test]
     fn a_staging_slot_given_back_is_not_waited_for() {
-        let staging =
-            Arc::new(Region::allocate(2 * 4096, kvtier_sys::mem::HugePages::Off).expect("8 KiB"));
-        let sink = DemoteSink::default();
-        let held: Arc<std::sync::Mutex<Vec<Demotion>>> = Arc::default();
-        let into = Arc::clone(&held);
-        let _ = sink.set(Box::new(move |d| {
-            into.lock().expect("not poisoned").push(d);
-        }));
-        let wake = Arc::new(crate::io::EventFd::new().expect("an eventfd"));
-        let worker = Arc::new(WorkerShared::new(wake, 1));
-        let mut m = Demote::new(staging, 2, sink);
+        let (mut m, held, worker, _) = two_slots();
         let key = Key::new(b"k").expect("a key");
 
         let a = m.take_staging().expect("a slot");
@@ -205,17 +214,7 @@ mod tests {
     /// there kept the worker from ever sleeping.
     #[test]
     fn a_turn_takes_back_the_slots_given_back() {
-        let staging =
-            Arc::new(Region::allocate(2 * 4096, kvtier_sys::mem::HugePages::Off).expect("8 KiB"));
-        let sink = DemoteSink::default();
-        let held: Arc<std::sync::Mutex<Vec<Demotion>>> = Arc::default();
-        let into = Arc::clone(&held);
-        let _ = sink.set(Box::new(move |d| {
-            into.lock().expect("not poisoned").push(d);
-        }));
-        let wake = Arc::new(crate::io::EventFd::new().expect("an eventfd"));
-        let worker = Arc::new(WorkerShared::new(Arc::clone(&wake), 1));
-        let mut m = Demote::new(staging, 2, sink);
+        let (mut m, held, worker, wake) = two_slots();
         let key = Key::new(b"k").expect("a key");
         assert!(!m.reclaim(), "nothing was handed out");
         let a = m.take_staging().expect("a slot");
