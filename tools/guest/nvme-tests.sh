@@ -18,32 +18,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-say() { printf 'nvme-tests: %s\n' "$*" >&2; }
-unavailable() {
-  if [ "${CI:-}" = true ]; then
-    say "error: $*"
-    exit 1
-  fi
-  say "skipping the NVMe guest tests: $*"
-  exit 0
-}
+GUEST_SCRIPT=nvme-tests GUEST_WHAT="NVMe guest tests"
+. tools/guest/common.sh
+require_guest
 
-command -v qemu-system-x86_64 >/dev/null 2>&1 || unavailable "qemu-system-x86_64 is not installed (tools/guest/setup.sh installs it)"
-kernel="${KVTIER_GUEST_KERNEL:-}"
-if [ -z "$kernel" ]; then
-  kernel=$(tools/guest/setup.sh 2>/dev/null | sed -n 's/^KVTIER_GUEST_KERNEL=//p' | tail -1) || true
-fi
-[ -n "$kernel" ] && [ -f "$kernel" ] || unavailable "no guest kernel (run tools/guest/setup.sh)"
-
-test_bin=$(cargo test --workspace --all-targets --locked --features kvtier/sim --no-run \
-  --message-format=json 2>/dev/null | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    exe = m.get("executable")
-    if m.get("reason") == "compiler-artifact" and exe and m["target"]["name"] == "nvme_passthrough":
-        print(exe)
-')
+test_bin=$(test_binaries nvme_passthrough | awk '{ print $2 }')
 [ -x "$test_bin" ] || { say "error: the nvme_passthrough test binary was not found"; exit 1; }
 kvtier=target/release/kvtier
 [ -x "$kvtier" ] || cargo build --release --locked -p kvtier-cli

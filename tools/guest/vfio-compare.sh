@@ -25,10 +25,9 @@ while [ $# -gt 0 ]; do
     *) echo "vfio-compare: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-kernel="${KVTIER_GUEST_KERNEL:-}"
-if [ -z "$kernel" ]; then
-  kernel=$(tools/guest/setup.sh 2>/dev/null | sed -n 's/^KVTIER_GUEST_KERNEL=//p' | tail -1)
-fi
+GUEST_SCRIPT=vfio-compare GUEST_WHAT="VFIO comparison"
+. tools/guest/common.sh
+kernel=$(guest_kernel)
 kvtier=target/release/kvtier
 [ -x "$kvtier" ] || cargo build --release --locked -p kvtier-cli
 work=$(mktemp -d /tmp/kvtier-vfio-compare.XXXXXX)

@@ -17,35 +17,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-say() { printf 'vfio-tests: %s\n' "$*" >&2; }
-unavailable() {
-  if [ "${CI:-}" = true ]; then
-    say "error: $*"
-    exit 1
-  fi
-  say "skipping the VFIO guest tests: $*"
-  exit 0
-}
-
-command -v qemu-system-x86_64 >/dev/null 2>&1 || unavailable "qemu-system-x86_64 is not installed (tools/guest/setup.sh installs it)"
-kernel="${KVTIER_GUEST_KERNEL:-}"
-if [ -z "$kernel" ]; then
-  kernel=$(tools/guest/setup.sh 2>/dev/null | sed -n 's/^KVTIER_GUEST_KERNEL=//p' | tail -1) || true
-fi
-[ -n "$kernel" ] && [ -f "$kernel" ] || unavailable "no guest kernel (run tools/guest/setup.sh)"
+GUEST_SCRIPT=vfio-tests GUEST_WHAT="VFIO guest tests"
+. tools/guest/common.sh
+require_guest
 [ -f "$(dirname "$(dirname "$kernel")")/modules/vfio-pci.ko" ] \
   || unavailable "no VFIO modules beside $kernel (run tools/guest/setup.sh again)"
 
-bins=$(cargo test --workspace --all-targets --locked --features kvtier/sim --no-run \
-  --message-format=json 2>/dev/null | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    exe = m.get("executable")
-    name = m.get("target", {}).get("name")
-    if m.get("reason") == "compiler-artifact" and exe and name in ("vfio_nvme", "vfio_engine"):
-        print(name, exe)
-')
+bins=$(test_binaries vfio_nvme vfio_engine)
 sys_bin=$(awk '$1 == "vfio_nvme" { print $2 }' <<<"$bins")
 engine_bin=$(awk '$1 == "vfio_engine" { print $2 }' <<<"$bins")
 [ -x "$sys_bin" ] && [ -x "$engine_bin" ] \
