@@ -33,6 +33,7 @@ pub mod job;
 pub mod key;
 mod logs;
 pub mod metrics;
+mod node;
 pub mod region;
 mod route;
 #[cfg(feature = "s3")]

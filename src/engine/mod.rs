@@ -7,15 +7,15 @@
 //! [`Error::Backpressure`](crate::Error::Backpressure) with nothing queued.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 
 use crate::cold::ColdTier;
-use crate::config::{Config, FirstLookup};
+use crate::config::Config;
 use crate::error::Result;
 use crate::events::Event;
 use crate::files::device::ScanReport;
@@ -23,11 +23,9 @@ use crate::io::Region;
 use crate::job::release::ShutdownReport;
 use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::metrics::Stats;
-use crate::route::Router;
 use crate::slab::Geometry;
-use crate::worker::{self, Msg, WorkerShared};
+use crate::worker::{self};
 
-pub(crate) mod admit;
 pub(crate) mod lookup;
 pub(crate) mod open;
 pub(crate) mod start;
@@ -75,28 +73,12 @@ pub struct EngineInfo {
     pub open_seconds: f64,
 }
 
-struct WorkerHandle {
-    tx: Sender<Msg>,
-    /// A second receiver, to fail work that arrives after the worker stopped.
-    rx: Receiver<Msg>,
-    shared: Arc<WorkerShared>,
-}
-
 pub struct Engine {
-    region: Arc<Region>,
-    region_blocks: u64,
+    /// The core every front end drives: admission, lookups, removal, the stop.
+    node: crate::node::Node,
     /// Read when the S3 tier opens.
     #[cfg_attr(not(feature = "s3"), allow(dead_code))]
     block_bytes: u64,
-    /// The files layout: what the first lookup of a key not indexed answers (`None`: slab).
-    first_lookup: Option<FirstLookup>,
-    queue_blocks_max: usize,
-    jobs_in_flight_max: usize,
-    shared: Arc<Shared>,
-    workers: Vec<WorkerHandle>,
-    router: Arc<Router>,
-    /// The cold tier (`[s3]`), when configured.
-    cold: Option<Arc<dyn ColdTier>>,
     /// What opened the devices; told when the workers have stopped (VFIO fences there).
     storage: Arc<dyn crate::io::Storage>,
     /// Every counter, for `stats` and the metrics endpoint.
@@ -104,9 +86,6 @@ pub struct Engine {
     /// `[metrics] listen`: stopped at shutdown.
     metrics_server: Mutex<Option<crate::metrics::serve::MetricsServer>>,
     results: Receiver<JobResult>,
-    shut: AtomicBool,
-    /// Held shared by every submit and exclusively by shutdown while it sets `shut`.
-    gate: RwLock<()>,
     /// Held for the whole of `shutdown`, so a second, concurrent call returns only once the
     /// first has joined every worker (the caller may free the region when it returns).
     shutting_down: Mutex<()>,
@@ -136,9 +115,8 @@ impl Engine {
         if let (Some(sink), Some(f)) = (demote, tier.demote_sink()) {
             let _ = sink.set(f);
         }
-        let _ = self.shared.miss_fallback.set(tier.miss_fallback());
         let _ = self.stats.cold.set(Arc::clone(&tier));
-        self.cold = Some(tier);
+        self.node.attach_cold(tier);
     }
 
     pub fn info(&self) -> &EngineInfo {
@@ -149,12 +127,12 @@ impl Engine {
     /// [`Error::Backpressure`](crate::Error::Backpressure). A malformed job (lengths differ,
     /// block id out of range) is accepted and reported failed.
     pub fn submit_store(&self, job: Job) -> Result<()> {
-        self.submit(JobKind::Store, job)
+        self.node.submit(JobKind::Store, job)
     }
 
     /// Queues a load job; see [`Engine::submit_store`].
     pub fn submit_load(&self, job: Job) -> Result<()> {
-        self.submit(JobKind::Load, job)
+        self.node.submit(JobKind::Load, job)
     }
 
     /// Moves every finished job's result into `out`; returns how many. Each job appears once.
@@ -182,25 +160,32 @@ impl Engine {
     /// result published after the poll wakes the loop again. Created on the first call.
     pub fn result_fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
-        if self.shared.result_event.get().is_none() {
+        if self.node.shared().result_event.get().is_none() {
             let event = kvtier_sys::eventfd::EventFd::new().map_err(|errno| {
                 crate::Error::Worker(format!("creating the result eventfd: {errno}"))
             })?;
             // Another thread may have set one first: then this one is dropped.
-            if self.shared.result_event.set(event).is_ok() && !self.results.is_empty() {
+            if self.node.shared().result_event.set(event).is_ok() && !self.results.is_empty() {
                 // Results published before the eventfd existed: the caller sees them too.
-                if let Some(event) = self.shared.result_event.get() {
+                if let Some(event) = self.node.shared().result_event.get() {
                     event.notify();
                 }
             }
         }
-        Ok(self.shared.result_event.get().expect("set above").as_fd())
+        Ok(self
+            .node
+            .shared()
+            .result_event
+            .get()
+            .expect("set above")
+            .as_fd())
     }
 
     /// Resets [`Engine::result_fd`]'s counter; returns the notifications it held (0 without
     /// one, or if none was pending).
     pub fn clear_result_fd(&self) -> u64 {
-        self.shared
+        self.node
+            .shared()
             .result_event
             .get()
             .map_or(0, kvtier_sys::eventfd::EventFd::drain)
@@ -208,7 +193,7 @@ impl Engine {
 
     /// Jobs submitted whose result has not been published yet.
     pub fn jobs_in_flight(&self) -> usize {
-        self.shared.jobs_in_flight.load(Ordering::Acquire)
+        self.node.jobs_in_flight()
     }
 
     /// How results report a job whose region blocks an I/O still holds after the job resolved
@@ -217,7 +202,7 @@ impl Engine {
     /// [`Release`](crate::Release) to wait on. Either way the blocks are the caller's only
     /// once [`JobResult::released`] is true. Applies to jobs resolving from now on.
     pub fn set_early_results(&self, early: bool) {
-        self.shared.early_results.store(early, Ordering::Relaxed);
+        self.node.set_early_results(early);
     }
 
     /// Blocks until every submitted job has resolved. Afterwards no I/O touches the region until
@@ -232,13 +217,15 @@ impl Engine {
     /// release or a parked result may change it without a notification) until `done`.
     fn wait_until(&self, done: impl Fn(&Shared) -> bool) {
         let mut guard = self
-            .shared
+            .node
+            .shared()
             .idle_lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        while !done(&self.shared) {
+        while !done(self.node.shared()) {
             guard = self
-                .shared
+                .node
+                .shared()
                 .idle
                 .wait_timeout(guard, Duration::from_millis(20))
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -272,21 +259,9 @@ impl Engine {
             .shutting_down
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        {
-            let _gate = self
-                .gate
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if self.shut.swap(true, Ordering::AcqRel) {
-                return self.shutdown_report();
-            }
+        if !self.node.close() {
+            return self.shutdown_report();
         }
-        // S3 first: queued requests fail, running ones end within the timeout; promotions they
-        // start still reach running workers.
-        if let Some(cold) = &self.cold {
-            cold.close();
-        }
-        self.router.stop();
         let threads: Vec<JoinHandle<()>> = self
             .threads
             .lock()
@@ -299,14 +274,12 @@ impl Engine {
             }
         }
         // Work that reached a channel after its worker stopped is failed here, so every job
-        // is reported exactly once. The submit gate guarantees no submit is still running.
-        for h in &self.workers {
-            worker::fail_left_behind(&h.rx, &h.shared, &self.shared);
-        }
+        // is reported exactly once.
+        self.node.fail_left_behind();
         // Devices that do DMA on their own are fenced before the caller may free the region.
         self.storage.shutdown();
         // Write-through jobs whose NVMe half just ended report from the reactor: let them.
-        if let Some(cold) = &self.cold {
+        if let Some(cold) = self.node.cold() {
             cold.stop();
         }
         let server = self
@@ -318,7 +291,7 @@ impl Engine {
             server.stop();
         }
         // Every job is reported by now; those whose blocks a hung I/O holds say so.
-        self.shared.report_held();
+        self.node.shared().report_held();
         let report = self.shutdown_report();
         if !report.clean() {
             tracing::error!(
@@ -335,7 +308,7 @@ impl Engine {
 
     /// What shutdown could not stop (see [`Engine::shutdown`]).
     fn shutdown_report(&self) -> ShutdownReport {
-        let s = &self.shared;
+        let s = self.node.shared();
         ShutdownReport {
             workers_gave_up: s.workers_gave_up.load(Ordering::Acquire),
             ops_in_flight: s.ops_given_up.load(Ordering::Acquire),
@@ -346,7 +319,7 @@ impl Engine {
 
     /// Stored and removed events since the last call (empty unless `events.enabled`).
     pub fn take_events(&self) -> Vec<Event> {
-        self.shared.events.take()
+        self.node.shared().events.take()
     }
 
     /// Every counter now: sums, and their breakdown by device, worker, job and lookup.
@@ -381,7 +354,7 @@ impl Engine {
     }
 
     pub fn workers(&self) -> usize {
-        self.workers.len()
+        self.node.workers()
     }
 }
 

@@ -1,27 +1,28 @@
 //! Opening an engine: check the region, open (format or recover) the devices, start one worker
 //! per core and wait until each has recovered its share, then connect the cold tier.
 
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::config::{Config, Derived, FirstLookup, Layout, VerifyLoads};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
-use crate::io::{BackendSettings, EventFd, Region, Storage};
+use crate::io::{BackendSettings, Region, Storage};
 use crate::job::Shared;
+use crate::node::build::{scanned_by_worker, Layouts, WorkerPlan};
 use crate::route::Router;
 use crate::slab::layout::DeviceSpec;
 use crate::slab::prepare::prepare_slab;
 use crate::slab::Geometry;
-use crate::worker::{self, Scheduler, WorkerShared};
+use crate::worker::{self, WorkerShared};
 use kvtier_sys::mem::Backing;
 
 use super::start::{worker_main, WorkerCtx};
 use super::stats::StatsSource;
-use super::{DeviceSummary, Engine, EngineInfo, WorkerHandle, WorkerSummary};
+use super::{DeviceSummary, Engine, EngineInfo, WorkerSummary};
 use crate::metrics::serve::MetricsServer;
+use crate::node::Node;
 
 /// The devices as opened: slab devices for the workers, or `files` directories with what their
 /// scan found.
@@ -30,6 +31,14 @@ struct Devices {
     files: Vec<Arc<FilesDevice>>,
     scanned: Vec<ScannedFile>,
     summaries: Vec<DeviceSummary>,
+}
+
+/// A worker as started: its channel (and a second receiver of it, for what arrives after it
+/// stopped) and what other threads see of it.
+struct WorkerHandle {
+    tx: crossbeam_channel::Sender<crate::worker::Msg>,
+    rx: crossbeam_channel::Receiver<crate::worker::Msg>,
+    shared: Arc<WorkerShared>,
 }
 
 /// The workers as started.
@@ -52,7 +61,7 @@ impl Engine {
         let started = std::time::Instant::now();
         let derived = config.validate()?;
         let region_blocks = check_region(&region, derived.block_bytes)?;
-        let devices = open_devices(config, &derived, storage.as_ref())?;
+        let mut devices = open_devices(config, &derived, storage.as_ref())?;
         let cores = config.cores.workers();
         let (shared, results) = Shared::new(EventSink::new(
             config.events.enabled,
@@ -62,14 +71,12 @@ impl Engine {
         let demote_sink: Option<worker::DemoteSink> = derived
             .demote_on_evict
             .then(|| Arc::new(std::sync::OnceLock::new()));
-        let files_devices = Arc::new(devices.files.clone());
+        let device_summaries = std::mem::take(&mut devices.summaries);
         let workers = start_workers(
             config,
             &derived,
             &cores,
-            devices.slab,
-            &files_devices,
-            devices.scanned,
+            devices,
             &storage,
             &region,
             &shared,
@@ -86,18 +93,19 @@ impl Engine {
                 .collect(),
             queue_blocks_max: config.queue_blocks_max,
         });
-        let mut engine = Engine {
-            storage: Arc::clone(&storage),
-            region: Arc::clone(&region),
+        let node = Node::new(
+            Arc::clone(&shared),
+            Arc::clone(&router),
+            workers.handles.into_iter().map(|h| h.rx).collect(),
+            Arc::clone(&region),
             region_blocks,
+            config.jobs_in_flight_max,
+            first_lookup(config, &derived),
+        );
+        let mut engine = Engine {
+            node,
+            storage: Arc::clone(&storage),
             block_bytes: derived.block_bytes,
-            first_lookup: first_lookup(config, &derived),
-            queue_blocks_max: config.queue_blocks_max,
-            jobs_in_flight_max: config.jobs_in_flight_max,
-            shared: Arc::clone(&shared),
-            workers: workers.handles,
-            router: Arc::clone(&router),
-            cold: None,
             stats: Arc::new(StatsSource::new(
                 &router,
                 &cores,
@@ -107,8 +115,6 @@ impl Engine {
             )),
             metrics_server: Mutex::new(None),
             results,
-            shut: AtomicBool::new(false),
-            gate: RwLock::new(()),
             shutting_down: Mutex::new(()),
             threads: Mutex::new(workers.threads),
             info: EngineInfo {
@@ -116,7 +122,7 @@ impl Engine {
                 region_blocks,
                 region_backing: region.backing().as_str(),
                 region_huge_percent,
-                devices: devices.summaries,
+                devices: device_summaries,
                 workers: workers.summaries,
                 #[cfg(feature = "s3")]
                 s3: None,
@@ -345,69 +351,59 @@ fn start_workers(
     config: &Config,
     derived: &Derived,
     cores: &[Option<usize>],
-    devices: Vec<DeviceSpec>,
-    files_devices: &Arc<Vec<Arc<FilesDevice>>>,
-    scanned: Vec<ScannedFile>,
+    devices: Devices,
     storage: &Arc<dyn Storage>,
     region: &Arc<Region>,
     shared: &Arc<Shared>,
     demote_sink: Option<&worker::DemoteSink>,
 ) -> Result<Started> {
     let workers = cores.len();
-    let devices = Arc::new(devices);
-    let mut scanned_per_worker: Vec<Vec<ScannedFile>> = vec![Vec::new(); workers];
-    for f in scanned {
-        scanned_per_worker[f.key.worker(workers)].push(f);
-    }
-    let settings = backend_settings(config, derived);
+    let mut scanned = scanned_by_worker(devices.scanned, workers);
+    let plan = Arc::new(WorkerPlan {
+        workers,
+        storage: Arc::clone(storage),
+        region: Arc::clone(region),
+        shared: Arc::clone(shared),
+        layouts: if derived.layout == Layout::Files {
+            Layouts::Files {
+                devices: devices.files,
+                stores_opening: config.files.as_ref().map_or(
+                    crate::config::FilesConfig::DEFAULT_STORES_OPENING as usize,
+                    |f| f.stores_opening as usize,
+                ),
+                temp_seed: crate::files::layout::FilesLayout::temp_seed(),
+            }
+        } else {
+            Layouts::Slab(Arc::new(devices.slab))
+        },
+        settings: backend_settings(config, derived),
+        scheduler: config.scheduler.clone(),
+        block_bytes: derived.block_bytes,
+        store_chunk_bytes: derived.store_chunk_bytes,
+        ring_entries: config.ring_entries as usize,
+        io_timeout: io_timeout(config),
+        demote: demote_sink.map(|s| (Arc::clone(s), derived.staging_blocks)),
+        lookup_cache: lookup_cache(config),
+        clock: crate::clock::Clock::default(),
+    });
     let mut handles = Vec::with_capacity(workers);
     let mut threads = Vec::with_capacity(workers);
     let (ready_tx, ready_rx) = crossbeam_channel::unbounded();
     for (id, core) in cores.iter().copied().enumerate() {
-        let wake =
-            Arc::new(EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?);
-        let mut me = WorkerShared::new(Arc::clone(&wake), devices.len().max(files_devices.len()));
-        if let Some(files) = &config.files {
-            me = me.with_lookup_cache(
-                files.lookup_cache_max,
-                std::time::Duration::from_millis(files.lookup_ttl_ms),
-                crate::clock::Clock::default(),
-            );
-        }
-        let me = Arc::new(me);
-        let (tx, rx) = crossbeam_channel::unbounded();
+        let seat = plan.seat()?;
         handles.push(WorkerHandle {
-            tx,
-            rx: rx.clone(),
-            shared: Arc::clone(&me),
+            tx: seat.tx,
+            rx: seat.rx.clone(),
+            shared: Arc::clone(&seat.me),
         });
         let ctx = WorkerCtx {
             id,
-            workers,
             core,
-            storage: Arc::clone(storage),
-            region: Arc::clone(region),
-            devices: Arc::clone(&devices),
-            files_devices: Arc::clone(files_devices),
-            files_stores_opening: config.files.as_ref().map_or(
-                crate::config::FilesConfig::DEFAULT_STORES_OPENING as usize,
-                |f| f.stores_opening as usize,
-            ),
-            scanned: std::mem::take(&mut scanned_per_worker[id]),
-            shared: Arc::clone(shared),
-            me,
-            rx,
-            settings: settings.clone(),
-            sched: Scheduler::new(
-                &config.scheduler,
-                derived.block_bytes,
-                derived.store_chunk_bytes,
-            ),
-            ring_entries: config.ring_entries as usize,
-            io_timeout: io_timeout(config),
-            staging_blocks: derived.staging_blocks,
+            plan: Arc::clone(&plan),
+            scanned: std::mem::take(&mut scanned[id]),
+            me: seat.me,
+            rx: seat.rx,
             ready: ready_tx.clone(),
-            demote_sink: demote_sink.cloned(),
         };
         let handle = std::thread::Builder::new()
             .name(format!("kvtier-w{id}"))
@@ -435,6 +431,16 @@ fn start_workers(
         threads,
         summaries: summaries.into_iter().flatten().collect(),
         error,
+    })
+}
+
+/// The files layout's answers kept for keys not indexed: at most, and for how long.
+pub(crate) fn lookup_cache(config: &Config) -> Option<(usize, std::time::Duration)> {
+    config.files.as_ref().map(|f| {
+        (
+            f.lookup_cache_max,
+            std::time::Duration::from_millis(f.lookup_ttl_ms),
+        )
     })
 }
 

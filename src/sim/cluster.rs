@@ -23,16 +23,15 @@ use crate::config::{Config, Cores, Derived};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
-use crate::files::layout::{FilesLayout, Op as FilesOp};
-use crate::io::{BackendSettings, EventFd, Region, Storage};
+use crate::io::{BackendSettings, Region, Storage};
 use crate::job::{Job, JobKind, JobResult, Shared};
+use crate::node::build::{scanned_by_worker, Built, Layouts, WorkerPlan};
+use crate::node::Node;
 use crate::route::Router;
-use crate::slab::layout::{DeviceSpec, SlabLayout};
+use crate::slab::layout::DeviceSpec;
 use crate::slab::prepare::prepare_slab;
 use crate::tier::Lookup;
-use crate::worker::{
-    Demote, DemoteSink, Layout, Scheduler, Stopped, Worker, WorkerParams, WorkerShared,
-};
+use crate::worker::{DemoteSink, Stopped};
 
 use super::files::SimFiles;
 use super::object_store::SimObjectStore;
@@ -47,66 +46,25 @@ trait Stepped {
     fn stopped(&self) -> Option<Stopped>;
 }
 
-impl<L: Layout> Stepped for Worker<L> {
+impl Stepped for Built {
     fn step(&mut self) -> bool {
-        Worker::step(self)
-    }
-
-    fn stopped(&self) -> Option<Stopped> {
-        Worker::stopped(self)
-    }
-
-    fn check_quiet(&self) -> std::result::Result<(), String> {
-        Worker::check_quiet(self)
-    }
-}
-
-/// The devices a cluster's workers run on.
-enum Devices {
-    Slab(Vec<DeviceSpec>),
-    /// Directories, what their scan found per worker, `[files] stores_opening`, and the seed
-    /// of the workers' temp file names.
-    Files(Vec<Arc<FilesDevice>>, Vec<Vec<ScannedFile>>, usize, u64),
-}
-
-impl Devices {
-    fn len(&self) -> usize {
         match self {
-            Devices::Slab(d) => d.len(),
-            Devices::Files(d, ..) => d.len(),
+            Built::Slab(w) => w.step(),
+            Built::Files(w) => w.step(),
         }
     }
 
-    /// Worker `params.id`'s layout over these devices, recovered or with its scanned files
-    /// indexed and published.
-    fn worker(
-        &mut self,
-        params: WorkerParams,
-        workers: usize,
-        meta: Arc<Region>,
-        me: &WorkerShared,
-    ) -> Result<Box<dyn Stepped>> {
-        let id = params.id;
+    fn stopped(&self) -> Option<Stopped> {
         match self {
-            Devices::Slab(devices) => {
-                let (worker, _) = SlabLayout::recovered_worker(params, workers, meta, devices)
-                    .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;
-                Ok(Box::new(worker))
-            }
-            Devices::Files(devices, scanned, stores_opening, temp_seed) => {
-                let layout = FilesLayout::new(
-                    id,
-                    devices.clone(),
-                    std::mem::take(&mut scanned[id]),
-                    *stores_opening,
-                    me,
-                    *temp_seed,
-                );
-                let mut worker = Worker::new(params, layout, FilesOp::empty);
-                let (layout, core) = worker.parts();
-                layout.publish_scanned(core);
-                Ok(Box::new(worker))
-            }
+            Built::Slab(w) => w.stopped(),
+            Built::Files(w) => w.stopped(),
+        }
+    }
+
+    fn check_quiet(&self) -> std::result::Result<(), String> {
+        match self {
+            Built::Slab(w) => w.check_quiet(),
+            Built::Files(w) => w.check_quiet(),
         }
     }
 }
@@ -114,26 +72,14 @@ impl Devices {
 /// Workers on simulated devices (slab) or scratch directories (files), stepped by the caller.
 pub struct Cluster {
     workers: Vec<Box<dyn Stepped>>,
-    router: Router,
-    /// A second receiver of each worker's channel, as the engine keeps, for the work that
-    /// arrives after the worker stopped ([`Cluster::finish_stop`]).
-    left_behind: Vec<Receiver<crate::worker::Msg>>,
-    shared: Arc<Shared>,
+    /// The engine's core, as `Engine` drives it: admission, lookups, removal, the stop.
+    node: Node,
     results: Receiver<JobResult>,
-    region: Arc<Region>,
-    region_blocks: u64,
-    jobs_in_flight_max: usize,
-    /// The files layout (admission sends loads of keys not indexed to their worker).
-    files: bool,
-    /// The files layout's `first_lookup` (lookups ask its workers about keys not indexed).
-    first_lookup: Option<crate::config::FirstLookup>,
     cold: Option<Arc<SimObjectStore>>,
     rng: Rng,
     /// The workers' clock: it moves [`STEP_TIME`] a turn, never with the wall clock, so a seed
     /// replays however loaded the machine is.
     clock: Clock,
-    /// [`Cluster::stop`] was called: submits fail with `Error::Shutdown`.
-    stopped: bool,
     /// From [`Cluster::stop`] to [`Cluster::thaw`], a worker whose stop gave up on I/O past
     /// its deadline is not stepped: a real one never runs again.
     freezing: bool,
@@ -193,14 +139,6 @@ fn demote_sink(cold: Option<&SimObjectStore>) -> Option<DemoteSink> {
     })
 }
 
-/// A worker's demotion staging (buffer 2 of its backend), as the engine builds it.
-fn staging(blocks: usize, block_bytes: u64, sink: &DemoteSink) -> Result<Demote> {
-    let bytes = block_bytes as usize;
-    let region = crate::engine::start::worker_buffer(blocks * bytes, bytes, "demotion staging")
-        .map_err(Error::Memory)?;
-    Ok(Demote::new(region, blocks, Arc::clone(sink)))
-}
-
 impl Cluster {
     /// Opens (formats or recovers) `config`'s devices on `storage` with `region`; `seed` draws
     /// the schedule. `config.cores` must be a list: its length is the number of workers.
@@ -224,13 +162,12 @@ impl Cluster {
     ) -> Result<Cluster> {
         let derived = config.validate()?;
         let devices = open_devices(config, storage, derived.block_bytes)?;
-        let devices = Devices::Slab(devices);
         Cluster::build(
             config,
             &derived,
             region,
-            storage.as_ref(),
-            devices,
+            Arc::clone(storage) as Arc<dyn Storage>,
+            (Layouts::Slab(Arc::new(devices)), Vec::new()),
             seed,
             cold,
         )
@@ -263,37 +200,36 @@ impl Cluster {
             Cores::Auto => 1,
         };
         let mut devices = Vec::new();
-        let mut scanned = vec![Vec::new(); workers];
+        let mut scanned = Vec::new();
         for (i, dcfg) in config.devices.iter().enumerate() {
             let (dev, found, _) =
                 FilesDevice::open(i, dcfg, files_cfg, derived.block_bytes, config.direct_io)?;
-            for f in found {
-                scanned[f.key.worker(workers)].push(f);
-            }
+            scanned.extend(found);
             devices.push(Arc::new(dev));
         }
+        let layouts = Layouts::Files {
+            devices,
+            stores_opening: files_cfg.stores_opening as usize,
+            temp_seed: files.temp_seed(),
+        };
         Cluster::build(
             config,
             &derived,
             region,
-            files.as_ref(),
-            Devices::Files(
-                devices,
-                scanned,
-                files_cfg.stores_opening as usize,
-                files.temp_seed(),
-            ),
+            Arc::clone(files) as Arc<dyn Storage>,
+            (layouts, scanned_by_worker(scanned, workers)),
             seed,
             cold,
         )
     }
 
+    /// The cluster over `layouts` (with what the files layout's scan found, per worker).
     fn build(
         config: &Config,
         derived: &Derived,
         region: &Arc<Region>,
-        storage: &dyn Storage,
-        mut devices: Devices,
+        storage: Arc<dyn Storage>,
+        (layouts, mut scanned): (Layouts, Vec<Vec<ScannedFile>>),
         seed: u64,
         cold: Option<Arc<SimObjectStore>>,
     ) -> Result<Cluster> {
@@ -305,6 +241,7 @@ impl Cluster {
             return Err(Error::Worker("the simulation needs cores = [..]".into()));
         };
         let workers = cores.len();
+        scanned.resize_with(workers, Vec::new);
         let (shared, results) = Shared::new(EventSink::new(false, 1, None));
         // Half the clusters play a caller that takes early results (vLLM 0.34's
         // deferred_release), half one that gets each result once its blocks are free.
@@ -312,128 +249,79 @@ impl Cluster {
             crate::sim::Rng::new(seed ^ 0xEA51).below(2) == 1,
             std::sync::atomic::Ordering::Relaxed,
         );
-        let demote_sink = demote_sink(cold.as_deref());
-        if let Some(c) = &cold {
-            let _ = shared.miss_fallback.set(c.miss_fallback());
-        }
-        let settings = backend_settings(config, derived);
-        let first_lookup = crate::engine::open::first_lookup(config, derived);
+        // Deadlines and the files layout's answer ages run on the cluster's clock, so a seed
+        // replays (on the wall clock a files seed did not, under load).
         let clock = Clock::manual();
+        let plan = WorkerPlan {
+            workers,
+            storage,
+            region: Arc::clone(region),
+            shared: Arc::clone(&shared),
+            layouts,
+            settings: backend_settings(config, derived),
+            scheduler: config.scheduler.clone(),
+            block_bytes,
+            store_chunk_bytes: derived.store_chunk_bytes,
+            ring_entries: config.ring_entries as usize,
+            io_timeout: crate::engine::open::io_timeout(config),
+            demote: demote_sink(cold.as_deref()).map(|s| (s, derived.staging_blocks)),
+            lookup_cache: crate::engine::open::lookup_cache(config),
+            clock: clock.clone(),
+        };
         let mut senders = Vec::new();
         let mut left_behind = Vec::new();
         let mut list: Vec<Box<dyn Stepped>> = Vec::new();
-        for id in 0..workers {
-            let wake = Arc::new(
-                EventFd::new().map_err(|e| Error::Worker(format!("eventfd: {}", e.desc())))?,
-            );
-            let mut me = WorkerShared::new(Arc::clone(&wake), devices.len());
-            if let Some(files) = &config.files {
-                // Answers age on the cluster's clock: on the wall clock a seed did not replay
-                // under load (`files::tests::replays_one_seed` in CI).
-                me = me.with_lookup_cache(
-                    files.lookup_cache_max,
-                    std::time::Duration::from_millis(files.lookup_ttl_ms),
-                    clock.clone(),
-                );
-            }
-            let me = Arc::new(me);
-            let (tx, rx) = crossbeam_channel::unbounded();
-            senders.push((tx, Arc::clone(&me)));
-            left_behind.push(rx.clone());
-            let slab: &[DeviceSpec] = match &devices {
-                Devices::Slab(d) => d,
-                Devices::Files(..) => &[],
-            };
-            let meta_len = crate::slab::table::meta_bytes(slab, id, workers);
-            let meta = crate::engine::start::worker_buffer(
-                meta_len,
-                crate::slab::TABLE_PAGE_BYTES,
-                "slot table copy",
-            )
-            .map_err(Error::Memory)?;
-            let mut buffers = vec![Arc::clone(region), Arc::clone(&meta)];
-            let demote = match &demote_sink {
-                None => None,
-                Some(sink) => {
-                    let d = staging(derived.staging_blocks, block_bytes, sink)?;
-                    buffers.push(Arc::clone(&d.staging));
-                    Some(d)
-                }
-            };
-            let backend = storage.backend(id, buffers, wake, &settings)?;
-            let params = WorkerParams {
-                id,
-                backend,
-                region: Arc::clone(region),
-                rx,
-                shared: Arc::clone(&shared),
-                me: Arc::clone(&me),
-                sched: Scheduler::new(&config.scheduler, block_bytes, derived.store_chunk_bytes),
-                ring_entries: config.ring_entries as usize,
-                demote,
-                // Deadlines also run on the cluster's clock, so a seed replays.
-                io_timeout: crate::engine::open::io_timeout(config),
-                clock: clock.clone(),
-            };
-            list.push(devices.worker(params, workers, meta, &me)?);
+        for (id, scanned) in scanned.into_iter().enumerate() {
+            let seat = plan.seat()?;
+            let (worker, _) = plan
+                .build(id, &seat.me, seat.rx.clone(), scanned)
+                .map_err(|e| Error::Worker(format!("worker {id}: {e}")))?;
+            list.push(Box::new(worker));
+            senders.push((seat.tx, seat.me));
+            left_behind.push(seat.rx);
         }
-        let router = |senders| Router {
+        let router = Arc::new(Router {
             workers: senders,
             queue_blocks_max: config.queue_blocks_max,
-        };
+        });
         if let Some(c) = &cold {
-            c.connect(Arc::clone(&shared), router(senders.clone()));
+            c.connect(Arc::clone(&shared), Arc::clone(&router));
+        }
+        let mut node = Node::new(
+            shared,
+            router,
+            left_behind,
+            Arc::clone(region),
+            region.len() as u64 / block_bytes,
+            config.jobs_in_flight_max,
+            crate::engine::open::first_lookup(config, derived),
+        );
+        if let Some(c) = &cold {
+            node.attach_cold(Arc::clone(c) as Arc<dyn ColdTier>);
         }
         Ok(Cluster {
             workers: list,
-            router: router(senders),
-            left_behind,
-            shared,
+            node,
             results,
-            region: Arc::clone(region),
-            region_blocks: region.len() as u64 / block_bytes,
-            jobs_in_flight_max: config.jobs_in_flight_max,
-            files: first_lookup.is_some(),
-            first_lookup,
             cold,
             rng: Rng::new(seed),
             clock,
-            stopped: false,
             freezing: false,
         })
     }
 
-    /// Admits a job through the engine's own admission (`engine::admit::Admission`): a
-    /// malformed job is reported failed, a full queue or too many jobs in flight is
-    /// `Error::Backpressure` with nothing queued.
+    /// Admits a job through the engine's own admission (`node::Node::submit`): a malformed
+    /// job is reported failed, a full queue or too many jobs in flight is
+    /// `Error::Backpressure` with nothing queued, a stopped cluster `Error::Shutdown`.
     pub fn submit(&mut self, kind: JobKind, job: Job) -> Result<()> {
-        if self.stopped {
-            return Err(Error::Shutdown);
-        }
-        crate::engine::admit::Admission {
-            shared: &self.shared,
-            region: &self.region,
-            region_blocks: self.region_blocks,
-            router: &self.router,
-            cold: self.cold.as_deref().map(|c| c as &dyn ColdTier),
-            jobs_in_flight_max: self.jobs_in_flight_max,
-            queue_blocks_max: self.router.queue_blocks_max,
-            files: self.files,
-        }
-        .admit(kind, job)
+        self.node.submit(kind, job)
     }
 
-    /// Answers a lookup through `Engine::lookup`'s own code (`engine::lookup::Lookups`): the
+    /// Answers a lookup through `Engine::lookup`'s own code (`node::Node::lookup`): the
     /// workers' published keys, the files layout's answers for keys not indexed (which its
     /// workers probe), then the cold tier for the rest (which may queue HEADs).
     pub fn lookup(&self, keys: &[crate::key::Key]) -> Vec<Lookup> {
-        crate::engine::lookup::Lookups {
-            router: &self.router,
-            first_lookup: self.first_lookup,
-            cold: self.cold.as_deref().map(|c| c as &dyn ColdTier),
-            open: !self.stopped,
-        }
-        .answer(keys)
+        self.node.lookup(keys)
     }
 
     /// Asks the workers to remove `keys`, as `Engine::remove` does; their answers
@@ -443,9 +331,7 @@ impl Cluster {
         keys: &[crate::key::Key],
     ) -> crossbeam_channel::Receiver<crate::worker::Removed> {
         let (tx, rx) = crossbeam_channel::unbounded();
-        if !self.stopped {
-            self.router.ask_remove(keys, &tx);
-        }
+        self.node.ask_remove(keys, &tx);
         rx
     }
 
@@ -511,12 +397,8 @@ impl Cluster {
     /// Unlike the S3 tier, the simulated object store still serves requests that arrive after
     /// its close (write-through uploads of stores that complete during the stop).
     pub fn stop(&mut self) {
-        self.stopped = true;
         self.freezing = true;
-        if let Some(cold) = &self.cold {
-            cold.close();
-        }
-        self.router.stop();
+        self.node.close();
     }
 
     /// Where the workers' `run` loops would be since [`Cluster::stop`].
@@ -534,30 +416,24 @@ impl Cluster {
 
     /// As `Engine::set_early_results`.
     pub fn set_early_results(&self, early: bool) {
-        self.shared
-            .early_results
-            .store(early, std::sync::atomic::Ordering::Relaxed);
+        self.node.set_early_results(early);
     }
 
     /// As `Engine::shutdown` once its workers ended: fails the work that reached a worker
     /// after it stopped ([`crate::worker::fail_left_behind`]), then reports every result still
     /// waiting for a hung I/O to free its blocks, with its release unset.
     pub fn finish_stop(&self) {
-        for (rx, (_, me)) in self.left_behind.iter().zip(&self.router.workers) {
-            crate::worker::fail_left_behind(rx, me, &self.shared);
-        }
-        self.shared.report_held();
+        self.node.fail_left_behind();
+        self.node.shared().report_held();
     }
 
     /// Jobs whose blocks came back after an I/O held them past the job's resolution.
     pub fn released_late(&self) -> u64 {
-        self.shared.held.released_late()
+        self.node.shared().held.released_late()
     }
 
     pub fn jobs_in_flight(&self) -> usize {
-        self.shared
-            .jobs_in_flight
-            .load(std::sync::atomic::Ordering::Acquire)
+        self.node.jobs_in_flight()
     }
 
     /// Moves every finished job's result into `out`.

@@ -1249,7 +1249,11 @@ mod clock_tests {
             .submit(JobKind::Store, Job::new(2, vec![a], vec![0]))
             .expect("store admitted");
         assert_eq!(
-            cluster.shared.store_jobs_in_flight.load(Ordering::Relaxed),
+            cluster
+                .node
+                .shared()
+                .store_jobs_in_flight
+                .load(Ordering::Relaxed),
             1
         );
         let refused = cluster.submit(JobKind::Store, Job::new(3, vec![b], vec![1]));
@@ -1262,7 +1266,11 @@ mod clock_tests {
         cluster.poll(&mut results);
         assert!(results[0].failures.is_empty(), "{results:?}");
         assert_eq!(
-            cluster.shared.store_jobs_in_flight.load(Ordering::Relaxed),
+            cluster
+                .node
+                .shared()
+                .store_jobs_in_flight
+                .load(Ordering::Relaxed),
             0
         );
         assert_eq!(cluster.jobs_in_flight(), 0);

@@ -114,7 +114,7 @@ struct Queued {
 /// Where results go: the cluster this store serves (set again after a restart).
 struct Conn {
     shared: Arc<Shared>,
-    router: Router,
+    router: Arc<Router>,
 }
 
 struct State {
@@ -189,7 +189,7 @@ impl SimObjectStore {
     }
 
     /// Connects the store to the cluster it serves: where results and promotions go.
-    pub(crate) fn connect(&self, shared: Arc<Shared>, router: Router) {
+    pub(crate) fn connect(&self, shared: Arc<Shared>, router: Arc<Router>) {
         *self
             .conn
             .lock()

@@ -1,64 +1,22 @@
 //! Admission: a job is checked, leased, counted against `jobs_in_flight_max`, and queued on
 //! its workers all or nothing within `queue_blocks_max` (keys no worker holds go to the cold
-//! tier), without blocking. Written once, in [`Admission`]: the engine's submits and the
-//! simulator's cluster both admit through it.
+//! tier), without blocking.
 
-use super::Engine;
-use crate::cold::{self, ColdTier};
+use super::Node;
+use crate::cold;
 use crate::error::{Error, Result};
-use crate::job::{Job, JobKind, JobState, KeyFailure, Shared};
+use crate::job::{Job, JobKind, JobState, KeyFailure};
 use crate::key::Key;
-use crate::route::{items_by_worker, Router};
+use crate::route::items_by_worker;
 use crate::verdicts::Verdict;
 use kvtier_sys::blocks::Lease;
-use kvtier_sys::mem::Region;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// What admitting a job reads: the parts every front end of the engine shares.
-pub(crate) struct Admission<'a> {
-    pub shared: &'a Arc<Shared>,
-    pub region: &'a Arc<Region>,
-    pub region_blocks: u64,
-    pub router: &'a Router,
-    pub cold: Option<&'a dyn ColdTier>,
-    pub jobs_in_flight_max: usize,
-    pub queue_blocks_max: usize,
-    /// The files layout: a key no worker indexed may still be a file another process wrote, so
-    /// its load goes to its worker unless a fresh answer says it is absent.
-    pub files: bool,
-}
-
-impl Engine {
-    fn admission(&self) -> Admission<'_> {
-        Admission {
-            shared: &self.shared,
-            region: &self.region,
-            region_blocks: self.region_blocks,
-            router: &self.router,
-            cold: self.cold.as_deref(),
-            jobs_in_flight_max: self.jobs_in_flight_max,
-            queue_blocks_max: self.queue_blocks_max,
-            files: self.first_lookup.is_some(),
-        }
-    }
-
-    pub(super) fn submit(&self, kind: JobKind, job: Job) -> Result<()> {
-        let _gate = self
-            .gate
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if self.shut.load(Ordering::Acquire) {
-            return Err(Error::Shutdown);
-        }
-        self.admission().admit(kind, job)
-    }
-}
-
-impl Admission<'_> {
+impl Node {
     /// Admits `job`: a malformed one is reported failed (`Ok`), a full queue or too many jobs
     /// in flight is [`Error::Backpressure`] with nothing queued.
-    pub fn admit(&self, kind: JobKind, job: Job) -> Result<()> {
+    pub(super) fn admit(&self, kind: JobKind, job: Job) -> Result<()> {
         let prev = self.shared.jobs_in_flight.fetch_add(1, Ordering::AcqRel);
         if prev >= self.jobs_in_flight_max {
             self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -79,7 +37,7 @@ impl Admission<'_> {
         }
         if let Some((index, detail)) = self.invalid(&job) {
             let state = JobState::new(kind, job);
-            state.fail_whole(self.shared, index, KeyFailure::InvalidJob, detail);
+            state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
             return Ok(());
         }
         let Some((lease, job)) = self.lease(kind, job) else {
@@ -102,17 +60,17 @@ impl Admission<'_> {
             self.notify_if_idle();
             return Err(Error::Backpressure(format!(
                 "worker {s} has {before} blocks queued, this job adds {n} (queue_blocks_max = {})",
-                self.queue_blocks_max
+                self.router.queue_blocks_max
             )));
         }
         let state = Arc::new(self.job_state(kind, job, lease));
         if state.job.keys.is_empty() {
-            state.publish(self.shared);
+            state.publish(&self.shared);
             return Ok(());
         }
-        if let (JobKind::Load, Some(cold)) = (kind, self.cold) {
+        if let (JobKind::Load, Some(cold)) = (kind, self.cold.as_deref()) {
             // Keys not held locally are loaded from the bucket; their queue room is returned.
-            cold::load_remote(cold, self.router, &state, &mut parts, |k| self.is_local(k));
+            cold::load_remote(cold, &self.router, &state, &mut parts, |k| self.is_local(k));
         }
         for (s, items) in parts.into_iter().enumerate() {
             if !items.is_empty() {
@@ -141,7 +99,12 @@ impl Admission<'_> {
                      block once",
                     job.blocks[i]
                 );
-                JobState::new(kind, job).fail_whole(self.shared, i, KeyFailure::InvalidJob, detail);
+                JobState::new(kind, job).fail_whole(
+                    &self.shared,
+                    i,
+                    KeyFailure::InvalidJob,
+                    detail,
+                );
                 None
             }
             Ok(lease) => Some((Arc::new(lease), job)),
@@ -152,7 +115,12 @@ impl Admission<'_> {
                     .position(|&b| b == busy.block)
                     .unwrap_or(0);
                 let state = JobState::new(kind, job);
-                state.fail_whole(self.shared, index, KeyFailure::InvalidJob, busy.to_string());
+                state.fail_whole(
+                    &self.shared,
+                    index,
+                    KeyFailure::InvalidJob,
+                    busy.to_string(),
+                );
                 None
             }
         }
@@ -160,7 +128,7 @@ impl Admission<'_> {
 
     /// The state of an admitted job: write-through stores report after their upload.
     fn job_state(&self, kind: JobKind, job: Job, lease: Arc<Lease>) -> JobState {
-        cold::admitted(self.cold, kind, job, lease)
+        cold::admitted(self.cold.as_deref(), kind, job, lease)
     }
 
     /// Whether a load of `key` goes to its NVMe worker (else to the cold tier): stored here, or,
@@ -170,7 +138,8 @@ impl Admission<'_> {
     fn is_local(&self, key: &Key) -> bool {
         let me = &self.router.workers[key.worker(self.router.workers.len())].1;
         me.published.contains(key)
-            || (self.files && me.unindexed().peek(key) != Some((Verdict::Absent, true)))
+            || (self.first_lookup.is_some()
+                && me.unindexed().peek(key) != Some((Verdict::Absent, true)))
     }
 
     fn invalid(&self, job: &Job) -> Option<(usize, String)> {
@@ -194,7 +163,7 @@ impl Admission<'_> {
             })
     }
 
-    pub fn notify_if_idle(&self) {
+    fn notify_if_idle(&self) {
         if self.shared.jobs_in_flight.load(Ordering::Acquire) == 0 {
             let _g = self
                 .shared
