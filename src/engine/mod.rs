@@ -12,8 +12,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::Receiver;
-
 use crate::cold::ColdTier;
 use crate::config::Config;
 use crate::error::Result;
@@ -21,6 +19,7 @@ use crate::events::Event;
 use crate::files::device::ScanReport;
 use crate::io::Region;
 use crate::job::release::ShutdownReport;
+use crate::job::sink::{ChannelSink, ClientId};
 use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::metrics::Stats;
 use crate::slab::Geometry;
@@ -85,7 +84,9 @@ pub struct Engine {
     stats: Arc<stats::StatsSource>,
     /// `[metrics] listen`: stopped at shutdown.
     metrics_server: Mutex<Option<crate::metrics::serve::MetricsServer>>,
-    results: Receiver<JobResult>,
+    /// The engine's caller, the node's one client: its results arrive here.
+    caller: Arc<ChannelSink>,
+    client: ClientId,
     /// Held for the whole of `shutdown`, so a second, concurrent call returns only once the
     /// first has joined every worker (the caller may free the region when it returns).
     shutting_down: Mutex<()>,
@@ -127,24 +128,24 @@ impl Engine {
     /// [`Error::Backpressure`](crate::Error::Backpressure). A malformed job (lengths differ,
     /// block id out of range) is accepted and reported failed.
     pub fn submit_store(&self, job: Job) -> Result<()> {
-        self.node.submit(JobKind::Store, job)
+        self.node.submit(self.client, JobKind::Store, job)
     }
 
     /// Queues a load job; see [`Engine::submit_store`].
     pub fn submit_load(&self, job: Job) -> Result<()> {
-        self.node.submit(JobKind::Load, job)
+        self.node.submit(self.client, JobKind::Load, job)
     }
 
     /// Moves every finished job's result into `out`; returns how many. Each job appears once.
     pub fn poll_finished(&self, out: &mut Vec<JobResult>) -> usize {
         let before = out.len();
-        out.extend(self.results.try_iter());
+        out.extend(self.caller.results().try_iter());
         out.len() - before
     }
 
     /// Blocks until a result is available or `timeout` passes.
     pub fn wait_finished(&self, out: &mut Vec<JobResult>, timeout: Duration) -> usize {
-        match self.results.recv_timeout(timeout) {
+        match self.caller.results().recv_timeout(timeout) {
             Ok(r) => {
                 out.push(r);
                 1 + self.poll_finished(out)
@@ -160,35 +161,16 @@ impl Engine {
     /// result published after the poll wakes the loop again. Created on the first call.
     pub fn result_fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
-        if self.node.shared().result_event.get().is_none() {
-            let event = kvtier_sys::eventfd::EventFd::new().map_err(|errno| {
-                crate::Error::Worker(format!("creating the result eventfd: {errno}"))
-            })?;
-            // Another thread may have set one first: then this one is dropped.
-            if self.node.shared().result_event.set(event).is_ok() && !self.results.is_empty() {
-                // Results published before the eventfd existed: the caller sees them too.
-                if let Some(event) = self.node.shared().result_event.get() {
-                    event.notify();
-                }
-            }
-        }
-        Ok(self
-            .node
-            .shared()
-            .result_event
-            .get()
-            .expect("set above")
-            .as_fd())
+        let event = self.caller.event().map_err(|errno| {
+            crate::Error::Worker(format!("creating the result eventfd: {errno}"))
+        })?;
+        Ok(event.as_fd())
     }
 
     /// Resets [`Engine::result_fd`]'s counter; returns the notifications it held (0 without
     /// one, or if none was pending).
     pub fn clear_result_fd(&self) -> u64 {
-        self.node
-            .shared()
-            .result_event
-            .get()
-            .map_or(0, kvtier_sys::eventfd::EventFd::drain)
+        self.caller.clear_event()
     }
 
     /// Jobs submitted whose result has not been published yet.

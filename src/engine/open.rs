@@ -63,7 +63,7 @@ impl Engine {
         let region_blocks = check_region(&region, derived.block_bytes)?;
         let mut devices = open_devices(config, &derived, storage.as_ref())?;
         let cores = config.cores.workers();
-        let (shared, results) = Shared::new(EventSink::new(
+        let shared = Shared::new(EventSink::new(
             config.events.enabled,
             config.events.max,
             config.events.locality,
@@ -102,8 +102,12 @@ impl Engine {
             config.jobs_in_flight_max,
             first_lookup(config, &derived),
         );
+        let caller = Arc::new(crate::job::sink::ChannelSink::default());
+        let client = node.register_client(&(Arc::clone(&caller) as _));
         let mut engine = Engine {
             node,
+            caller,
+            client,
             storage: Arc::clone(&storage),
             block_bytes: derived.block_bytes,
             stats: Arc::new(StatsSource::new(
@@ -114,7 +118,6 @@ impl Engine {
                 &derived,
             )),
             metrics_server: Mutex::new(None),
-            results,
             shutting_down: Mutex::new(()),
             threads: Mutex::new(workers.threads),
             info: EngineInfo {

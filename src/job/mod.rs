@@ -16,8 +16,10 @@ use crate::key::Key;
 use crate::metrics::EngineMetrics;
 use crate::Errno;
 use release::{Held, Park, Release};
+use sink::{ClientId, Sinks};
 
 pub mod release;
+pub(crate) mod sink;
 
 /// A job's caller-chosen identifier.
 pub type JobId = u64;
@@ -128,6 +130,8 @@ pub struct JobResult {
     /// that could not stop an I/O: the blocks are the caller's once it is set (see
     /// [`crate::release`]).
     pub release: Option<Release>,
+    /// The node's client that submitted the job, whose sink receives this.
+    pub(crate) client: ClientId,
 }
 
 impl JobResult {
@@ -185,7 +189,8 @@ pub(crate) type MissFallback = Box<dyn Fn(&Arc<JobState>, usize) + Send + Sync>;
 
 /// State shared by the engine handle and every worker.
 pub(crate) struct Shared {
-    pub results_tx: crossbeam_channel::Sender<JobResult>,
+    /// Where each client's results go.
+    pub sinks: Sinks,
     pub jobs_in_flight: AtomicUsize,
     pub idle_lock: Mutex<()>,
     pub idle: Condvar,
@@ -205,19 +210,15 @@ pub(crate) struct Shared {
     /// Workers that stopped with I/O still in flight past its deadline, and those ops.
     pub workers_gave_up: AtomicUsize,
     pub ops_given_up: AtomicUsize,
-    /// Bumped after every result is published, once a caller asked for it
-    /// ([`crate::Engine::result_fd`]).
-    pub result_event: std::sync::OnceLock<kvtier_sys::eventfd::EventFd>,
     /// This, for what runs when a lease's last hold goes.
     this: std::sync::Weak<Shared>,
 }
 
 impl Shared {
-    /// State for a new engine, and the receiver its results arrive on.
-    pub fn new(events: EventSink) -> (Arc<Shared>, crossbeam_channel::Receiver<JobResult>) {
-        let (results_tx, results) = crossbeam_channel::unbounded();
-        let shared = Arc::new_cyclic(|this| Shared {
-            results_tx,
+    /// State for a new node, with no client yet ([`Sinks::register`]).
+    pub fn new(events: EventSink) -> Arc<Shared> {
+        Arc::new_cyclic(|this| Shared {
+            sinks: Sinks::default(),
             jobs_in_flight: AtomicUsize::new(0),
             idle_lock: Mutex::new(()),
             idle: Condvar::new(),
@@ -230,10 +231,8 @@ impl Shared {
             early_results: AtomicBool::new(false),
             workers_gave_up: AtomicUsize::new(0),
             ops_given_up: AtomicUsize::new(0),
-            result_event: std::sync::OnceLock::new(),
             this: this.clone(),
-        });
-        (shared, results)
+        })
     }
 
     /// A load's key is not in the NVMe tier: ask the next tier, or fail the key as a miss. This
@@ -355,12 +354,7 @@ impl Shared {
 
     pub fn finish(&self, result: JobResult) {
         self.count_job(&result);
-        // The receiver lives in the Engine, which outlives the workers; ignore a closed channel
-        // only because there is nobody left to tell.
-        let _ = self.results_tx.send(result);
-        if let Some(event) = self.result_event.get() {
-            event.notify();
-        }
+        self.sinks.deliver(result);
         if self.jobs_in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
             let _guard = self
                 .idle_lock
@@ -396,6 +390,8 @@ pub(crate) struct JobState {
     /// store): their result goes here, not to `poll_finished`, and they are not counted in
     /// `jobs_in_flight` (the caller's job they serve is).
     then: Mutex<Option<Then>>,
+    /// The client whose sink receives the result.
+    client: ClientId,
 }
 
 impl JobState {
@@ -412,7 +408,15 @@ impl JobState {
             owns_lease: false,
             resolved: (0..n).map(|_| AtomicBool::new(false)).collect(),
             then: Mutex::new(None),
+            client: 0,
         }
+    }
+
+    /// The job of `client` (0 until set): its result goes to that client's sink.
+    #[must_use]
+    pub fn for_client(mut self, client: ClientId) -> JobState {
+        self.client = client;
+        self
     }
 
     /// Whether key `index` has its outcome already.
@@ -529,6 +533,7 @@ impl JobState {
             bytes: self.bytes.load(Ordering::Relaxed),
             elapsed: self.submitted.elapsed(),
             release: None,
+            client: self.client,
         };
         let then = self
             .then

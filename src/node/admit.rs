@@ -5,6 +5,7 @@
 use super::Node;
 use crate::cold;
 use crate::error::{Error, Result};
+use crate::job::sink::ClientId;
 use crate::job::{Job, JobKind, JobState, KeyFailure};
 use crate::key::Key;
 use crate::route::items_by_worker;
@@ -16,7 +17,7 @@ use std::sync::Arc;
 impl Node {
     /// Admits `job`: a malformed one is reported failed (`Ok`), a full queue or too many jobs
     /// in flight is [`Error::Backpressure`] with nothing queued.
-    pub(super) fn admit(&self, kind: JobKind, job: Job) -> Result<()> {
+    pub(super) fn admit(&self, client: ClientId, kind: JobKind, job: Job) -> Result<()> {
         let prev = self.shared.jobs_in_flight.fetch_add(1, Ordering::AcqRel);
         if prev >= self.jobs_in_flight_max {
             self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -36,11 +37,11 @@ impl Node {
                 .fetch_add(1, Ordering::Relaxed);
         }
         if let Some((index, detail)) = self.invalid(&job) {
-            let state = JobState::new(kind, job);
+            let state = JobState::new(kind, job).for_client(client);
             state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
             return Ok(());
         }
-        let Some((lease, job)) = self.lease(kind, job) else {
+        let Some((lease, job)) = self.lease(client, kind, job) else {
             return Ok(());
         };
         let workers = self.router.workers.len();
@@ -63,7 +64,8 @@ impl Node {
                 self.router.queue_blocks_max
             )));
         }
-        let state = Arc::new(self.job_state(kind, job, lease));
+        let state =
+            Arc::new(cold::admitted(self.cold.as_deref(), kind, job, lease).for_client(client));
         if state.job.keys.is_empty() {
             state.publish(&self.shared);
             return Ok(());
@@ -82,7 +84,7 @@ impl Node {
 
     /// Leases the job's blocks: shared for a store (the device reads them), exclusive for a
     /// load. `None` when the job was refused and reported failed instead.
-    fn lease(&self, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
+    fn lease(&self, client: ClientId, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
         match self.region.lease(&job.blocks, kind == JobKind::Load) {
             // The lease holds each block once: fewer than the job names means a repeat, which
             // a load cannot have (two keys would land in one block).
@@ -99,7 +101,7 @@ impl Node {
                      block once",
                     job.blocks[i]
                 );
-                JobState::new(kind, job).fail_whole(
+                JobState::new(kind, job).for_client(client).fail_whole(
                     &self.shared,
                     i,
                     KeyFailure::InvalidJob,
@@ -124,11 +126,6 @@ impl Node {
                 None
             }
         }
-    }
-
-    /// The state of an admitted job: write-through stores report after their upload.
-    fn job_state(&self, kind: JobKind, job: Job, lease: Arc<Lease>) -> JobState {
-        cold::admitted(self.cold.as_deref(), kind, job, lease)
     }
 
     /// Whether a load of `key` goes to its NVMe worker (else to the cold tier): stored here, or,

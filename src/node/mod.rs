@@ -4,6 +4,10 @@
 //! and hands results to one caller; the simulator's `Cluster` is one that steps the workers
 //! from its own thread. Neither admits, looks up or stops in code of its own.
 //!
+//! Each client registers a sink ([`Node::register_client`]) and its jobs' results leave
+//! through it: the engine's caller has a channel and an eventfd, a daemon would have one per
+//! process it serves.
+//!
 //! A node never blocks its callers: a submit passes the [`gate::Gate`] (one atomic word, no
 //! lock), is admitted or refused with `Backpressure`, and is queued on its workers without
 //! waiting. [`Node::close`] shuts the gate and waits only for submits already inside.
@@ -17,6 +21,7 @@ use crate::cold::ColdTier;
 use crate::config::FirstLookup;
 use crate::error::{Error, Result};
 use crate::io::Region;
+use crate::job::sink::{ClientId, ResultSink};
 use crate::job::{Job, JobKind, Shared};
 use crate::key::Key;
 use crate::route::{items_by_worker, Router};
@@ -94,12 +99,17 @@ impl Node {
         self.gate.is_open()
     }
 
-    /// Admits a job (see [`admit`]); `Error::Shutdown` once the node is closed.
-    pub fn submit(&self, kind: JobKind, job: Job) -> Result<()> {
+    /// Adds a client: the results of the jobs it submits go to `sink`.
+    pub fn register_client(&self, sink: &Arc<dyn ResultSink>) -> ClientId {
+        self.shared.sinks.register(sink)
+    }
+
+    /// Admits `client`'s job (see [`admit`]); `Error::Shutdown` once the node is closed.
+    pub fn submit(&self, client: ClientId, kind: JobKind, job: Job) -> Result<()> {
         let Some(_inside) = self.gate.enter() else {
             return Err(Error::Shutdown);
         };
-        self.admit(kind, job)
+        self.admit(client, kind, job)
     }
 
     /// Answers from the workers' published keys, the files layout's answers for keys not

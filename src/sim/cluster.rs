@@ -15,8 +15,6 @@
 
 use std::sync::Arc;
 
-use crossbeam_channel::Receiver;
-
 use crate::clock::Clock;
 use crate::cold::ColdTier;
 use crate::config::{Config, Cores, Derived};
@@ -24,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
 use crate::io::{BackendSettings, Region, Storage};
+use crate::job::sink::{ChannelSink, ClientId};
 use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::node::build::{scanned_by_worker, Built, Layouts, WorkerPlan};
 use crate::node::Node;
@@ -74,7 +73,9 @@ pub struct Cluster {
     workers: Vec<Box<dyn Stepped>>,
     /// The engine's core, as `Engine` drives it: admission, lookups, removal, the stop.
     node: Node,
-    results: Receiver<JobResult>,
+    /// The cluster's caller, the node's one client.
+    caller: Arc<ChannelSink>,
+    client: ClientId,
     cold: Option<Arc<SimObjectStore>>,
     rng: Rng,
     /// The workers' clock: it moves [`STEP_TIME`] a turn, never with the wall clock, so a seed
@@ -242,7 +243,7 @@ impl Cluster {
         };
         let workers = cores.len();
         scanned.resize_with(workers, Vec::new);
-        let (shared, results) = Shared::new(EventSink::new(false, 1, None));
+        let shared = Shared::new(EventSink::new(false, 1, None));
         // Half the clusters play a caller that takes early results (vLLM 0.34's
         // deferred_release), half one that gets each result once its blocks are free.
         shared.early_results.store(
@@ -299,10 +300,13 @@ impl Cluster {
         if let Some(c) = &cold {
             node.attach_cold(Arc::clone(c) as Arc<dyn ColdTier>);
         }
+        let caller = Arc::new(ChannelSink::default());
+        let client = node.register_client(&(Arc::clone(&caller) as _));
         Ok(Cluster {
             workers: list,
             node,
-            results,
+            caller,
+            client,
             cold,
             rng: Rng::new(seed),
             clock,
@@ -314,7 +318,7 @@ impl Cluster {
     /// job is reported failed, a full queue or too many jobs in flight is
     /// `Error::Backpressure` with nothing queued, a stopped cluster `Error::Shutdown`.
     pub fn submit(&mut self, kind: JobKind, job: Job) -> Result<()> {
-        self.node.submit(kind, job)
+        self.node.submit(self.client, kind, job)
     }
 
     /// Answers a lookup through `Engine::lookup`'s own code (`node::Node::lookup`): the
@@ -438,7 +442,7 @@ impl Cluster {
 
     /// Moves every finished job's result into `out`.
     pub fn poll(&self, out: &mut Vec<JobResult>) {
-        for r in self.results.try_iter() {
+        for r in self.caller.results().try_iter() {
             super::trace(&[7, r.id, r.failures.len() as u64]);
             for f in &r.failures {
                 let reason = xxhash_rust::xxh3::xxh3_64(format!("{:?}", f.reason).as_bytes());

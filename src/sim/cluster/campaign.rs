@@ -1276,6 +1276,88 @@ mod clock_tests {
         assert_eq!(cluster.jobs_in_flight(), 0);
     }
 
+    /// Two clients of one node (as a daemon serves two processes): each job's result leaves
+    /// through its own client's sink and no other, a malformed job's too, and what one client
+    /// stored the other loads byte-exact.
+    #[test]
+    fn each_client_of_a_node_gets_its_own_results() {
+        use crate::job::sink::ChannelSink;
+        let mut rng = Rng::new(8);
+        let config = config(&mut rng, 1, 1);
+        let storage = SimStorage::new(8, &[(1 << 20) + 32 * BLOCK]);
+        let region = crate::region::allocate_blocks(
+            BLOCK,
+            u64::from(REGION_BLOCKS),
+            crate::config::HugePages::Off,
+        )
+        .expect("region");
+        let mut cluster = Cluster::open(&config, &region, &storage, 8).expect("opens");
+        let other = Arc::new(ChannelSink::default());
+        let second = cluster.node.register_client(&(Arc::clone(&other) as _));
+        assert_ne!(second, cluster.client);
+        let keys: Vec<Key> = (1..=4).map(key).collect();
+        for (i, k) in (1..=4).enumerate() {
+            region.write(i * BLOCK as usize, &content(k));
+        }
+        cluster
+            .submit(JobKind::Store, Job::new(1, keys[..2].to_vec(), vec![0, 1]))
+            .expect("first client's store");
+        cluster
+            .node
+            .submit(
+                second,
+                JobKind::Store,
+                Job::new(2, keys[2..].to_vec(), vec![2, 3]),
+            )
+            .expect("second client's store");
+        cluster
+            .node
+            .submit(
+                second,
+                JobKind::Load,
+                Job::new(3, vec![keys[0]], vec![9, 9]),
+            )
+            .expect("a malformed job is admitted and reported failed");
+        assert!(cluster.settle(20_000), "the stores settle");
+        let mut mine = Vec::new();
+        cluster.poll(&mut mine);
+        let theirs: Vec<JobResult> = other.results().try_iter().collect();
+        let ids = |r: &[JobResult]| r.iter().map(|r| r.id).collect::<Vec<_>>();
+        assert_eq!(ids(&mine), vec![1], "{mine:?}");
+        assert!(mine[0].success, "{mine:?}");
+        let mut their_ids = ids(&theirs);
+        their_ids.sort_unstable();
+        assert_eq!(their_ids, vec![2, 3], "{theirs:?}");
+        for r in &theirs {
+            match r.id {
+                2 => assert!(r.success, "{r:?}"),
+                _ => assert_eq!(r.failure().map(|f| f.reason), Some(KeyFailure::InvalidJob)),
+            }
+        }
+        // The second client loads what the first stored, into blocks of its own.
+        region.fill(8 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
+        cluster
+            .node
+            .submit(
+                second,
+                JobKind::Load,
+                Job::new(4, keys[..2].to_vec(), vec![8, 9]),
+            )
+            .expect("second client's load");
+        assert!(cluster.settle(20_000), "the load settles");
+        mine.clear();
+        cluster.poll(&mut mine);
+        assert!(mine.is_empty(), "the first client got {mine:?}");
+        let loaded: Vec<JobResult> = other.results().try_iter().collect();
+        assert_eq!(ids(&loaded), vec![4]);
+        assert!(loaded[0].success, "{loaded:?}");
+        for (i, k) in [(8usize, 1u64), (9, 2)] {
+            let mut got = vec![0u8; BLOCK as usize];
+            region.read(i * BLOCK as usize, &mut got);
+            assert!(got == content(k), "block {i} does not hold key {k}'s bytes");
+        }
+    }
+
     /// A load from a hung device fails by its deadline on the cluster's clock: not before
     /// `io_timeout_ms` of cluster time and soon after (on the wall clock it would take 200 ms of
     /// real time, tens of thousands of steps); once the device answers again its late
