@@ -15,7 +15,6 @@
 //! its data (a crash between the two) names a block whose check fails at its first load, and
 //! is dropped, never served (see [`super::table`]).
 
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -30,8 +29,9 @@ use crate::worker::{
 };
 use crate::Errno;
 
+use super::pages::TablePages;
 use super::slots::Slots;
-use super::table::PageState;
+use super::table::Ack;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SlotState {
@@ -97,7 +97,6 @@ pub(super) struct Dev {
     pub meta_offset: usize,
     /// `devices[i] <path>`, for error messages.
     pub name: String,
-    pub pages: Vec<PageState>,
 }
 
 impl Dev {
@@ -196,8 +195,9 @@ pub(crate) struct SlabLayout {
     pub(super) meta: Arc<crate::io::Region>,
     pub(super) devs: Vec<Dev>,
     pub(super) index: KeyMap<(u16, u32)>,
-    pub(super) dirty_pages: VecDeque<(u16, u32)>,
-    pub(super) table_in_flight: usize,
+    /// The table pages' write-back: which changed, which are being written, the stores each
+    /// write acknowledges.
+    pub(super) pages: TablePages<Ack>,
     /// Store ops started and not finished.
     pub(super) store_ops: usize,
     /// Stores whose data writes were pushed since the last submit: their entries are written
@@ -220,6 +220,7 @@ impl SlabLayout {
         metrics: &crate::metrics::WorkerMetrics,
     ) -> SlabLayout {
         let mut devs = Vec::with_capacity(devices.len());
+        let mut pages_per_dev = Vec::with_capacity(devices.len());
         let mut meta_offset = 0usize;
         let mut capacity = 0usize;
         for (i, d) in devices.iter().enumerate() {
@@ -235,9 +236,9 @@ impl SlabLayout {
                 first: r.start,
                 slots: Slots::new(n),
                 meta_offset,
-                pages: vec![PageState::default(); pages],
                 name: d.name.clone(),
             });
+            pages_per_dev.push(pages);
             meta_offset += pages * crate::slab::TABLE_PAGE_BYTES;
             capacity += n;
         }
@@ -250,8 +251,7 @@ impl SlabLayout {
             meta,
             devs,
             index,
-            dirty_pages: VecDeque::new(),
-            table_in_flight: 0,
+            pages: TablePages::new(&pages_per_dev),
             store_ops: 0,
             entering: Vec::new(),
             finalize: Vec::new(),
@@ -349,7 +349,7 @@ impl Layout for SlabLayout {
             return Start::Resolved;
         };
         let Some(local) = self.alloc_slot(core, d) else {
-            if core.backend.in_flight() > self.table_in_flight
+            if core.backend.in_flight() > self.pages.in_flight()
                 || core
                     .demote
                     .as_ref()
@@ -517,7 +517,7 @@ impl Layout for SlabLayout {
     }
 
     fn idle(&self) -> bool {
-        self.dirty_pages.is_empty() && self.entering.is_empty() && self.finalize.is_empty()
+        self.pages.all_written() && self.entering.is_empty() && self.finalize.is_empty()
     }
 
     fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
@@ -531,10 +531,10 @@ impl Layout for SlabLayout {
             // which keeps the job's lease while the device may still read the block.
             OpKind::Table { page } => {
                 let dev = &self.devs[op.dev as usize];
-                let p = &dev.pages[page as usize];
-                p.committing
+                let p = self.pages.page((op.dev, page));
+                p.committing()
                     .iter()
-                    .chain(&p.waiting)
+                    .chain(p.waiting())
                     .filter(|a| !dev.slots[a.local as usize].written_by(a.seq))
                     .map(|a| (Arc::clone(&a.job), a.item, false))
                     .collect()
@@ -566,7 +566,7 @@ impl Layout for SlabLayout {
             OpKind::Load => format!("load (read of slot {})", op.slot),
             OpKind::Store => format!("store (write of slot {})", op.slot),
             // A timeout of a page write fails the stores it acknowledges: say so.
-            OpKind::Table { page } => match dev.pages[page as usize].committing.len() {
+            OpKind::Table { page } => match self.pages.page((op.dev, page)).committing().len() {
                 0 => format!("slot table write (page {page})"),
                 n => format!("slot table write (page {page}) acknowledging {n} store(s)"),
             },
@@ -583,28 +583,25 @@ impl Layout for SlabLayout {
     #[cfg(any(test, feature = "sim"))]
     fn check_quiet(&self, core: &Core<Op>) -> Result<(), String> {
         if self.store_ops != 0
-            || self.table_in_flight != 0
+            || self.pages.in_flight() != 0
             || !self.entering.is_empty()
             || !self.finalize.is_empty()
         {
             return Err(format!(
                 "{} stores, {} table writes, {} entries, {} finalizations left",
                 self.store_ops,
-                self.table_in_flight,
+                self.pages.in_flight(),
                 self.entering.len(),
                 self.finalize.len()
             ));
         }
+        self.pages.check()?;
+        if let Some((d, p)) = self.pages.first_unacknowledged() {
+            return Err(format!(
+                "device {d} table page {p}: stores never acknowledged"
+            ));
+        }
         for (d, dev) in self.devs.iter().enumerate() {
-            if let Some(p) = dev
-                .pages
-                .iter()
-                .position(|p| !p.waiting.is_empty() || !p.committing.is_empty())
-            {
-                return Err(format!(
-                    "device {d} table page {p}: stores never acknowledged"
-                ));
-            }
             for (local, s) in dev.slots.iter().enumerate() {
                 if s.pins != 0 || s.state == SlotState::Writing || s.state == SlotState::Doomed {
                     return Err(format!(

@@ -19,6 +19,7 @@ use crate::key::{Key, MAX_KEY_BYTES};
 mod evict;
 pub(crate) mod layout;
 mod outcome;
+mod pages;
 pub(crate) mod prepare;
 mod slots;
 pub(crate) mod table;

@@ -16,26 +16,6 @@ use super::layout::{
     DeviceSpec, EntryState, Op, OpKind, SlabLayout, SlotMeta, SlotState, FREE_SLOT,
 };
 
-#[derive(Clone, Default)]
-pub(crate) struct PageState {
-    pub dirty: bool,
-    /// Entries changed since the page was last written.
-    pub dirty_entries: u16,
-    pub in_flight: bool,
-    /// Stores whose entries changed since the page was last written: acknowledged when the
-    /// next write of the page completes.
-    pub waiting: Vec<Ack>,
-    /// When the oldest of `waiting` arrived: with no write of the page in flight (none could be
-    /// queued: the ring or the op table full of I/O that does not complete), their deadline
-    /// counts from here ([`SlabLayout::expire_waiting`]).
-    pub waiting_since: Option<std::time::Instant>,
-    /// Stores whose entries the write in flight carries.
-    pub committing: Vec<Ack>,
-    /// Entries changed while the page's write was in flight (the device reads the page, so
-    /// it is not written meanwhile): copied in when that write completes, and written next.
-    pub deferred: Vec<(usize, [u8; ENTRY_BYTES])>,
-}
-
 /// A store to acknowledge once the table page holding its entry is on the device (and its data
 /// write has completed: the two run side by side).
 #[derive(Clone)]
@@ -78,12 +58,8 @@ impl SlabLayout {
 
     /// Queues `ack` for when the table page holding entry `local` of device `d` is written.
     pub(super) fn ack_after_entry(&mut self, core: &Core<Op>, d: usize, local: u32, ack: Ack) {
-        let page = local as usize / ENTRIES_PER_PAGE;
-        let p = &mut self.devs[d].pages[page];
-        if p.waiting.is_empty() {
-            p.waiting_since = Some(core.ops.now());
-        }
-        p.waiting.push(ack);
+        let page = (local as usize / ENTRIES_PER_PAGE) as u32;
+        self.pages.wait((d as u16, page), ack, core.ops.now());
     }
 
     /// Fails, with a timeout, the stores whose data is written and whose entry has waited
@@ -98,27 +74,13 @@ impl SlabLayout {
         limit: std::time::Duration,
     ) -> bool {
         let mut any = false;
-        // A page with stores waiting and no write in flight is dirty and queued: only those.
-        for i in 0..self.dirty_pages.len() {
-            let (d, page) = self.dirty_pages[i];
-            let (d, page) = (d as usize, page as usize);
-            let p = &self.devs[d].pages[page];
-            let overdue = !p.in_flight
-                && p.waiting_since
-                    .is_some_and(|since| now.duration_since(since) > limit);
-            if !overdue {
-                continue;
-            }
-            let dev = &mut self.devs[d];
-            let waiting = std::mem::take(&mut dev.pages[page].waiting);
+        for (d, page) in self.pages.overdue(now, limit) {
+            let dev = &self.devs[d as usize];
             // A store whose data write is still in flight stays: that write's deadline
             // covers it (and keeps its lease while the device may read the block).
-            let (still, failing): (Vec<Ack>, Vec<Ack>) = waiting
-                .into_iter()
-                .partition(|a| dev.slots[a.local as usize].written_by(a.seq));
-            let p = &mut dev.pages[page];
-            p.waiting_since = (!still.is_empty()).then_some(now);
-            p.waiting = still;
+            let failing = self.pages.expire((d, page), now, |a| {
+                dev.slots[a.local as usize].written_by(a.seq)
+            });
             let detail = format!(
                 "{}: the slot table write (page {page}) could not be queued within \
                  io_timeout_ms = {} (the ring is full of I/O that has not completed); the \
@@ -141,25 +103,10 @@ impl SlabLayout {
             Some(e) => e.encode(&mut self.scratch_entry),
             None => self.scratch_entry.fill(0),
         }
-        let dev = &mut self.devs[d];
-        let at = dev.meta_offset + local as usize * ENTRY_BYTES;
-        let page = local as usize / ENTRIES_PER_PAGE;
-        let p = &mut dev.pages[page];
-        if p.in_flight {
-            // At most one per entry of the page: the latest wins.
-            match p.deferred.iter_mut().find(|(a, _)| *a == at) {
-                Some(e) => e.1 = self.scratch_entry,
-                None => p.deferred.push((at, self.scratch_entry)),
-            }
-        } else {
+        let at = self.devs[d].meta_offset + local as usize * ENTRY_BYTES;
+        let page = (local as usize / ENTRIES_PER_PAGE) as u32;
+        if self.pages.changed((d as u16, page), at, self.scratch_entry) {
             self.meta.write(at, &self.scratch_entry);
-        }
-        p.dirty_entries = p.dirty_entries.saturating_add(1);
-        if !p.dirty {
-            p.dirty = true;
-            if !p.in_flight {
-                self.dirty_pages.push_back((d as u16, page as u32));
-            }
         }
     }
 
@@ -176,14 +123,9 @@ impl SlabLayout {
                 && self.store_ops == 0
                 && core.backend.in_flight() == 0);
         let mut any = false;
-        let mut i = 0;
-        while i < self.dirty_pages.len() {
-            let (d, page) = self.dirty_pages[i];
-            let p = &self.devs[d as usize].pages[page as usize];
-            if !quiet && p.waiting.is_empty() && p.dirty_entries < TABLE_BATCH_ENTRIES {
-                i += 1;
-                continue;
-            }
+        let mut from = 0;
+        while let Some(i) = self.pages.next_due(from, quiet, TABLE_BATCH_ENTRIES) {
+            let (d, page) = self.pages.queued()[i];
             let Some(idx) = core.ops.alloc(Op::new(OpKind::Table { page })) else {
                 break;
             };
@@ -208,14 +150,9 @@ impl SlabLayout {
                 break;
             }
             core.ops[idx as usize].dev = d;
-            self.dirty_pages.remove(i);
-            let p = &mut self.devs[d as usize].pages[page as usize];
-            p.dirty = false;
-            p.dirty_entries = 0;
-            p.in_flight = true;
-            p.committing = std::mem::take(&mut p.waiting);
-            p.waiting_since = None;
-            self.table_in_flight += 1;
+            self.pages.start(i);
+            // The page left the queue: the next due one is at `i` or after.
+            from = i;
             any = true;
         }
         any
@@ -224,10 +161,13 @@ impl SlabLayout {
     pub(super) fn on_table_done(&mut self, core: &mut Core<Op>, idx: u32, page: u32, result: i32) {
         let d = core.ops[idx as usize].dev;
         core.ops.release(idx);
-        self.table_in_flight -= 1;
         core.me.metrics.table_writes.fetch_add(1, Ordering::Relaxed);
-        let p = &mut self.devs[d as usize].pages[page as usize];
-        let acks = std::mem::take(&mut p.committing);
+        // The device is done reading the page (its claim went with the completion): the
+        // entries changed meanwhile go in now.
+        let (acks, deferred) = self.pages.written((d, page));
+        for (at, entry) in deferred {
+            self.meta.write(at, &entry);
+        }
         if usize::try_from(result).ok() == Some(TABLE_PAGE_BYTES) {
             for a in &acks {
                 if a.job.is_resolved(a.item) {
@@ -285,15 +225,6 @@ impl SlabLayout {
                 core.store_failed(&a.job, a.item, reason, detail.clone());
             }
         }
-        let p = &mut self.devs[d as usize].pages[page as usize];
-        p.in_flight = false;
-        // The device is done reading the page (its claim went with the completion).
-        for (at, entry) in p.deferred.drain(..) {
-            self.meta.write(at, &entry);
-        }
-        if p.dirty {
-            self.dirty_pages.push_back((d, page));
-        }
     }
 
     // ---------------------------------------------------------------------------------------
@@ -308,7 +239,7 @@ impl SlabLayout {
                 continue;
             }
             let dev = &self.devs[d];
-            let total = dev.pages.len() * TABLE_PAGE_BYTES;
+            let total = dev.slots.len().div_ceil(ENTRIES_PER_PAGE) * TABLE_PAGE_BYTES;
             let base = dev.geometry.table_page_offset(dev.first_page());
             let meta_offset = dev.meta_offset;
             let mut done = 0usize;
