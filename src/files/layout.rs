@@ -178,7 +178,7 @@ impl FilesLayout {
         if core.ops[idx as usize].opening {
             self.stores_opening -= 1;
         }
-        core.ops.release(idx);
+        core.release(idx);
     }
 
     /// Store `idx` is done preparing: its block write is issued next.
@@ -287,7 +287,7 @@ impl Layout for FilesLayout {
             e.pins += 1;
         }
         self.touch_key(key);
-        Start::Started
+        Start::Loading(idx)
     }
 
     fn start_store(

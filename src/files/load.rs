@@ -247,7 +247,7 @@ impl FilesLayout {
             };
             op.kind = Kind::Remove;
             self.removals_in_flight += 1;
-            core.sched.load_ended();
+            core.end_load(idx);
         }
         core.ops[idx as usize].step = Step::Close;
         self.push_step(core, idx);
@@ -284,7 +284,6 @@ impl FilesLayout {
         if let Some(e) = key.and_then(|k| self.index.get_mut(&k)) {
             e.pins = e.pins.saturating_sub(1);
         }
-        core.sched.load_ended();
         self.release(core, idx);
     }
 }

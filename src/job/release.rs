@@ -179,14 +179,17 @@ impl Held {
     pub fn take_waiting(&self) -> Vec<(JobResult, Option<Then>)> {
         let mut e = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
         let mut out = Vec::new();
-        for entry in e.1.values_mut() {
+        for (&ticket, entry) in &mut e.1 {
             if let Some((mut r, then)) = entry.waiting.take() {
                 r.release = Some(entry.release.clone());
-                out.push((r, then));
+                out.push((ticket, r, then));
             }
         }
         self.waiting.fetch_sub(out.len(), Ordering::AcqRel);
-        out
+        // In the order they were parked (tickets count up), not the map's: the simulator's
+        // trace of a stop replays in another process too.
+        out.sort_unstable_by_key(|(ticket, ..)| *ticket);
+        out.into_iter().map(|(_, r, then)| (r, then)).collect()
     }
 
     /// Results not reported yet because an I/O holds their blocks.

@@ -99,7 +99,9 @@ impl SlabLayout {
         let op = &core.ops[idx as usize];
         let (d, local) = (op.dev as usize, op.slot);
         core.ops.release(idx);
-        self.unpin(d, local);
+        // A slot doomed while this read ran is freed by its last unpin, whichever read that
+        // is (a demotion's read once left it doomed for good: the simulator's seed 21365).
+        self.devs[d].slots.unpin(local);
         let slot = &self.devs[d].slots[local as usize];
         let read_ok = result == core.block_bytes as i32;
         let still_valid = slot.state == SlotState::Valid && slot.pins == 0;
@@ -154,13 +156,6 @@ impl SlabLayout {
             self.index.remove(&key);
             core.publisher.remove(&key);
         }
-    }
-
-    /// Drops one pin of a slot (a load's or a demotion's read of it ended). A slot a load
-    /// doomed meanwhile is freed by its last unpin, whichever read that is (a demotion's read
-    /// once left it doomed for good: found by the simulator, seed 21365).
-    pub(super) fn unpin(&mut self, d: usize, local: u32) {
-        self.devs[d].slots.unpin(local);
     }
 
     pub(super) fn free_slot(&mut self, d: usize, local: u32) {

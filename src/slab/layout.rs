@@ -316,7 +316,7 @@ impl Layout for SlabLayout {
         let slots = &mut self.devs[d as usize].slots;
         slots.pin(local);
         slots[local as usize].referenced = true;
-        Start::Started
+        Start::Loading(idx)
     }
 
     fn start_store(

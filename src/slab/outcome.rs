@@ -15,7 +15,6 @@ use super::layout::{EntryState, Finished, Op, SlabLayout, SlotState};
 
 impl SlabLayout {
     pub(super) fn on_load_done(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        core.sched.load_ended();
         let op = &core.ops[idx as usize];
         let (d, local, block, item, started) = (
             op.dev as usize,
@@ -69,8 +68,8 @@ impl SlabLayout {
                 None => Ok(()),
             }
         };
-        self.unpin(d, local as u32);
-        core.ops.release(idx);
+        self.devs[d].slots.unpin(local as u32);
+        core.release(idx);
         core.report_load(&job, item, d, started, outcome);
     }
 

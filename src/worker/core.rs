@@ -77,6 +77,27 @@ impl<O: LayoutOp> Core<O> {
         self.claim(job, block as usize * bytes, bytes, device_writes)
     }
 
+    /// Load op `idx` started: one more load in flight, until it ends.
+    pub fn load_started(&mut self, idx: u32) {
+        self.ops.mark_load(idx);
+        self.sched.load_started();
+    }
+
+    /// Ends load op `idx` in the scheduler now, if it is still counted (an op that goes on as
+    /// something else ends its load early); nothing for any other op.
+    pub fn end_load(&mut self, idx: u32) {
+        if self.ops.take_load(idx) {
+            self.sched.load_ended();
+        }
+    }
+
+    /// Frees op `idx`, ending the load it was, if any: the worker ends what it started, so a
+    /// layout never has to remember to.
+    pub fn release(&mut self, idx: u32) {
+        self.end_load(idx);
+        self.ops.release(idx);
+    }
+
     /// Store `idx` is ready to write its data: plans its chunks and queues it for issue.
     pub fn begin_writing(&mut self, idx: u32) {
         let plan = self.sched.plan_store(!self.loads.is_empty());

@@ -79,8 +79,11 @@ impl Removal {
 /// What starting a load or a store did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Start {
-    /// I/O was queued for the key (for a load: one more load in flight).
+    /// I/O was queued for a store's key.
     Started,
+    /// I/O was queued for a load's key as op `idx`: the worker counts one more load in flight
+    /// until the op is released ([`Core::release`]) or its load ended ([`Core::end_load`]).
+    Loading(u32),
     /// The key was answered without I/O (a miss, already stored, a clear failure).
     Resolved,
     /// No room now (ring, op table, space being freed): try again next turn.
@@ -694,7 +697,8 @@ impl<L: Layout> Worker<L> {
             };
             let job = Arc::clone(job);
             match self.layout.start_load(&mut self.core, &job, item) {
-                Start::Started => self.core.sched.load_started(),
+                Start::Loading(idx) => self.core.load_started(idx),
+                Start::Started => unreachable!("a load started as a store"),
                 Start::Resolved => {}
                 Start::Blocked => break,
             }
@@ -734,6 +738,7 @@ impl<L: Layout> Worker<L> {
                 },
             };
             match self.layout.start_store(&mut self.core, &job, item, retried) {
+                Start::Loading(_) => unreachable!("a store started as a load"),
                 Start::Started | Start::Resolved => {
                     if retried {
                         self.core.retry.pop_front();

@@ -27,6 +27,9 @@ pub(crate) struct OpTable<T> {
     overdue: Vec<bool>,
     /// The leases an op holds until it completes (see [`OpTable::hold`]).
     holds: Vec<Vec<LeaseHold>>,
+    /// Whether each live op is a load the worker started and counts in flight (until
+    /// [`OpTable::take_load`]; `Core::release` ends it).
+    load: Vec<bool>,
     /// What `born` is read from: the worker's clock (its deadlines and timeout window too).
     clock: Clock,
 }
@@ -41,6 +44,7 @@ impl<T: TableOp> OpTable<T> {
             born: vec![clock.now(); capacity],
             overdue: vec![false; capacity],
             holds: std::iter::repeat_with(Vec::new).take(capacity).collect(),
+            load: vec![false; capacity],
             clock,
         }
     }
@@ -55,12 +59,33 @@ impl<T: TableOp> OpTable<T> {
         self.ops[i] = op;
         self.born[i] = self.clock.now();
         self.overdue[i] = false;
+        self.load[i] = false;
         Some(idx)
     }
 
+    /// Op `idx` is a load the worker started: it counts as one in flight until it ends.
+    pub fn mark_load(&mut self, idx: u32) {
+        let i = idx as usize;
+        debug_assert!(
+            self.live[i] && !self.load[i],
+            "op {idx} marked a load twice"
+        );
+        self.load[i] = true;
+    }
+
+    /// Whether op `idx` was a load still counted in flight; it is not from now on.
+    pub fn take_load(&mut self, idx: u32) -> bool {
+        std::mem::replace(&mut self.load[idx as usize], false)
+    }
+
+    /// Frees op `idx`. A load still counted in flight is ended first (`Core::release`).
     pub fn release(&mut self, idx: u32) {
         let i = idx as usize;
         assert!(self.live[i], "op {idx} released twice");
+        debug_assert!(
+            !self.load[i],
+            "load op {idx} released while counted in flight: release it with Core::release"
+        );
         self.live[i] = false;
         self.ops[i].clear();
         // The kernel is done with the op's buffers: the leases it kept can go.
