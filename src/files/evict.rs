@@ -97,11 +97,11 @@ impl FilesLayout {
         core.shared.events.push(vec![key], true);
         why.count(core.me.metrics.dev(d));
         let op = &mut core.ops[idx as usize];
-        op.step = if staging.is_some() {
+        op.begin(if staging.is_some() {
             Step::Open
         } else {
             Step::Unlink
-        };
+        });
         op.staging = staging;
         op.key = Some(key);
         op.dev = d as u16;
@@ -129,7 +129,7 @@ impl FilesLayout {
     pub(super) fn on_demote_open(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         if result < 0 {
             Self::end_demotion(core, idx, None);
-            core.ops[idx as usize].step = Step::Unlink;
+            core.ops[idx as usize].go(Step::Unlink);
             self.push_step(core, idx);
             return;
         }
@@ -155,7 +155,7 @@ impl FilesLayout {
             ));
         }
         Self::end_demotion(core, idx, demoted);
-        core.ops[idx as usize].step = Step::Close;
+        core.ops[idx as usize].go(Step::Close);
         self.push_step(core, idx);
     }
 

@@ -272,7 +272,7 @@ impl Layout for FilesLayout {
             return Start::Blocked;
         };
         let op = &mut core.ops[idx as usize];
-        op.step = Step::Open;
+        op.begin(Step::Open);
         op.job = Some(Arc::clone(job));
         op.item = item as u32;
         op.key = Some(key);

@@ -89,7 +89,7 @@ impl FilesLayout {
         let op = &mut core.ops[idx as usize];
         op.fd = fd;
         op.crc = crc;
-        op.step = if on_ring { Step::GetXattr } else { Step::Read };
+        op.go(if on_ring { Step::GetXattr } else { Step::Read });
         self.push_step(core, idx);
     }
 
@@ -106,7 +106,7 @@ impl FilesLayout {
         };
         let op = &mut core.ops[idx as usize];
         op.crc = crc;
-        op.step = Step::Read;
+        op.go(Step::Read);
         self.push_step(core, idx);
     }
 
@@ -249,13 +249,13 @@ impl FilesLayout {
             self.removals_in_flight += 1;
             core.end_load(idx);
         }
-        core.ops[idx as usize].step = Step::Close;
+        core.ops[idx as usize].go(Step::Close);
         self.push_step(core, idx);
     }
 
     pub(super) fn on_close(&mut self, core: &mut Core<Op>, idx: u32) {
         if core.ops[idx as usize].kind == Kind::Remove {
-            core.ops[idx as usize].step = Step::Unlink;
+            core.ops[idx as usize].go(Step::Unlink);
             self.push_step(core, idx);
             return;
         }

@@ -43,6 +43,64 @@ pub(crate) enum Step {
     Stat,
 }
 
+impl Step {
+    /// Whether an op of `kind` may begin at `step`.
+    pub fn first(kind: Kind, step: Step) -> bool {
+        matches!(
+            (kind, step),
+            (Kind::Load, Step::Open)
+                | (Kind::Store, Step::OpenTmp)
+                | (Kind::Remove, Step::Open | Step::Unlink)
+                | (Kind::Probe, Step::Stat)
+        )
+    }
+
+    /// Whether an op of `kind` at this step may take step `to` next: the files layout's state
+    /// machine, written in one place ([`Op::go`] checks every move against it). A load whose
+    /// file turns out short or corrupt goes on as a removal from its read.
+    pub fn may_go(self, kind: Kind, to: Step) -> bool {
+        use Step::{
+            Close, CloseDir, CloseTmp, GetXattr, MkdirLeaf, MkdirParent, Open, OpenDir, OpenParent,
+            OpenTmp, Read, Rename, SetXattr, Sync, SyncDir, Unlink, UnlinkTmp, Write,
+        };
+        match kind {
+            Kind::Load => matches!(
+                (self, to),
+                (Open, GetXattr | Read) | (GetXattr, Read) | (Read, Close)
+            ),
+            // An eviction or removal (`Unlink` at once), a demotion (read into staging first),
+            // or a load's bad file (closed, then removed).
+            Kind::Remove => matches!(
+                (self, to),
+                (Open, GetXattr | Read | Unlink)
+                    | (GetXattr, Read)
+                    | (Read, Close)
+                    | (Close, Unlink)
+            ),
+            Kind::Probe => false,
+            Kind::Store => matches!(
+                (self, to),
+                (OpenTmp, OpenParent | SetXattr | Write)
+                    | (OpenParent, MkdirLeaf | MkdirParent)
+                    | (MkdirParent, OpenParent)
+                    | (MkdirLeaf, OpenTmp)
+                    | (SetXattr, Write)
+                    | (Write, Sync | CloseTmp)
+                    | (Sync, CloseTmp)
+                    | (CloseTmp, Rename | UnlinkTmp)
+                    | (Rename, UnlinkTmp | OpenDir)
+                    | (OpenDir, SyncDir)
+                    | (SyncDir, CloseDir)
+                    // A failure before the rename: close what is open, remove the temp file.
+                    | (
+                        OpenTmp | OpenParent | MkdirLeaf | MkdirParent | SetXattr | Write | Sync,
+                        CloseTmp | UnlinkTmp
+                    )
+            ),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Load,
@@ -96,6 +154,27 @@ pub(crate) struct Op {
 }
 
 impl Op {
+    /// The op's first step.
+    pub fn begin(&mut self, step: Step) {
+        debug_assert!(
+            Step::first(self.kind, step),
+            "a files {:?} op cannot begin at {step:?}",
+            self.kind
+        );
+        self.step = step;
+    }
+
+    /// The op's next step, checked against [`Step::may_go`].
+    pub fn go(&mut self, to: Step) {
+        debug_assert!(
+            self.step.may_go(self.kind, to),
+            "a files {:?} op cannot go from {:?} to {to:?}",
+            self.kind,
+            self.step
+        );
+        self.step = to;
+    }
+
     /// The temp file's directory `<data>/<hhh>/<hh>_g<g>`.
     pub fn leaf_dir(&self) -> &Path {
         self.tmp.parent().unwrap_or(&self.tmp)
@@ -156,6 +235,168 @@ impl Op {
             staging: None,
             started: Instant::now(),
             generation: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: [Step; 19] = [
+        Step::Open,
+        Step::GetXattr,
+        Step::Read,
+        Step::Close,
+        Step::OpenTmp,
+        Step::OpenParent,
+        Step::MkdirLeaf,
+        Step::MkdirParent,
+        Step::SetXattr,
+        Step::Write,
+        Step::Sync,
+        Step::CloseTmp,
+        Step::Rename,
+        Step::UnlinkTmp,
+        Step::Unlink,
+        Step::OpenDir,
+        Step::SyncDir,
+        Step::CloseDir,
+        Step::Stat,
+    ];
+    const KINDS: [Kind; 4] = [Kind::Load, Kind::Store, Kind::Remove, Kind::Probe];
+
+    /// Walks `path` as an op of `kind` would: a first step, then legal moves only.
+    fn walk(kind: Kind, path: &[Step]) -> Op {
+        let mut op = Op {
+            kind,
+            ..Op::empty()
+        };
+        op.begin(path[0]);
+        for &s in &path[1..] {
+            op.go(s);
+        }
+        op
+    }
+
+    #[test]
+    fn every_path_the_layout_takes_is_legal() {
+        use Step::*;
+        // A load (xattr on the ring or not), and one whose file is bad: removed after closing.
+        walk(Kind::Load, &[Open, GetXattr, Read, Close]);
+        walk(Kind::Load, &[Open, Read, Close]);
+        let mut bad = walk(Kind::Load, &[Open, Read]);
+        bad.kind = Kind::Remove;
+        bad.go(Close);
+        bad.go(Unlink);
+        // A store in a new <hhh>/<hh>_g<g> (both directories made), synced, its name made
+        // durable; one in an existing directory without sync; failures at each stage.
+        walk(
+            Kind::Store,
+            &[
+                OpenTmp,
+                OpenParent,
+                MkdirParent,
+                OpenParent,
+                MkdirLeaf,
+                OpenTmp,
+                SetXattr,
+                Write,
+                Sync,
+                CloseTmp,
+                Rename,
+                OpenDir,
+                SyncDir,
+                CloseDir,
+            ],
+        );
+        walk(Kind::Store, &[OpenTmp, Write, CloseTmp, Rename]);
+        walk(Kind::Store, &[OpenTmp, Write, CloseTmp, UnlinkTmp]);
+        walk(
+            Kind::Store,
+            &[OpenTmp, OpenParent, MkdirLeaf, CloseTmp, UnlinkTmp],
+        );
+        walk(
+            Kind::Store,
+            &[OpenTmp, Write, Sync, CloseTmp, Rename, UnlinkTmp],
+        );
+        // An eviction, a demotion, a demotion whose open failed; a probe.
+        walk(Kind::Remove, &[Unlink]);
+        walk(Kind::Remove, &[Open, GetXattr, Read, Close, Unlink]);
+        walk(Kind::Remove, &[Open, Unlink]);
+        walk(Kind::Probe, &[Stat]);
+    }
+
+    #[test]
+    fn moves_the_layout_never_makes_are_refused() {
+        use Step::*;
+        assert!(
+            !Read.may_go(Kind::Load, Unlink),
+            "a load removes only as a removal"
+        );
+        assert!(
+            !Close.may_go(Kind::Load, Open),
+            "a load does not start over"
+        );
+        assert!(
+            !Rename.may_go(Kind::Store, CloseTmp),
+            "the temp file is closed once"
+        );
+        assert!(!Rename.may_go(Kind::Store, Rename), "renamed once");
+        assert!(
+            !OpenTmp.may_go(Kind::Store, Rename),
+            "no rename before the write"
+        );
+        assert!(
+            !Write.may_go(Kind::Store, Rename),
+            "closed before it is renamed"
+        );
+        assert!(
+            !Unlink.may_go(Kind::Remove, Open),
+            "a removal ends at its unlink"
+        );
+        assert!(
+            !Step::first(Kind::Store, Write),
+            "a store begins with its temp file"
+        );
+        assert!(
+            !Step::first(Kind::Load, Read),
+            "a load begins with its open"
+        );
+        for s in ALL {
+            for t in ALL {
+                assert!(!s.may_go(Kind::Probe, t), "a probe is one statx");
+            }
+            assert!(
+                !CloseDir.may_go(Kind::Store, s),
+                "a store ends at its directory's close"
+            );
+        }
+    }
+
+    /// Every step is the first of some kind or reached from one: the table has no step the
+    /// layout could never take.
+    #[test]
+    fn every_step_is_reachable() {
+        let mut reached: Vec<(Kind, Step)> = Vec::new();
+        for k in KINDS {
+            reached.extend(ALL.iter().filter(|&&s| Step::first(k, s)).map(|&s| (k, s)));
+        }
+        let mut i = 0;
+        while i < reached.len() {
+            let (k, s) = reached[i];
+            for t in ALL {
+                if s.may_go(k, t) && !reached.contains(&(k, t)) {
+                    reached.push((k, t));
+                }
+            }
+            i += 1;
+        }
+        for s in ALL {
+            assert!(
+                reached.iter().any(|&(_, r)| r == s),
+                "{s:?} is never reached"
+            );
         }
     }
 }

@@ -61,7 +61,7 @@ impl FilesLayout {
                         break;
                     };
                     let op = &mut core.ops[idx as usize];
-                    op.step = Step::Stat;
+                    op.begin(Step::Stat);
                     op.key = Some(key);
                     op.dev = d as u16;
                     op.dest = dest;

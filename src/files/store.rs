@@ -165,7 +165,7 @@ impl FilesLayout {
             },
         );
         let op = &mut core.ops[idx as usize];
-        op.step = Step::OpenTmp;
+        op.begin(Step::OpenTmp);
         op.job = Some(Arc::clone(job));
         op.item = item as u32;
         op.key = Some(key);
@@ -186,7 +186,7 @@ impl FilesLayout {
             // the ring thread never blocks in the file system) and try again.
             let op = &mut core.ops[idx as usize];
             op.mkdir_tried = true;
-            op.step = Step::OpenParent;
+            op.go(Step::OpenParent);
             self.push_step(core, idx);
             return;
         }
@@ -215,7 +215,7 @@ impl FilesLayout {
         let on_ring = core.backend.file_queue().xattr_ops();
         let op = &mut core.ops[idx as usize];
         if op.crc.is_some() && on_ring {
-            op.step = Step::SetXattr;
+            op.go(Step::SetXattr);
             self.push_step(core, idx);
             return;
         }
@@ -225,7 +225,7 @@ impl FilesLayout {
         if let Some(Err(e)) = set {
             self.crc_not_set(core, idx, e);
         }
-        core.ops[idx as usize].step = Step::Write;
+        core.ops[idx as usize].go(Step::Write);
         self.prepared(core, idx);
         core.begin_writing(idx);
     }
@@ -249,7 +249,7 @@ impl FilesLayout {
         if result < 0 {
             self.crc_not_set(core, idx, Errno::from_raw(-result));
         }
-        core.ops[idx as usize].step = Step::Write;
+        core.ops[idx as usize].go(Step::Write);
         self.prepared(core, idx);
         core.begin_writing(idx);
     }
@@ -272,10 +272,10 @@ impl FilesLayout {
         let op = &mut core.ops[idx as usize];
         if result >= 0 {
             op.fd = result;
-            op.step = Step::MkdirLeaf;
+            op.go(Step::MkdirLeaf);
         } else if result == -(Errno::ENOENT as i32) && !op.mkdir_parent_tried {
             op.mkdir_parent_tried = true;
-            op.step = Step::MkdirParent;
+            op.go(Step::MkdirParent);
         } else {
             let e = Errno::from_raw(-result);
             let detail = format!(
@@ -322,7 +322,7 @@ impl FilesLayout {
             }
             Step::OpenParent
         };
-        core.ops[idx as usize].step = next;
+        core.ops[idx as usize].go(next);
         self.push_step(core, idx);
     }
 
@@ -347,11 +347,11 @@ impl FilesLayout {
             return;
         }
         let sync = self.devs[core.ops[idx as usize].dev as usize].sync;
-        core.ops[idx as usize].step = if sync == SyncMode::Data {
+        core.ops[idx as usize].go(if sync == SyncMode::Data {
             Step::Sync
         } else {
             Step::CloseTmp
-        };
+        });
         self.push_step(core, idx);
     }
 
@@ -366,7 +366,7 @@ impl FilesLayout {
             );
             return;
         }
-        core.ops[idx as usize].step = Step::CloseTmp;
+        core.ops[idx as usize].go(Step::CloseTmp);
         self.push_step(core, idx);
     }
 
@@ -374,7 +374,7 @@ impl FilesLayout {
         core.ops[idx as usize].fd = -1;
         if core.ops[idx as usize].failed {
             // Closed after a failure: remove the temp file.
-            core.ops[idx as usize].step = Step::UnlinkTmp;
+            core.ops[idx as usize].go(Step::UnlinkTmp);
             self.push_step(core, idx);
             return;
         }
@@ -383,7 +383,7 @@ impl FilesLayout {
             self.fail_store(core, idx, KeyFailure::Io(e), format!("close: {}", e.desc()));
             return;
         }
-        core.ops[idx as usize].step = Step::Rename;
+        core.ops[idx as usize].go(Step::Rename);
         self.push_step(core, idx);
     }
 
@@ -399,7 +399,7 @@ impl FilesLayout {
             core.ops[idx as usize].bytes = 0;
             self.publish(core, key, dev, false);
             Self::succeed_store(core, idx, 0);
-            core.ops[idx as usize].step = Step::UnlinkTmp;
+            core.ops[idx as usize].go(Step::UnlinkTmp);
             self.push_step(core, idx);
             return;
         }
@@ -417,7 +417,7 @@ impl FilesLayout {
         self.publish(core, key, dev, counted);
         if self.devs[dev as usize].sync == SyncMode::Data {
             // Make the new name durable before reporting: the directory's fsync, on the ring.
-            core.ops[idx as usize].step = Step::OpenDir;
+            core.ops[idx as usize].go(Step::OpenDir);
             self.push_step(core, idx);
             return;
         }
@@ -448,12 +448,12 @@ impl FilesLayout {
             Step::OpenDir if result >= 0 => {
                 let op = &mut core.ops[idx as usize];
                 op.fd = result;
-                op.step = Step::SyncDir;
+                op.go(Step::SyncDir);
                 self.push_step(core, idx);
             }
             Step::SyncDir => {
                 Self::succeed_store(core, idx, core.block_bytes);
-                core.ops[idx as usize].step = Step::CloseDir;
+                core.ops[idx as usize].go(Step::CloseDir);
                 self.push_step(core, idx);
             }
             // The directory could not be opened (logged), or it is closed: done.
@@ -544,10 +544,10 @@ impl FilesLayout {
         let op = &mut core.ops[idx as usize];
         op.failed = true;
         if had_fd {
-            op.step = Step::CloseTmp;
+            op.go(Step::CloseTmp);
             self.push_step(core, idx);
         } else if had_tmp {
-            op.step = Step::UnlinkTmp;
+            op.go(Step::UnlinkTmp);
             self.push_step(core, idx);
         } else {
             self.release(core, idx);
