@@ -4,13 +4,13 @@
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crate::config::{Config, Derived, FirstLookup, Layout, VerifyLoads};
+use crate::config::{Config, Derived, Layout, VerifyLoads};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
-use crate::io::{BackendSettings, Region, Storage};
+use crate::io::{Region, Storage};
 use crate::job::Shared;
-use crate::node::build::{scanned_by_worker, Layouts, WorkerPlan};
+use crate::node::build::{scanned_by_worker, Layouts, WorkerPlan, WorkerSettings};
 use crate::route::Router;
 use crate::slab::layout::DeviceSpec;
 use crate::slab::prepare::prepare_slab;
@@ -72,8 +72,9 @@ impl Engine {
             .demote_on_evict
             .then(|| Arc::new(std::sync::OnceLock::new()));
         let device_summaries = std::mem::take(&mut devices.summaries);
+        let settings = WorkerSettings::new(config, &derived);
         let workers = start_workers(
-            config,
+            &settings,
             &derived,
             &cores,
             devices,
@@ -100,7 +101,7 @@ impl Engine {
             Arc::clone(&region),
             region_blocks,
             config.jobs_in_flight_max,
-            first_lookup(config, &derived),
+            settings.first_lookup,
         );
         let caller = Arc::new(crate::job::sink::ChannelSink::default());
         let client = node.register_client(&(Arc::clone(&caller) as _));
@@ -351,7 +352,7 @@ fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Re
 /// Spawns one worker per core and waits until every one has recovered its share (or failed).
 #[allow(clippy::too_many_arguments)] // the pieces open_with just built, each handed on once
 fn start_workers(
-    config: &Config,
+    settings: &WorkerSettings,
     derived: &Derived,
     cores: &[Option<usize>],
     devices: Devices,
@@ -370,23 +371,13 @@ fn start_workers(
         layouts: if derived.layout == Layout::Files {
             Layouts::Files {
                 devices: devices.files,
-                stores_opening: config.files.as_ref().map_or(
-                    crate::config::FilesConfig::DEFAULT_STORES_OPENING as usize,
-                    |f| f.stores_opening as usize,
-                ),
                 temp_seed: crate::files::layout::FilesLayout::temp_seed(),
             }
         } else {
             Layouts::Slab(Arc::new(devices.slab))
         },
-        settings: backend_settings(config, derived),
-        scheduler: config.scheduler.clone(),
-        block_bytes: derived.block_bytes,
-        store_chunk_bytes: derived.store_chunk_bytes,
-        ring_entries: config.ring_entries as usize,
-        io_timeout: io_timeout(config),
-        demote: demote_sink.map(|s| (Arc::clone(s), derived.staging_blocks)),
-        lookup_cache: lookup_cache(config),
+        settings: settings.clone(),
+        demote: demote_sink.cloned(),
         clock: crate::clock::Clock::default(),
     });
     let mut handles = Vec::with_capacity(workers);
@@ -435,51 +426,4 @@ fn start_workers(
         summaries: summaries.into_iter().flatten().collect(),
         error,
     })
-}
-
-/// The files layout's answers kept for keys not indexed: at most, and for how long.
-pub(crate) fn lookup_cache(config: &Config) -> Option<(usize, std::time::Duration)> {
-    config.files.as_ref().map(|f| {
-        (
-            f.lookup_cache_max,
-            std::time::Duration::from_millis(f.lookup_ttl_ms),
-        )
-    })
-}
-
-/// The files layout's `first_lookup` (what a lookup of a key no worker indexed answers first);
-/// `None` for the slab.
-pub(crate) fn first_lookup(config: &Config, derived: &Derived) -> Option<FirstLookup> {
-    config
-        .files
-        .as_ref()
-        .filter(|_| derived.layout == Layout::Files)
-        .map(|f| f.first_lookup)
-}
-
-/// The workers' backend settings, from the config once validated (the engine's and the
-/// simulator's, which turns off what needs a real ring).
-pub(crate) fn backend_settings(config: &Config, derived: &Derived) -> BackendSettings {
-    BackendSettings {
-        ring_entries: config.ring_entries,
-        sqpoll: config.sqpoll,
-        sqpoll_idle_ms: config.sqpoll_idle_ms,
-        iopoll: config.iopoll,
-        ioprio: config.scheduler.ioprio,
-        piece_bytes: derived.piece_bytes,
-        files_io_wq_workers: (derived.layout == Layout::Files).then(|| {
-            config
-                .files
-                .as_ref()
-                .map_or(crate::config::FilesConfig::DEFAULT_IO_WQ_WORKERS, |f| {
-                    f.io_wq_workers
-                })
-        }),
-        wait_limit: worker::overdue_check_interval(io_timeout(config)),
-    }
-}
-
-/// `io_timeout_ms` as a duration.
-pub(crate) fn io_timeout(config: &Config) -> std::time::Duration {
-    std::time::Duration::from_millis(u64::from(config.io_timeout_ms))
 }

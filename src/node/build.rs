@@ -10,7 +10,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::clock::Clock;
-use crate::config::SchedulerConfig;
+use crate::config::{Config, Derived, FilesConfig, FirstLookup, Layout, SchedulerConfig};
 use crate::files::device::{FilesDevice, ScannedFile};
 use crate::files::layout::{FilesLayout, Op as FilesOp};
 use crate::io::{BackendSettings, EventFd, Region, Storage};
@@ -25,8 +25,6 @@ pub(crate) enum Layouts {
     /// `files` directories, opened and scanned.
     Files {
         devices: Vec<Arc<FilesDevice>>,
-        /// `[files] stores_opening`.
-        stores_opening: usize,
         /// The seed of the workers' temp file names (`FilesLayout::temp_seed` in the engine,
         /// the simulated files' seed in the simulator).
         temp_seed: u64,
@@ -42,6 +40,65 @@ impl Layouts {
     }
 }
 
+/// What a worker runs with that the validated config alone decides: derived once, the same for
+/// every front end (the simulator turns off what needs a real ring).
+#[derive(Clone, Debug)]
+pub(crate) struct WorkerSettings {
+    pub backend: BackendSettings,
+    pub scheduler: SchedulerConfig,
+    pub block_bytes: u64,
+    pub store_chunk_bytes: u64,
+    pub ring_entries: usize,
+    /// `io_timeout_ms`.
+    pub io_timeout: Duration,
+    /// Staging slots per worker for demotion (`s3.write = "on_evict"`).
+    pub staging_blocks: usize,
+    /// The files layout: the answers kept for keys not indexed (at most, and for how long).
+    pub lookup_cache: Option<(usize, Duration)>,
+    /// The files layout's `first_lookup` (`None`: slab).
+    pub first_lookup: Option<FirstLookup>,
+    /// `[files] stores_opening`.
+    pub stores_opening: usize,
+}
+
+impl WorkerSettings {
+    /// From `config`, validated into `derived`.
+    pub fn new(config: &Config, derived: &Derived) -> WorkerSettings {
+        let files = config
+            .files
+            .as_ref()
+            .filter(|_| derived.layout == Layout::Files);
+        let io_timeout = Duration::from_millis(u64::from(config.io_timeout_ms));
+        WorkerSettings {
+            backend: BackendSettings {
+                ring_entries: config.ring_entries,
+                sqpoll: config.sqpoll,
+                sqpoll_idle_ms: config.sqpoll_idle_ms,
+                iopoll: config.iopoll,
+                ioprio: config.scheduler.ioprio,
+                piece_bytes: derived.piece_bytes,
+                files_io_wq_workers: (derived.layout == Layout::Files)
+                    .then(|| files.map_or(FilesConfig::DEFAULT_IO_WQ_WORKERS, |f| f.io_wq_workers)),
+                wait_limit: worker::overdue_check_interval(io_timeout),
+            },
+            scheduler: config.scheduler.clone(),
+            block_bytes: derived.block_bytes,
+            store_chunk_bytes: derived.store_chunk_bytes,
+            ring_entries: config.ring_entries as usize,
+            io_timeout,
+            staging_blocks: derived.staging_blocks,
+            lookup_cache: config
+                .files
+                .as_ref()
+                .map(|f| (f.lookup_cache_max, Duration::from_millis(f.lookup_ttl_ms))),
+            first_lookup: files.map(|f| f.first_lookup),
+            stores_opening: files.map_or(FilesConfig::DEFAULT_STORES_OPENING as usize, |f| {
+                f.stores_opening as usize
+            }),
+        }
+    }
+}
+
 /// What every worker of a node is built from: the same for each, taken once from the
 /// validated config and the opened devices.
 pub(crate) struct WorkerPlan {
@@ -50,16 +107,9 @@ pub(crate) struct WorkerPlan {
     pub region: Arc<Region>,
     pub shared: Arc<Shared>,
     pub layouts: Layouts,
-    pub settings: BackendSettings,
-    pub scheduler: SchedulerConfig,
-    pub block_bytes: u64,
-    pub store_chunk_bytes: u64,
-    pub ring_entries: usize,
-    pub io_timeout: Duration,
-    /// With `s3.write = "on_evict"`: where demotions go, and each worker's staging slots.
-    pub demote: Option<(worker::DemoteSink, usize)>,
-    /// The files layout: the answers kept for keys not indexed (at most, and for how long).
-    pub lookup_cache: Option<(usize, Duration)>,
+    pub settings: WorkerSettings,
+    /// With `s3.write = "on_evict"`: where demotions go.
+    pub demote: Option<worker::DemoteSink>,
     /// What deadlines and answer ages run on: the monotonic clock, or the simulator's.
     pub clock: Clock,
 }
@@ -103,7 +153,7 @@ impl WorkerPlan {
             EventFd::new().map_err(|e| crate::Error::Worker(format!("eventfd: {}", e.desc())))?,
         );
         let mut me = WorkerShared::new(wake, self.layouts.devices());
-        if let Some((max, ttl)) = self.lookup_cache {
+        if let Some((max, ttl)) = self.settings.lookup_cache {
             me = me.with_lookup_cache(max, ttl, self.clock.clone());
         }
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -133,18 +183,23 @@ impl WorkerPlan {
         let meta_len = crate::slab::table::meta_bytes(slab, id, self.workers);
         let meta = worker_buffer(meta_len, crate::slab::TABLE_PAGE_BYTES, "slot table copy")?;
         let mut buffers = vec![Arc::clone(&self.region), Arc::clone(&meta)];
+        let s = &self.settings;
         let demote = match &self.demote {
             None => None,
-            Some((sink, blocks)) => {
-                let bytes = self.block_bytes as usize;
-                let staging = worker_buffer(blocks * bytes, bytes, "demotion staging")?;
+            Some(sink) => {
+                let bytes = s.block_bytes as usize;
+                let staging = worker_buffer(s.staging_blocks * bytes, bytes, "demotion staging")?;
                 buffers.push(Arc::clone(&staging));
-                Some(worker::Demote::new(staging, *blocks, Arc::clone(sink)))
+                Some(worker::Demote::new(
+                    staging,
+                    s.staging_blocks,
+                    Arc::clone(sink),
+                ))
             }
         };
         let backend = self
             .storage
-            .backend(id, buffers, Arc::clone(&me.wake), &self.settings)
+            .backend(id, buffers, Arc::clone(&me.wake), &s.backend)
             .map_err(|e| e.to_string())?;
         let params = WorkerParams {
             id,
@@ -153,10 +208,10 @@ impl WorkerPlan {
             rx,
             shared: Arc::clone(&self.shared),
             me: Arc::clone(me),
-            sched: Scheduler::new(&self.scheduler, self.block_bytes, self.store_chunk_bytes),
-            ring_entries: self.ring_entries,
+            sched: Scheduler::new(&s.scheduler, s.block_bytes, s.store_chunk_bytes),
+            ring_entries: s.ring_entries,
             demote,
-            io_timeout: self.io_timeout,
+            io_timeout: s.io_timeout,
             clock: self.clock.clone(),
         };
         match &self.layouts {
@@ -165,16 +220,12 @@ impl WorkerPlan {
                     SlabLayout::recovered_worker(params, self.workers, meta, devices)?;
                 Ok((Built::Slab(worker), recovered))
             }
-            Layouts::Files {
-                devices,
-                stores_opening,
-                temp_seed,
-            } => {
+            Layouts::Files { devices, temp_seed } => {
                 let layout = FilesLayout::new(
                     id,
                     devices.clone(),
                     scanned,
-                    *stores_opening,
+                    s.stores_opening,
                     me,
                     *temp_seed,
                 );

@@ -21,10 +21,10 @@ use crate::config::{Config, Cores, Derived};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
-use crate::io::{BackendSettings, Region, Storage};
+use crate::io::{Region, Storage};
 use crate::job::sink::{ChannelSink, ClientId};
 use crate::job::{Job, JobKind, JobResult, Shared};
-use crate::node::build::{scanned_by_worker, Built, Layouts, WorkerPlan};
+use crate::node::build::{scanned_by_worker, Built, Layouts, WorkerPlan, WorkerSettings};
 use crate::node::Node;
 use crate::route::Router;
 use crate::slab::layout::DeviceSpec;
@@ -99,16 +99,6 @@ pub struct StopProgress {
 
 /// How far the cluster's clock moves for each worker turn (or each round of [`Cluster::settle`]).
 pub const STEP_TIME: std::time::Duration = std::time::Duration::from_micros(50);
-
-/// The simulated backends' settings: the engine's, without what needs a real ring (polling).
-fn backend_settings(config: &Config, derived: &Derived) -> BackendSettings {
-    BackendSettings {
-        sqpoll: false,
-        sqpoll_idle_ms: 0,
-        iopoll: false,
-        ..crate::engine::open::backend_settings(config, derived)
-    }
-}
 
 /// Opens (formats or recovers) every device of `config` on `storage`.
 fn open_devices(
@@ -210,7 +200,6 @@ impl Cluster {
         }
         let layouts = Layouts::Files {
             devices,
-            stores_opening: files_cfg.stores_opening as usize,
             temp_seed: files.temp_seed(),
         };
         Cluster::build(
@@ -253,20 +242,20 @@ impl Cluster {
         // Deadlines and the files layout's answer ages run on the cluster's clock, so a seed
         // replays (on the wall clock a files seed did not, under load).
         let clock = Clock::manual();
+        let mut settings = WorkerSettings::new(config, derived);
+        // The engine's, without what needs a real ring (polling).
+        settings.backend.sqpoll = false;
+        settings.backend.sqpoll_idle_ms = 0;
+        settings.backend.iopoll = false;
+        let first_lookup = settings.first_lookup;
         let plan = WorkerPlan {
             workers,
             storage,
             region: Arc::clone(region),
             shared: Arc::clone(&shared),
             layouts,
-            settings: backend_settings(config, derived),
-            scheduler: config.scheduler.clone(),
-            block_bytes,
-            store_chunk_bytes: derived.store_chunk_bytes,
-            ring_entries: config.ring_entries as usize,
-            io_timeout: crate::engine::open::io_timeout(config),
-            demote: demote_sink(cold.as_deref()).map(|s| (s, derived.staging_blocks)),
-            lookup_cache: crate::engine::open::lookup_cache(config),
+            settings,
+            demote: demote_sink(cold.as_deref()),
             clock: clock.clone(),
         };
         let mut senders = Vec::new();
@@ -295,7 +284,7 @@ impl Cluster {
             Arc::clone(region),
             region.len() as u64 / block_bytes,
             config.jobs_in_flight_max,
-            crate::engine::open::first_lookup(config, derived),
+            first_lookup,
         );
         if let Some(c) = &cold {
             node.attach_cold(Arc::clone(c) as Arc<dyn ColdTier>);
