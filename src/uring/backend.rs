@@ -110,8 +110,9 @@ pub(super) struct UringBackend {
     store_prio: u16,
     /// The longest sleep while I/O is in flight (the worker checks deadlines between).
     wait_limit: std::time::Duration,
-    /// Requests for NVMe passthrough devices, split into commands at the transfer limit.
-    passthrough: Commands,
+    /// Requests for NVMe passthrough devices, split into commands at the transfer limit;
+    /// `None` when no device is one (a plain file or block device's I/O never looks).
+    passthrough: Option<Commands>,
     /// Completions straight off the ring, before passthrough parts are folded into requests.
     raw: Vec<Completion>,
     /// The kernel runs FSETXATTR/FGETXATTR (5.19+).
@@ -134,7 +135,7 @@ impl UringBackend {
             load_prio,
             store_prio,
             wait_limit,
-            passthrough,
+            passthrough: passthrough.any().then_some(passthrough),
             raw: Vec::new(),
         }
     }
@@ -146,10 +147,10 @@ impl BlockQueue for UringBackend {
             IoClass::Load => self.load_prio,
             IoClass::Store | IoClass::Meta => self.store_prio,
         };
-        if self.passthrough.owns(req.device) {
+        if let Some(commands) = self.passthrough.as_mut().filter(|c| c.owns(req.device)) {
             // NVMe passthrough has no I/O priority of its own; loads still go first through
             // the worker's scheduler.
-            return self.passthrough.push(&mut self.ring, req);
+            return commands.push(&mut self.ring, req);
         }
         let file = u32::from(req.device);
         let (user_data, offset, region) = (req.user_data, req.offset, req.region);
@@ -208,8 +209,8 @@ impl IoBackend for UringBackend {
     }
 
     fn submit(&mut self, wait: bool) -> std::io::Result<()> {
-        if self.passthrough.any() {
-            self.passthrough.flush(&mut self.ring);
+        if let Some(commands) = &mut self.passthrough {
+            commands.flush(&mut self.ring);
         }
         if self.ring.features().iopoll {
             // An IOPOLL ring cannot read the eventfd and reaps only what an enter polls for
@@ -250,10 +251,9 @@ impl IoBackend for UringBackend {
 
     fn complete(&mut self, out: &mut Vec<Completion>) {
         let start = out.len();
-        if self.passthrough.any() {
+        if let Some(commands) = &mut self.passthrough {
             self.ring.complete(&mut self.raw);
-            self.passthrough
-                .complete(&mut self.ring, &mut self.raw, out);
+            commands.complete(&mut self.ring, &mut self.raw, out);
         } else {
             self.ring.complete(out);
         }
@@ -266,8 +266,11 @@ impl IoBackend for UringBackend {
     }
 
     fn in_flight(&self) -> usize {
-        self.ring.in_flight() - usize::from(self.armed) - self.passthrough.parts_in_ring
-            + self.passthrough.requests()
+        let (parts, requests) = self
+            .passthrough
+            .as_ref()
+            .map_or((0, 0), |c| (c.parts_in_ring, c.requests()));
+        self.ring.in_flight() - usize::from(self.armed) - parts + requests
     }
 
     fn describe(&self) -> String {

@@ -1211,6 +1211,20 @@ mod clock_tests {
     use crate::sim::cluster::STEP_TIME;
     use std::sync::atomic::Ordering;
 
+    /// A cluster of one worker on a simulated device of 32 blocks (and the table), its region
+    /// and its storage, seeded with `seed`.
+    fn one_worker(seed: u64, config: &Config) -> (Cluster, Arc<Region>, Arc<SimStorage>) {
+        let storage = SimStorage::new(seed, &[(1 << 20) + 32 * BLOCK]);
+        let region = crate::region::allocate_blocks(
+            BLOCK,
+            u64::from(REGION_BLOCKS),
+            crate::config::HugePages::Off,
+        )
+        .expect("region");
+        let cluster = Cluster::open(config, &region, &storage, seed).expect("opens");
+        (cluster, region, storage)
+    }
+
     /// The cluster admits through the engine's own admission: a load naming one block twice is
     /// refused as the engine refuses it, `jobs_in_flight_max` applies, and the store count the
     /// load path reads goes up at admission and back to zero (it wrapped below zero when the
@@ -1220,14 +1234,7 @@ mod clock_tests {
         let mut rng = Rng::new(6);
         let mut config = config(&mut rng, 1, 1);
         config.jobs_in_flight_max = 1;
-        let storage = SimStorage::new(6, &[(1 << 20) + 32 * BLOCK]);
-        let region = crate::region::allocate_blocks(
-            BLOCK,
-            u64::from(REGION_BLOCKS),
-            crate::config::HugePages::Off,
-        )
-        .expect("region");
-        let mut cluster = Cluster::open(&config, &region, &storage, 6).expect("opens");
+        let (mut cluster, _region, _storage) = one_worker(6, &config);
         let (a, b) = (Key::new(b"a").expect("key"), Key::new(b"b").expect("key"));
         cluster
             .submit(JobKind::Load, Job::new(1, vec![a, b], vec![3, 3]))
@@ -1284,14 +1291,7 @@ mod clock_tests {
         use crate::job::sink::ChannelSink;
         let mut rng = Rng::new(8);
         let config = config(&mut rng, 1, 1);
-        let storage = SimStorage::new(8, &[(1 << 20) + 32 * BLOCK]);
-        let region = crate::region::allocate_blocks(
-            BLOCK,
-            u64::from(REGION_BLOCKS),
-            crate::config::HugePages::Off,
-        )
-        .expect("region");
-        let mut cluster = Cluster::open(&config, &region, &storage, 8).expect("opens");
+        let (mut cluster, region, _storage) = one_worker(8, &config);
         let other = Arc::new(ChannelSink::default());
         let second = cluster.node.register_client(&(Arc::clone(&other) as _));
         assert_ne!(second, cluster.client);
@@ -1367,14 +1367,7 @@ mod clock_tests {
         let mut rng = Rng::new(5);
         let mut config = config(&mut rng, 1, 1);
         config.io_timeout_ms = 200;
-        let storage = SimStorage::new(5, &[(1 << 20) + 32 * BLOCK]);
-        let region = crate::region::allocate_blocks(
-            BLOCK,
-            u64::from(REGION_BLOCKS),
-            crate::config::HugePages::Off,
-        )
-        .expect("region");
-        let mut cluster = Cluster::open(&config, &region, &storage, 5).expect("opens");
+        let (mut cluster, region, storage) = one_worker(5, &config);
         // The result at the deadline, saying its block is not free yet.
         cluster.set_early_results(true);
         let key = Key::new(b"hung").expect("key");
