@@ -161,7 +161,7 @@ impl dyn IoBackend {
 
 /// What the engine learns about a device when it opens it.
 #[derive(Clone, Debug)]
-pub struct DeviceInfo {
+pub struct OpenedDevice {
     pub path: std::path::PathBuf,
     /// Usable bytes, from offset 0.
     pub size_bytes: u64,
@@ -196,8 +196,12 @@ pub struct BackendSettings {
 /// Opens devices and builds backends; shared by all workers.
 pub trait Storage: Send + Sync {
     /// Opens (creating and preparing if needed) device `index`.
-    fn open_device(&self, index: usize, cfg: &DeviceConfig, direct: DirectIo)
-        -> Result<DeviceInfo>;
+    fn open_device(
+        &self,
+        index: usize,
+        cfg: &DeviceConfig,
+        direct: DirectIo,
+    ) -> Result<OpenedDevice>;
     /// Whether backends of this storage can run the `files` layout's file operations.
     fn supports_files(&self) -> bool {
         false

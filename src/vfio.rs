@@ -28,7 +28,7 @@ use crate::commands::{CommandQueue, Commands, Device};
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BlockQueue, Completion, DeviceInfo, EventFd, IoBackend, IoBuf, IoRequest,
+    BackendSettings, BlockQueue, Completion, EventFd, IoBackend, IoBuf, IoRequest, OpenedDevice,
     Region, Storage,
 };
 
@@ -250,14 +250,14 @@ impl Storage for VfioStorage {
         index: usize,
         cfg: &DeviceConfig,
         _direct: DirectIo,
-    ) -> Result<DeviceInfo> {
+    ) -> Result<OpenedDevice> {
         let opened = open_controller(cfg).map_err(|e| Error::device(&cfg.path, e))?;
         let g = &opened.geometry;
         let mut size = g.size_bytes();
         if let Some(cap) = cfg.capacity_bytes {
             size = size.min(cap);
         }
-        let info = DeviceInfo {
+        let info = OpenedDevice {
             path: cfg.path.clone(),
             size_bytes: size,
             align_bytes: u64::from(g.lba_bytes()).max(512),

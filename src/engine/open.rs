@@ -12,7 +12,7 @@ use crate::io::{Region, Storage};
 use crate::job::Shared;
 use crate::node::build::{scanned_by_worker, Layouts, WorkerPlan, WorkerSettings};
 use crate::route::Router;
-use crate::slab::layout::DeviceSpec;
+use crate::slab::layout::SlabDevice;
 use crate::slab::prepare::prepare_slab;
 use crate::slab::Geometry;
 use crate::worker::{self, WorkerShared};
@@ -26,8 +26,8 @@ use crate::node::Node;
 
 /// The devices as opened: slab devices for the workers, or `files` directories with what their
 /// scan found.
-struct Devices {
-    slab: Vec<DeviceSpec>,
+struct Opened {
+    slab: Vec<SlabDevice>,
     files: Vec<Arc<FilesDevice>>,
     scanned: Vec<ScannedFile>,
     summaries: Vec<DeviceSummary>,
@@ -284,9 +284,9 @@ pub(crate) fn check_region(region: &Region, block_bytes: u64) -> Result<u64> {
 }
 
 /// Opens every device: formats or checks slab headers, or scans `files` directories.
-fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Result<Devices> {
+fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Result<Opened> {
     let block_bytes = derived.block_bytes;
-    let mut out = Devices {
+    let mut out = Opened {
         slab: Vec::new(),
         files: Vec::new(),
         scanned: Vec::new(),
@@ -339,7 +339,7 @@ fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Re
             formatted,
             files: None,
         });
-        out.slab.push(DeviceSpec {
+        out.slab.push(SlabDevice {
             geometry,
             fresh: formatted,
             name: format!("devices[{i}] {}", info.path.display()),
@@ -355,7 +355,7 @@ fn start_workers(
     settings: &WorkerSettings,
     derived: &Derived,
     cores: &[Option<usize>],
-    devices: Devices,
+    devices: Opened,
     storage: &Arc<dyn Storage>,
     region: &Arc<Region>,
     shared: &Arc<Shared>,

@@ -15,13 +15,13 @@ use crate::files::device::{FilesDevice, ScannedFile};
 use crate::files::layout::{FilesLayout, Op as FilesOp};
 use crate::io::{BackendSettings, EventFd, Region, Storage};
 use crate::job::Shared;
-use crate::slab::layout::{DeviceSpec, SlabLayout};
+use crate::slab::layout::{SlabDevice, SlabLayout};
 use crate::worker::{self, Msg, Scheduler, Worker, WorkerParams, WorkerShared};
 
 /// The devices a node's workers run on.
 pub(crate) enum Layouts {
     /// Slab devices, opened (formatted or checked).
-    Slab(Arc<Vec<DeviceSpec>>),
+    Slab(Arc<Vec<SlabDevice>>),
     /// `files` directories, opened and scanned.
     Files {
         devices: Vec<Arc<FilesDevice>>,
@@ -176,7 +176,7 @@ impl WorkerPlan {
         rx: Receiver<Msg>,
         scanned: Vec<ScannedFile>,
     ) -> Result<(Built, u64), String> {
-        let slab: &[DeviceSpec] = match &self.layouts {
+        let slab: &[SlabDevice] = match &self.layouts {
             Layouts::Slab(d) => d,
             Layouts::Files { .. } => &[],
         };

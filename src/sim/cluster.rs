@@ -27,7 +27,7 @@ use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::node::build::{scanned_by_worker, Built, Layouts, WorkerPlan, WorkerSettings};
 use crate::node::Node;
 use crate::route::Router;
-use crate::slab::layout::DeviceSpec;
+use crate::slab::layout::SlabDevice;
 use crate::slab::prepare::prepare_slab;
 use crate::tier::Lookup;
 use crate::worker::{DemoteSink, Stopped};
@@ -105,13 +105,13 @@ fn open_devices(
     config: &Config,
     storage: &Arc<SimStorage>,
     block_bytes: u64,
-) -> Result<Vec<DeviceSpec>> {
+) -> Result<Vec<SlabDevice>> {
     let mut devices = Vec::new();
     for (i, dcfg) in config.devices.iter().enumerate() {
         let info = storage.open_device(i, dcfg, config.direct_io)?;
         let (geometry, fresh) =
             prepare_slab(storage.as_ref(), i, &info, block_bytes, dcfg.overwrite)?;
-        devices.push(DeviceSpec {
+        devices.push(SlabDevice {
             geometry,
             fresh,
             name: format!("devices[{i}] {}", info.path.display()),

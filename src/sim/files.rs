@@ -27,8 +27,8 @@ use kvtier_sys::fd as sys;
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, BlockQueue, Completion, DeviceInfo, EventFd, FileOp, FileOpQueue, IoBackend,
-    IoBuf, IoClass, IoKind, Region, Storage,
+    BackendSettings, BlockQueue, Completion, EventFd, FileOp, FileOpQueue, IoBackend, IoBuf,
+    IoClass, IoKind, OpenedDevice, Region, Storage,
 };
 use crate::Errno;
 
@@ -287,7 +287,7 @@ impl Storage for SimFiles {
         true
     }
 
-    fn open_device(&self, _: usize, cfg: &DeviceConfig, _: DirectIo) -> Result<DeviceInfo> {
+    fn open_device(&self, _: usize, cfg: &DeviceConfig, _: DirectIo) -> Result<OpenedDevice> {
         Err(Error::device(
             &cfg.path,
             "the simulated files storage has directories, not slab devices",

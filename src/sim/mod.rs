@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
 use crate::io::{
-    BackendSettings, DeviceInfo, EventFd, IoBackend, IoBuf, IoClass, IoKind, Region, Storage,
+    BackendSettings, EventFd, IoBackend, IoBuf, IoClass, IoKind, OpenedDevice, Region, Storage,
 };
 use backend::SimBackend;
 
@@ -543,7 +543,7 @@ impl Storage for SimStorage {
         index: usize,
         cfg: &DeviceConfig,
         direct: DirectIo,
-    ) -> Result<DeviceInfo> {
+    ) -> Result<OpenedDevice> {
         let disk = self.state.disks.get(index).ok_or_else(|| {
             Error::device(
                 &cfg.path,
@@ -555,7 +555,7 @@ impl Storage for SimStorage {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .len() as u64;
-        Ok(DeviceInfo {
+        Ok(OpenedDevice {
             path: cfg.path.clone(),
             size_bytes: size,
             align_bytes: self.state.align_bytes,

@@ -88,7 +88,8 @@ pub(super) const FREE_SLOT: SlotMeta = SlotMeta {
     seq: 0,
 };
 
-pub(super) struct Dev {
+/// One worker's share of a slab device: its slots and its range of the slot table.
+pub(super) struct DevShare {
     pub geometry: Geometry,
     /// First slot this worker owns; local slot `i` is device slot `first + i`.
     pub first: u64,
@@ -99,7 +100,7 @@ pub(super) struct Dev {
     pub name: String,
 }
 
-impl Dev {
+impl DevShare {
     pub fn first_page(&self) -> u64 {
         self.first / ENTRIES_PER_PAGE as u64
     }
@@ -177,8 +178,12 @@ pub(super) struct Finished {
     pub seq: u64,
 }
 
-/// A device as one worker sees it.
-pub(crate) struct DeviceSpec {
+/// A slab device as opened (formatted or checked), as the node hands it to every worker. The
+/// device names, one per stage: `config::DeviceConfig` (what the config says),
+/// `io::OpenedDevice` (what opening it found), `SlabDevice` (this), `DevShare` (one worker's
+/// share of it), `files::device::FilesDevice` (a files-layout directory), `DeviceSummary`
+/// (what `Engine::info` reports).
+pub(crate) struct SlabDevice {
     pub geometry: Geometry,
     /// True if the device was just formatted: its table holds nothing to recover.
     pub fresh: bool,
@@ -193,7 +198,7 @@ pub(crate) struct SlabLayout {
     pub(super) id: usize,
     pub(super) workers: usize,
     pub(super) meta: Arc<crate::io::Region>,
-    pub(super) devs: Vec<Dev>,
+    pub(super) devs: Vec<DevShare>,
     pub(super) index: KeyMap<(u16, u32)>,
     /// The table pages' write-back: which changed, which are being written, the stores each
     /// write acknowledges.
@@ -216,7 +221,7 @@ impl SlabLayout {
         id: usize,
         workers: usize,
         meta: Arc<crate::io::Region>,
-        devices: &[DeviceSpec],
+        devices: &[SlabDevice],
         metrics: &crate::metrics::WorkerMetrics,
     ) -> SlabLayout {
         let mut devs = Vec::with_capacity(devices.len());
@@ -231,7 +236,7 @@ impl SlabLayout {
                 .slots_total
                 .store(n as u64, Ordering::Relaxed);
             let pages = n.div_ceil(ENTRIES_PER_PAGE);
-            devs.push(Dev {
+            devs.push(DevShare {
                 geometry: d.geometry,
                 first: r.start,
                 slots: Slots::new(n),
@@ -266,7 +271,7 @@ impl SlabLayout {
         params: WorkerParams,
         workers: usize,
         meta: Arc<crate::io::Region>,
-        devices: &[DeviceSpec],
+        devices: &[SlabDevice],
     ) -> Result<(Worker<SlabLayout>, u64), String> {
         let layout = SlabLayout::new(params.id, workers, meta, devices, &params.me.metrics);
         let mut worker = Worker::new(params, layout, || Op::new(OpKind::Load));

@@ -2,7 +2,7 @@
 //! slot table zeroed, header marked ready) when it holds no store or the config asks to.
 
 use crate::error::{Error, Result};
-use crate::io::{DeviceInfo, Region, Storage};
+use crate::io::{OpenedDevice, Region, Storage};
 use crate::slab::{table_bytes, Geometry, Header, HeaderRead, HeaderState, HEADER_BYTES};
 
 /// Reads a device's header and formats it if needed; returns its geometry and whether it was
@@ -10,7 +10,7 @@ use crate::slab::{table_bytes, Geometry, Header, HeaderRead, HeaderState, HEADER
 pub(crate) fn prepare_slab(
     storage: &dyn Storage,
     index: usize,
-    info: &DeviceInfo,
+    info: &OpenedDevice,
     block_bytes: u64,
     overwrite: bool,
 ) -> Result<(Geometry, bool)> {

@@ -13,7 +13,7 @@ use crate::worker::{Core, BUF_META};
 use crate::Errno;
 
 use super::layout::{
-    DeviceSpec, EntryState, Op, OpKind, SlabLayout, SlotMeta, SlotState, FREE_SLOT,
+    EntryState, Op, OpKind, SlabDevice, SlabLayout, SlotMeta, SlotState, FREE_SLOT,
 };
 
 /// A store to acknowledge once the table page holding its entry is on the device (and its data
@@ -40,7 +40,7 @@ const TABLE_BATCH_ENTRIES: u16 = (ENTRIES_PER_PAGE / 2) as u16;
 const RECOVER_READ_BYTES: usize = 1 << 20;
 
 /// Bytes of meta buffer worker `worker` needs for its table ranges on `devices`.
-pub(crate) fn meta_bytes(devices: &[DeviceSpec], worker: usize, workers: usize) -> usize {
+pub(crate) fn meta_bytes(devices: &[SlabDevice], worker: usize, workers: usize) -> usize {
     devices
         .iter()
         .map(|d| {
@@ -232,7 +232,7 @@ impl SlabLayout {
 
     /// Reads this worker's slot table ranges and rebuilds the index from them; returns how many
     /// blocks it holds.
-    pub fn recover(&mut self, core: &mut Core<Op>, devices: &[DeviceSpec]) -> Result<u64, String> {
+    pub fn recover(&mut self, core: &mut Core<Op>, devices: &[SlabDevice]) -> Result<u64, String> {
         let mut pending = 0usize;
         for (d, spec) in devices.iter().enumerate() {
             if spec.fresh || self.devs[d].slots.is_empty() {

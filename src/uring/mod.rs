@@ -17,7 +17,7 @@ use kvtier_sys::ring::{ioprio, IoprioClass, RingConfig};
 
 use crate::config::{DeviceConfig, DirectIo};
 use crate::error::{Error, Result};
-use crate::io::{BackendSettings, DeviceInfo, EventFd, IoBackend, Region, Storage};
+use crate::io::{BackendSettings, EventFd, IoBackend, OpenedDevice, Region, Storage};
 use crate::Errno;
 
 /// Bytes written per call while pre-writing a new file.
@@ -98,7 +98,12 @@ impl KernelStorage {
 
     /// Opens an NVMe namespace for passthrough: the slab occupies its LBAs from 0 (up to
     /// `capacity_bytes` if set).
-    fn open_passthrough(&self, index: usize, cfg: &DeviceConfig, ns: Arc<Namespace>) -> DeviceInfo {
+    fn open_passthrough(
+        &self,
+        index: usize,
+        cfg: &DeviceConfig,
+        ns: Arc<Namespace>,
+    ) -> OpenedDevice {
         let g = ns.geometry().clone();
         let mut size = g.size_bytes();
         if let Some(cap) = cfg.capacity_bytes {
@@ -121,7 +126,7 @@ impl KernelStorage {
                 nvme: Some(ns),
             },
         );
-        DeviceInfo {
+        OpenedDevice {
             path: cfg.path.clone(),
             size_bytes: size,
             align_bytes: u64::from(g.lba_bytes()).max(512),
@@ -140,7 +145,7 @@ impl KernelStorage {
         path: &Path,
         cfg: &DeviceConfig,
         direct: DirectIo,
-    ) -> Result<DeviceInfo> {
+    ) -> Result<OpenedDevice> {
         let meta = std::fs::metadata(path);
         let mut fresh = false;
         let file = match meta {
@@ -240,7 +245,7 @@ impl KernelStorage {
                 nvme: None,
             },
         );
-        Ok(DeviceInfo {
+        Ok(OpenedDevice {
             path: path.to_path_buf(),
             size_bytes: size,
             align_bytes: align,
@@ -306,7 +311,7 @@ impl Storage for KernelStorage {
         index: usize,
         cfg: &DeviceConfig,
         direct: DirectIo,
-    ) -> Result<DeviceInfo> {
+    ) -> Result<OpenedDevice> {
         match nvme::resolve(cfg).map_err(|m| Error::device(&cfg.path, m))? {
             nvme::Resolved::Passthrough(ns) => Ok(self.open_passthrough(index, cfg, ns)),
             nvme::Resolved::Kernel(path) => {
