@@ -19,7 +19,7 @@ use crate::events::Event;
 use crate::files::device::ScanReport;
 use crate::io::Region;
 use crate::job::release::ShutdownReport;
-use crate::job::sink::{ChannelSink, ClientId};
+use crate::job::sink::ChannelSink;
 use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::metrics::Stats;
 use crate::slab::Geometry;
@@ -86,7 +86,7 @@ pub struct Engine {
     metrics_server: Mutex<Option<crate::metrics::serve::MetricsServer>>,
     /// The engine's caller, the node's one client: its results arrive here.
     caller: Arc<ChannelSink>,
-    client: ClientId,
+    client: crate::node::Client,
     /// Held for the whole of `shutdown`, so a second, concurrent call returns only once the
     /// first has joined every worker (the caller may free the region when it returns).
     shutting_down: Mutex<()>,

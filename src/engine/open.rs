@@ -98,13 +98,12 @@ impl Engine {
             Arc::clone(&shared),
             Arc::clone(&router),
             workers.handles.into_iter().map(|h| h.rx).collect(),
-            Arc::clone(&region),
-            region_blocks,
+            vec![(Arc::clone(&region), region_blocks)],
             config.jobs_in_flight_max,
             settings.first_lookup,
         );
         let caller = Arc::new(crate::job::sink::ChannelSink::default());
-        let client = node.register_client(&(Arc::clone(&caller) as _));
+        let client = node.register_client(&(Arc::clone(&caller) as _), 0)?;
         let mut engine = Engine {
             node,
             caller,
@@ -366,7 +365,7 @@ fn start_workers(
     let plan = Arc::new(WorkerPlan {
         workers,
         storage: Arc::clone(storage),
-        region: Arc::clone(region),
+        regions: vec![Arc::clone(region)],
         shared: Arc::clone(shared),
         layouts: if derived.layout == Layout::Files {
             Layouts::Files {

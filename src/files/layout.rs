@@ -39,7 +39,7 @@ use crate::files::device::{FilesDevice, ScannedFile};
 use crate::io::{FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
-use crate::worker::{own_key, Core, Layout, Start, BUF_REGION};
+use crate::worker::{own_key, Core, Layout, Start};
 
 pub(crate) use super::op::{Kind, Op, Step};
 
@@ -312,15 +312,16 @@ impl Layout for FilesLayout {
         let job = op.job.as_ref().expect("a store op has a job");
         let at = op.block as usize * core.block_bytes as usize + start as usize;
         let claim = core.claim(job, at, len as usize, false);
+        let buffer = Core::<Op>::buffer_of(job);
         let file_op = FileOp::WriteFd {
             fd: op.fd,
             offset: start,
-            buf: claim.buf_ref(BUF_REGION),
+            buf: claim.buf_ref(buffer),
         };
         core.backend.file_queue().push_file(
             core.ops.user_data(idx, chunk),
             &file_op,
-            Some((BUF_REGION, claim)),
+            Some((buffer, claim)),
             IoClass::Store,
         )
     }

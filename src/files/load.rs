@@ -200,7 +200,7 @@ impl FilesLayout {
                     let job = op.job.as_ref().expect("load has a job");
                     let got = block_crc(
                         job,
-                        &core.region,
+                        core.region_of(job),
                         block as usize * wanted as usize,
                         wanted as usize,
                     );

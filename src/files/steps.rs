@@ -7,7 +7,7 @@ use nix::fcntl::OFlag;
 
 use crate::files::device::c_path;
 use crate::io::{FileOp, IoBuf, IoClass};
-use crate::worker::{Core, BUF_REGION, BUF_STAGING};
+use crate::worker::{Core, BUF_STAGING};
 
 use super::layout::{FilesLayout, RENAME_NOREPLACE};
 use super::op::{Kind, Op, Step};
@@ -113,23 +113,19 @@ impl FilesLayout {
     fn claim_read(core: &Core<Op>, idx: u32) -> (u16, IoBuf) {
         let op = &core.ops[idx as usize];
         let bytes = core.block_bytes as usize;
-        match op.staging {
-            Some(slot) => (
-                BUF_STAGING,
-                core.demote
-                    .as_ref()
-                    .and_then(|m| m.staging.checkout(slot as usize * bytes, bytes, true).ok())
-                    .expect("a staging slot taken for a read is the worker's, unclaimed"),
-            ),
-            None => (
-                BUF_REGION,
-                core.claim_block(
-                    op.job.as_ref().expect("a load op has a job"),
-                    op.block,
-                    true,
-                ),
-            ),
+        if let Some(slot) = op.staging {
+            let claim = core
+                .demote
+                .as_ref()
+                .and_then(|m| m.staging.checkout(slot as usize * bytes, bytes, true).ok())
+                .expect("a staging slot taken for a read is the worker's, unclaimed");
+            return (BUF_STAGING, claim);
         }
+        let job = op.job.as_ref().expect("a load op has a job");
+        (
+            Core::<Op>::buffer_of(job),
+            core.claim_block(job, op.block, true),
+        )
     }
 
     /// The directory steps of `idx`: opening the block's directory (to fsync it) or `<hhh>`,

@@ -144,7 +144,7 @@ impl FilesLayout {
         let crc = dev.checksums.then(|| {
             block_crc(
                 job,
-                &core.region,
+                core.region_of(job),
                 block as usize * core.block_bytes as usize,
                 core.block_bytes as usize,
             )

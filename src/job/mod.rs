@@ -27,6 +27,9 @@ pub type JobId = u64;
 /// Index of a block in the primary region.
 pub type BlockId = u32;
 
+/// Which of a node's regions a client's blocks are in (0: the engine's primary region).
+pub(crate) type RegionId = u16;
+
 /// "Store blocks `blocks[i]` under `keys[i]`" or "load `keys[i]` into `blocks[i]`".
 #[derive(Clone, Debug, Default)]
 pub struct Job {
@@ -392,6 +395,8 @@ pub(crate) struct JobState {
     then: Mutex<Option<Then>>,
     /// The client whose sink receives the result.
     client: ClientId,
+    /// The node region the job's blocks are in (its client's).
+    pub region: RegionId,
 }
 
 impl JobState {
@@ -409,13 +414,16 @@ impl JobState {
             resolved: (0..n).map(|_| AtomicBool::new(false)).collect(),
             then: Mutex::new(None),
             client: 0,
+            region: 0,
         }
     }
 
-    /// The job of `client` (0 until set): its result goes to that client's sink.
+    /// The job of `client` (0 until set), whose blocks are in node region `region`: its
+    /// result goes to that client's sink.
     #[must_use]
-    pub fn for_client(mut self, client: ClientId) -> JobState {
+    pub fn for_client(mut self, client: ClientId, region: RegionId) -> JobState {
         self.client = client;
+        self.region = region;
         self
     }
 

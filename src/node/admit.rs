@@ -2,10 +2,11 @@
 //! its workers all or nothing within `queue_blocks_max` (keys no worker holds go to the cold
 //! tier), without blocking.
 
+use super::Client;
 use super::Node;
 use crate::cold;
 use crate::error::{Error, Result};
-use crate::job::sink::ClientId;
+use crate::job::RegionId;
 use crate::job::{Job, JobKind, JobState, KeyFailure};
 use crate::key::Key;
 use crate::route::items_by_worker;
@@ -17,7 +18,7 @@ use std::sync::Arc;
 impl Node {
     /// Admits `job`: a malformed one is reported failed (`Ok`), a full queue or too many jobs
     /// in flight is [`Error::Backpressure`] with nothing queued.
-    pub(super) fn admit(&self, client: ClientId, kind: JobKind, job: Job) -> Result<()> {
+    pub(super) fn admit(&self, client: Client, kind: JobKind, job: Job) -> Result<()> {
         let prev = self.shared.jobs_in_flight.fetch_add(1, Ordering::AcqRel);
         if prev >= self.jobs_in_flight_max {
             self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -36,8 +37,8 @@ impl Node {
                 .store_jobs_in_flight
                 .fetch_add(1, Ordering::Relaxed);
         }
-        if let Some((index, detail)) = self.invalid(&job) {
-            let state = JobState::new(kind, job).for_client(client);
+        if let Some((index, detail)) = self.invalid(client.region, &job) {
+            let state = JobState::new(kind, job).for_client(client.id, client.region);
             state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
             return Ok(());
         }
@@ -64,8 +65,10 @@ impl Node {
                 self.router.queue_blocks_max
             )));
         }
-        let state =
-            Arc::new(cold::admitted(self.cold.as_deref(), kind, job, lease).for_client(client));
+        let state = Arc::new(
+            cold::admitted(self.cold.as_deref(), kind, job, lease)
+                .for_client(client.id, client.region),
+        );
         if state.job.keys.is_empty() {
             state.publish(&self.shared);
             return Ok(());
@@ -84,8 +87,9 @@ impl Node {
 
     /// Leases the job's blocks: shared for a store (the device reads them), exclusive for a
     /// load. `None` when the job was refused and reported failed instead.
-    fn lease(&self, client: ClientId, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
-        match self.region.lease(&job.blocks, kind == JobKind::Load) {
+    fn lease(&self, client: Client, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
+        let region = &self.regions[usize::from(client.region)].0;
+        match region.lease(&job.blocks, kind == JobKind::Load) {
             // The lease holds each block once: fewer than the job names means a repeat, which
             // a load cannot have (two keys would land in one block).
             Ok(lease) if kind == JobKind::Load && lease.len() < job.blocks.len() => {
@@ -101,12 +105,9 @@ impl Node {
                      block once",
                     job.blocks[i]
                 );
-                JobState::new(kind, job).for_client(client).fail_whole(
-                    &self.shared,
-                    i,
-                    KeyFailure::InvalidJob,
-                    detail,
-                );
+                JobState::new(kind, job)
+                    .for_client(client.id, client.region)
+                    .fail_whole(&self.shared, i, KeyFailure::InvalidJob, detail);
                 None
             }
             Ok(lease) => Some((Arc::new(lease), job)),
@@ -116,7 +117,7 @@ impl Node {
                     .iter()
                     .position(|&b| b == busy.block)
                     .unwrap_or(0);
-                let state = JobState::new(kind, job);
+                let state = JobState::new(kind, job).for_client(client.id, client.region);
                 state.fail_whole(
                     &self.shared,
                     index,
@@ -139,7 +140,8 @@ impl Node {
                 && me.unindexed().peek(key) != Some((Verdict::Absent, true)))
     }
 
-    fn invalid(&self, job: &Job) -> Option<(usize, String)> {
+    fn invalid(&self, region: RegionId, job: &Job) -> Option<(usize, String)> {
+        let blocks = self.regions[usize::from(region)].1;
         if job.keys.len() != job.blocks.len() {
             return Some((
                 0,
@@ -148,13 +150,13 @@ impl Node {
         }
         job.blocks
             .iter()
-            .position(|&b| u64::from(b) >= self.region_blocks)
+            .position(|&b| u64::from(b) >= blocks)
             .map(|i| {
                 (
                     0,
                     format!(
                         "block id {} at position {i} is out of range: the region has {} blocks",
-                        job.blocks[i], self.region_blocks
+                        job.blocks[i], blocks
                     ),
                 )
             })

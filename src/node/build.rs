@@ -104,7 +104,8 @@ impl WorkerSettings {
 pub(crate) struct WorkerPlan {
     pub workers: usize,
     pub storage: Arc<dyn Storage>,
-    pub region: Arc<Region>,
+    /// The node's regions, by `RegionId` (region 0 the primary one).
+    pub regions: Vec<Arc<Region>>,
     pub shared: Arc<Shared>,
     pub layouts: Layouts,
     pub settings: WorkerSettings,
@@ -182,7 +183,7 @@ impl WorkerPlan {
         };
         let meta_len = crate::slab::table::meta_bytes(slab, id, self.workers);
         let meta = worker_buffer(meta_len, crate::slab::TABLE_PAGE_BYTES, "slot table copy")?;
-        let mut buffers = vec![Arc::clone(&self.region), Arc::clone(&meta)];
+        let mut buffers = vec![Arc::clone(&self.regions[0]), Arc::clone(&meta)];
         let s = &self.settings;
         let demote = match &self.demote {
             None => None,
@@ -197,6 +198,18 @@ impl WorkerPlan {
                 ))
             }
         };
+        if self.regions.len() > 1 {
+            // The other regions follow the staging buffer (`worker::region_buffer`): a page
+            // holds its place where there is no demotion.
+            if demote.is_none() {
+                buffers.push(worker_buffer(4096, 4096, "staging placeholder")?);
+            }
+            buffers.extend(self.regions[1..].iter().cloned());
+            debug_assert_eq!(
+                buffers.len(),
+                usize::from(worker::region_buffer((self.regions.len() - 1) as u16)) + 1
+            );
+        }
         let backend = self
             .storage
             .backend(id, buffers, Arc::clone(&me.wake), &s.backend)
@@ -204,7 +217,7 @@ impl WorkerPlan {
         let params = WorkerParams {
             id,
             backend,
-            region: Arc::clone(&self.region),
+            regions: self.regions.clone(),
             rx,
             shared: Arc::clone(&self.shared),
             me: Arc::clone(me),

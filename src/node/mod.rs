@@ -22,7 +22,7 @@ use crate::config::FirstLookup;
 use crate::error::{Error, Result};
 use crate::io::Region;
 use crate::job::sink::{ClientId, ResultSink};
-use crate::job::{Job, JobKind, Shared};
+use crate::job::{Job, JobKind, RegionId, Shared};
 use crate::key::Key;
 use crate::route::{items_by_worker, Router};
 use crate::tier::Lookup;
@@ -33,6 +33,14 @@ pub(crate) mod build;
 pub(crate) mod gate;
 pub(crate) mod lookup;
 
+/// A registered client of the node, as its front end keeps it: its id (its results' sink) and
+/// the region its blocks are in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Client {
+    pub id: ClientId,
+    pub region: RegionId,
+}
+
 /// What a node is made of: the parts its front end built (the workers' channels in the
 /// router, the shared job state) and the limits from the validated config.
 pub(crate) struct Node {
@@ -41,8 +49,9 @@ pub(crate) struct Node {
     /// A second receiver of each worker's channel, for the work that reaches a worker after it
     /// stopped ([`Node::fail_left_behind`]).
     left_behind: Vec<Receiver<Msg>>,
-    region: Arc<Region>,
-    region_blocks: u64,
+    /// The regions clients' blocks are in, by `RegionId`, with their block counts (every
+    /// worker's backend has each registered).
+    regions: Vec<(Arc<Region>, u64)>,
     jobs_in_flight_max: usize,
     /// The files layout: what the first lookup of a key no worker indexed answers (`None`:
     /// slab).
@@ -58,8 +67,7 @@ impl Node {
         shared: Arc<Shared>,
         router: Arc<Router>,
         left_behind: Vec<Receiver<Msg>>,
-        region: Arc<Region>,
-        region_blocks: u64,
+        regions: Vec<(Arc<Region>, u64)>,
         jobs_in_flight_max: usize,
         first_lookup: Option<FirstLookup>,
     ) -> Node {
@@ -68,8 +76,7 @@ impl Node {
             shared,
             router,
             left_behind,
-            region,
-            region_blocks,
+            regions,
             jobs_in_flight_max,
             first_lookup,
             cold: None,
@@ -99,13 +106,27 @@ impl Node {
         self.gate.is_open()
     }
 
-    /// Adds a client: the results of the jobs it submits go to `sink`.
-    pub fn register_client(&self, sink: &Arc<dyn ResultSink>) -> ClientId {
-        self.shared.sinks.register(sink)
+    /// Adds a client whose blocks are in node region `region`: the results of the jobs it
+    /// submits go to `sink`. Refused for a region the node does not have, and for a region
+    /// other than 0 on a node with a cold tier (it lands and copies blocks in region 0 only).
+    pub fn register_client(&self, sink: &Arc<dyn ResultSink>, region: RegionId) -> Result<Client> {
+        if usize::from(region) >= self.regions.len() {
+            return Err(Error::Worker(format!(
+                "region {region}: the node has {} region(s)",
+                self.regions.len()
+            )));
+        }
+        if region != 0 && self.cold.is_some() {
+            return Err(Error::Worker(format!(
+                "region {region}: the cold tier moves blocks of region 0 only"
+            )));
+        }
+        let id = self.shared.sinks.register(sink);
+        Ok(Client { id, region })
     }
 
     /// Admits `client`'s job (see [`admit`]); `Error::Shutdown` once the node is closed.
-    pub fn submit(&self, client: ClientId, kind: JobKind, job: Job) -> Result<()> {
+    pub fn submit(&self, client: Client, kind: JobKind, job: Job) -> Result<()> {
         let Some(_inside) = self.gate.enter() else {
             return Err(Error::Shutdown);
         };

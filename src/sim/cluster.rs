@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
 use crate::io::{Region, Storage};
-use crate::job::sink::{ChannelSink, ClientId};
+use crate::job::sink::ChannelSink;
 use crate::job::{Job, JobKind, JobResult, Shared};
 use crate::node::build::{scanned_by_worker, Built, Layouts, WorkerPlan, WorkerSettings};
 use crate::node::Node;
@@ -75,7 +75,7 @@ pub struct Cluster {
     node: Node,
     /// The cluster's caller, the node's one client.
     caller: Arc<ChannelSink>,
-    client: ClientId,
+    client: crate::node::Client,
     cold: Option<Arc<SimObjectStore>>,
     rng: Rng,
     /// The workers' clock: it moves [`STEP_TIME`] a turn, never with the wall clock, so a seed
@@ -142,6 +142,28 @@ impl Cluster {
         Cluster::open_with(config, region, storage, seed, None)
     }
 
+    /// [`Cluster::open`] over several regions (a node serving clients in their own memory, as
+    /// a daemon would): every worker registers each; region `i` is `RegionId` `i`, and clients
+    /// of it are added with `node.register_client`.
+    pub fn open_regions(
+        config: &Config,
+        regions: &[Arc<Region>],
+        storage: &Arc<SimStorage>,
+        seed: u64,
+    ) -> Result<Cluster> {
+        let derived = config.validate()?;
+        let devices = open_devices(config, storage, derived.block_bytes)?;
+        Cluster::build(
+            config,
+            &derived,
+            regions,
+            Arc::clone(storage) as Arc<dyn Storage>,
+            (Layouts::Slab(Arc::new(devices)), Vec::new()),
+            seed,
+            None,
+        )
+    }
+
     /// [`Cluster::open`] with `cold` as the cold tier (connected to this cluster: a store
     /// reopened after a power loss is connected again).
     pub fn open_with(
@@ -156,7 +178,7 @@ impl Cluster {
         Cluster::build(
             config,
             &derived,
-            region,
+            std::slice::from_ref(region),
             Arc::clone(storage) as Arc<dyn Storage>,
             (Layouts::Slab(Arc::new(devices)), Vec::new()),
             seed,
@@ -205,7 +227,7 @@ impl Cluster {
         Cluster::build(
             config,
             &derived,
-            region,
+            std::slice::from_ref(region),
             Arc::clone(files) as Arc<dyn Storage>,
             (layouts, scanned_by_worker(scanned, workers)),
             seed,
@@ -217,7 +239,7 @@ impl Cluster {
     fn build(
         config: &Config,
         derived: &Derived,
-        region: &Arc<Region>,
+        regions: &[Arc<Region>],
         storage: Arc<dyn Storage>,
         (layouts, mut scanned): (Layouts, Vec<Vec<ScannedFile>>),
         seed: u64,
@@ -226,7 +248,13 @@ impl Cluster {
         let block_bytes = derived.block_bytes;
         // The region's blocks as the engine sets them up: jobs lease them, the simulated
         // devices check the leases.
-        crate::engine::open::check_region(region, block_bytes)?;
+        let mut region_blocks = Vec::with_capacity(regions.len());
+        for r in regions {
+            region_blocks.push((
+                Arc::clone(r),
+                crate::engine::open::check_region(r, block_bytes)?,
+            ));
+        }
         let Cores::List(cores) = &config.cores else {
             return Err(Error::Worker("the simulation needs cores = [..]".into()));
         };
@@ -251,7 +279,7 @@ impl Cluster {
         let plan = WorkerPlan {
             workers,
             storage,
-            region: Arc::clone(region),
+            regions: regions.to_vec(),
             shared: Arc::clone(&shared),
             layouts,
             settings,
@@ -281,8 +309,7 @@ impl Cluster {
             shared,
             router,
             left_behind,
-            Arc::clone(region),
-            region.len() as u64 / block_bytes,
+            region_blocks,
             config.jobs_in_flight_max,
             first_lookup,
         );
@@ -290,7 +317,7 @@ impl Cluster {
             node.attach_cold(Arc::clone(c) as Arc<dyn ColdTier>);
         }
         let caller = Arc::new(ChannelSink::default());
-        let client = node.register_client(&(Arc::clone(&caller) as _));
+        let client = node.register_client(&(Arc::clone(&caller) as _), 0)?;
         Ok(Cluster {
             workers: list,
             node,

@@ -25,7 +25,6 @@ use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
 use crate::worker::{
     own_key, Chunks, Core, Layout, LayoutOp, Removal, Start, TableOp, Worker, WorkerParams,
-    BUF_REGION,
 };
 use crate::Errno;
 
@@ -304,7 +303,7 @@ impl Layout for SlabLayout {
             kind: IoKind::Read,
             device: d,
             offset: self.devs[d as usize].slot_offset(local),
-            region: BUF_REGION,
+            region: Core::<Op>::buffer_of(job),
             buf: core.claim_block(job, block, true),
             class: IoClass::Load,
         };
@@ -420,7 +419,7 @@ impl Layout for SlabLayout {
             kind: IoKind::Write,
             device: op.dev,
             offset: self.devs[op.dev as usize].slot_offset(op.slot) + start,
-            region: BUF_REGION,
+            region: Core::<Op>::buffer_of(job),
             buf: core.claim(job, at, len as usize, false),
             class: IoClass::Store,
         };

@@ -47,7 +47,7 @@ impl SlabLayout {
             let crc = (!slot.verified || self.verify_always[d]).then(|| {
                 block_crc(
                     &job,
-                    &core.region,
+                    core.region_of(&job),
                     block as usize * wanted as usize,
                     wanted as usize,
                 )
@@ -167,7 +167,7 @@ impl SlabLayout {
         let block_bytes = core.block_bytes;
         let crc = block_crc(
             &f.job,
-            &core.region,
+            core.region_of(&f.job),
             f.block as usize * block_bytes as usize,
             block_bytes as usize,
         );

@@ -17,7 +17,8 @@ use super::{Demote, LayoutOp, OpTable, Part, Publisher, Scheduler, WorkQueue, Wo
 pub(crate) struct Core<O> {
     pub id: usize,
     pub backend: Box<dyn IoBackend>,
-    pub region: Arc<Region>,
+    /// The node's regions, by `RegionId`: a job's blocks are in its client's.
+    pub regions: Vec<Arc<Region>>,
     pub shared: Arc<Shared>,
     pub me: Arc<WorkerShared>,
     pub ops: OpTable<O>,
@@ -65,10 +66,20 @@ impl<O: LayoutOp> Core<O> {
         let lease = job
             .lease()
             .expect("a job whose blocks reach a device holds a lease on them");
-        debug_assert!(lease.is_on(&self.region));
+        debug_assert!(lease.is_on(self.region_of(job)));
         lease
             .checkout(offset, len, device_writes)
             .expect("a job's blocks went back while an op of it was still issuing")
+    }
+
+    /// The region `job`'s blocks are in.
+    pub fn region_of(&self, job: &JobState) -> &Arc<Region> {
+        &self.regions[usize::from(job.region)]
+    }
+
+    /// The backend's buffer index of `job`'s region.
+    pub fn buffer_of(job: &JobState) -> u16 {
+        super::region_buffer(job.region)
     }
 
     /// The claim on job block `block`, whole.

@@ -53,8 +53,19 @@ use std::sync::atomic::Ordering;
 /// Buffer indexes in every backend: the primary region and this worker's table copy.
 pub(crate) const BUF_REGION: u16 = 0;
 pub(crate) const BUF_META: u16 = 1;
-/// The demotion staging buffer (`s3.write = "on_evict"` only).
+/// The demotion staging buffer (`s3.write = "on_evict"`; a placeholder page where a node has
+/// more than one region and no demotion).
 pub(crate) const BUF_STAGING: u16 = 2;
+
+/// The buffer index of node region `region` in every backend: region 0 is `BUF_REGION`, the
+/// others follow the staging buffer.
+pub(crate) fn region_buffer(region: crate::job::RegionId) -> u16 {
+    if region == 0 {
+        BUF_REGION
+    } else {
+        BUF_STAGING + region
+    }
+}
 
 /// Why a layout frees a stored key (slab slot, or file): for the metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -214,7 +225,8 @@ pub(crate) trait Layout {
 pub(crate) struct WorkerParams {
     pub id: usize,
     pub backend: Box<dyn IoBackend>,
-    pub region: Arc<Region>,
+    /// The node's regions, by `RegionId`.
+    pub regions: Vec<Arc<Region>>,
     pub rx: Receiver<Msg>,
     pub shared: Arc<Shared>,
     pub me: Arc<WorkerShared>,
@@ -297,7 +309,7 @@ impl<L: Layout> Worker<L> {
             core: Core {
                 id: p.id,
                 backend: p.backend,
-                region: p.region,
+                regions: p.regions,
                 shared: p.shared,
                 me: p.me,
                 ops: OpTable::new(capacity, p.clock, make),

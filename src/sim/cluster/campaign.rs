@@ -1293,7 +1293,10 @@ mod clock_tests {
         let config = config(&mut rng, 1, 1);
         let (mut cluster, region, _storage) = one_worker(8, &config);
         let other = Arc::new(ChannelSink::default());
-        let second = cluster.node.register_client(&(Arc::clone(&other) as _));
+        let second = cluster
+            .node
+            .register_client(&(Arc::clone(&other) as _), 0)
+            .expect("a second client of region 0");
         assert_ne!(second, cluster.client);
         let keys: Vec<Key> = (1..=4).map(key).collect();
         for (i, k) in (1..=4).enumerate() {
@@ -1356,6 +1359,100 @@ mod clock_tests {
             region.read(i * BLOCK as usize, &mut got);
             assert!(got == content(k), "block {i} does not hold key {k}'s bytes");
         }
+    }
+
+    /// A node over two regions (as a daemon serving a second process in that process's own
+    /// memory): a client of region 1 stores from its blocks and loads into them, the client of
+    /// region 0 loads what it stored byte-exact and the other way round, a block id is checked
+    /// against the client's own region, and a region the node does not have is refused. The
+    /// simulated device checks every transfer against the leases of the region it lands in.
+    #[test]
+    fn clients_in_two_regions_share_one_node() {
+        use crate::job::sink::ChannelSink;
+        let mut rng = Rng::new(9);
+        let config = config(&mut rng, 1, 1);
+        let storage = SimStorage::new(9, &[(1 << 20) + 32 * BLOCK]);
+        let region = |blocks: u32| {
+            crate::region::allocate_blocks(BLOCK, u64::from(blocks), crate::config::HugePages::Off)
+                .expect("region")
+        };
+        let (r0, r1) = (region(REGION_BLOCKS), region(4));
+        let mut cluster =
+            Cluster::open_regions(&config, &[Arc::clone(&r0), Arc::clone(&r1)], &storage, 9)
+                .expect("opens");
+        let sink = Arc::new(ChannelSink::default());
+        let refused = cluster.node.register_client(&(Arc::clone(&sink) as _), 2);
+        assert!(
+            matches!(refused, Err(crate::Error::Worker(ref why)) if why.contains("region 2: the node has 2 region(s)")),
+            "{refused:?}"
+        );
+        let other = cluster
+            .node
+            .register_client(&(Arc::clone(&sink) as _), 1)
+            .expect("a client of region 1");
+        let keys: Vec<Key> = (11..=14).map(key).collect();
+        for (i, k) in (11..=12).enumerate() {
+            r1.write(i * BLOCK as usize, &content(k));
+            r0.write(i * BLOCK as usize, &content(k + 2));
+        }
+        cluster
+            .node
+            .submit(
+                other,
+                JobKind::Store,
+                Job::new(1, keys[..2].to_vec(), vec![0, 1]),
+            )
+            .expect("region 1's store");
+        cluster
+            .submit(JobKind::Store, Job::new(2, keys[2..].to_vec(), vec![0, 1]))
+            .expect("region 0's store");
+        cluster
+            .node
+            .submit(other, JobKind::Load, Job::new(3, vec![keys[0]], vec![4]))
+            .expect("a job naming a block past its region is admitted and reported failed");
+        assert!(cluster.settle(20_000), "the stores settle");
+        let ids = |r: &[JobResult]| r.iter().map(|r| (r.id, r.success)).collect::<Vec<_>>();
+        let mut mine = Vec::new();
+        cluster.poll(&mut mine);
+        assert_eq!(ids(&mine), vec![(2, true)], "{mine:?}");
+        let mut theirs: Vec<JobResult> = sink.results().try_iter().collect();
+        theirs.sort_by_key(|r| r.id);
+        assert_eq!(ids(&theirs), vec![(1, true), (3, false)], "{theirs:?}");
+        let refused = theirs[1].failure().expect("a failure");
+        assert!(
+            refused
+                .detail
+                .contains("out of range: the region has 4 blocks"),
+            "{refused:?}"
+        );
+        // Each loads what the other stored, into its own region.
+        r0.fill(8 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
+        r1.fill(2 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
+        cluster
+            .submit(JobKind::Load, Job::new(4, keys[..2].to_vec(), vec![8, 9]))
+            .expect("region 0 loads region 1's");
+        cluster
+            .node
+            .submit(
+                other,
+                JobKind::Load,
+                Job::new(5, keys[2..].to_vec(), vec![2, 3]),
+            )
+            .expect("region 1 loads region 0's");
+        assert!(cluster.settle(20_000), "the loads settle");
+        mine.clear();
+        cluster.poll(&mut mine);
+        assert_eq!(ids(&mine), vec![(4, true)], "{mine:?}");
+        let theirs: Vec<JobResult> = sink.results().try_iter().collect();
+        assert_eq!(ids(&theirs), vec![(5, true)], "{theirs:?}");
+        let bytes = |r: &Region, block: usize| {
+            let mut got = vec![0u8; BLOCK as usize];
+            r.read(block * BLOCK as usize, &mut got);
+            got
+        };
+        assert!(bytes(&r0, 8) == content(11) && bytes(&r0, 9) == content(12));
+        assert!(bytes(&r1, 2) == content(13) && bytes(&r1, 3) == content(14));
+        cluster.check_quiet().expect("nothing left behind");
     }
 
     /// A load from a hung device fails by its deadline on the cluster's clock: not before
