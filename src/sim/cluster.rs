@@ -151,17 +151,7 @@ impl Cluster {
         storage: &Arc<SimStorage>,
         seed: u64,
     ) -> Result<Cluster> {
-        let derived = config.validate()?;
-        let devices = open_devices(config, storage, derived.block_bytes)?;
-        Cluster::build(
-            config,
-            &derived,
-            regions,
-            Arc::clone(storage) as Arc<dyn Storage>,
-            (Layouts::Slab(Arc::new(devices)), Vec::new()),
-            seed,
-            None,
-        )
+        Cluster::open_slab(config, regions, storage, seed, None)
     }
 
     /// [`Cluster::open`] with `cold` as the cold tier (connected to this cluster: a store
@@ -173,12 +163,23 @@ impl Cluster {
         seed: u64,
         cold: Option<Arc<SimObjectStore>>,
     ) -> Result<Cluster> {
+        Cluster::open_slab(config, std::slice::from_ref(region), storage, seed, cold)
+    }
+
+    /// Slab workers over `regions` on `storage`, with `cold` as the cold tier.
+    fn open_slab(
+        config: &Config,
+        regions: &[Arc<Region>],
+        storage: &Arc<SimStorage>,
+        seed: u64,
+        cold: Option<Arc<SimObjectStore>>,
+    ) -> Result<Cluster> {
         let derived = config.validate()?;
         let devices = open_devices(config, storage, derived.block_bytes)?;
         Cluster::build(
             config,
             &derived,
-            std::slice::from_ref(region),
+            regions,
             Arc::clone(storage) as Arc<dyn Storage>,
             (Layouts::Slab(Arc::new(devices)), Vec::new()),
             seed,
