@@ -39,7 +39,7 @@ use crate::files::device::{FilesDevice, ScannedFile};
 use crate::io::{FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
-use crate::worker::{own_key, Core, Layout, Start};
+use crate::worker::{own_key, region_buffer, Core, Layout, Start};
 
 pub(crate) use super::op::{Kind, Op, Step};
 
@@ -312,7 +312,7 @@ impl Layout for FilesLayout {
         let job = op.job.as_ref().expect("a store op has a job");
         let at = op.block as usize * core.block_bytes as usize + start as usize;
         let claim = core.claim(job, at, len as usize, false);
-        let buffer = Core::<Op>::buffer_of(job);
+        let buffer = region_buffer(job.region);
         let file_op = FileOp::WriteFd {
             fd: op.fd,
             offset: start,

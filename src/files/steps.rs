@@ -7,7 +7,7 @@ use nix::fcntl::OFlag;
 
 use crate::files::device::c_path;
 use crate::io::{FileOp, IoBuf, IoClass};
-use crate::worker::{Core, BUF_STAGING};
+use crate::worker::{region_buffer, Core, BUF_STAGING};
 
 use super::layout::{FilesLayout, RENAME_NOREPLACE};
 use super::op::{Kind, Op, Step};
@@ -123,7 +123,7 @@ impl FilesLayout {
         }
         let job = op.job.as_ref().expect("a load op has a job");
         (
-            Core::<Op>::buffer_of(job),
+            region_buffer(job.region),
             core.claim_block(job, op.block, true),
         )
     }

@@ -38,8 +38,7 @@ impl Node {
                 .fetch_add(1, Ordering::Relaxed);
         }
         if let Some((index, detail)) = self.invalid(client.region, &job) {
-            let state = JobState::new(kind, job).for_client(client.id, client.region);
-            state.fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
+            self.refuse(client, kind, job, index, detail);
             return Ok(());
         }
         let Some((lease, job)) = self.lease(client, kind, job) else {
@@ -105,9 +104,7 @@ impl Node {
                      block once",
                     job.blocks[i]
                 );
-                JobState::new(kind, job)
-                    .for_client(client.id, client.region)
-                    .fail_whole(&self.shared, i, KeyFailure::InvalidJob, detail);
+                self.refuse(client, kind, job, i, detail);
                 None
             }
             Ok(lease) => Some((Arc::new(lease), job)),
@@ -117,16 +114,18 @@ impl Node {
                     .iter()
                     .position(|&b| b == busy.block)
                     .unwrap_or(0);
-                let state = JobState::new(kind, job).for_client(client.id, client.region);
-                state.fail_whole(
-                    &self.shared,
-                    index,
-                    KeyFailure::InvalidJob,
-                    busy.to_string(),
-                );
+                self.refuse(client, kind, job, index, busy.to_string());
                 None
             }
         }
+    }
+
+    /// Reports `client`'s malformed job failed (`InvalidJob` from key `index`, for `detail`)
+    /// to that client's sink: the one way admission refuses a job it took.
+    fn refuse(&self, client: Client, kind: JobKind, job: Job, index: usize, detail: String) {
+        JobState::new(kind, job)
+            .for_client(client.id, client.region)
+            .fail_whole(&self.shared, index, KeyFailure::InvalidJob, detail);
     }
 
     /// Whether a load of `key` goes to its NVMe worker (else to the cold tier): stored here, or,

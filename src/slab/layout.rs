@@ -24,7 +24,8 @@ use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
 use crate::worker::{
-    own_key, Chunks, Core, Layout, LayoutOp, Removal, Start, TableOp, Worker, WorkerParams,
+    own_key, region_buffer, Chunks, Core, Layout, LayoutOp, Removal, Start, TableOp, Worker,
+    WorkerParams,
 };
 use crate::Errno;
 
@@ -303,7 +304,7 @@ impl Layout for SlabLayout {
             kind: IoKind::Read,
             device: d,
             offset: self.devs[d as usize].slot_offset(local),
-            region: Core::<Op>::buffer_of(job),
+            region: region_buffer(job.region),
             buf: core.claim_block(job, block, true),
             class: IoClass::Load,
         };
@@ -419,7 +420,7 @@ impl Layout for SlabLayout {
             kind: IoKind::Write,
             device: op.dev,
             offset: self.devs[op.dev as usize].slot_offset(op.slot) + start,
-            region: Core::<Op>::buffer_of(job),
+            region: region_buffer(job.region),
             buf: core.claim(job, at, len as usize, false),
             class: IoClass::Store,
         };

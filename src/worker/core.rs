@@ -77,11 +77,6 @@ impl<O: LayoutOp> Core<O> {
         &self.regions[usize::from(job.region)]
     }
 
-    /// The backend's buffer index of `job`'s region.
-    pub fn buffer_of(job: &JobState) -> u16 {
-        super::region_buffer(job.region)
-    }
-
     /// The claim on job block `block`, whole.
     pub fn claim_block(&self, job: &JobState, block: u32, device_writes: bool) -> IoBuf {
         let bytes = self.block_bytes as usize;
