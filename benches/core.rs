@@ -10,7 +10,9 @@
 //! memory): an empty job (admission and the result channel, no worker), a load that misses
 //! (caller -> worker -> caller, no I/O), a lookup of 1000 stored keys and of one (alone, and beside a
 //! second caller), a store + load of one
-//! 64 KiB block, and stores into a full device (each one evicts).
+//! 64 KiB block, and stores into a full device (each one evicts); and, on one files-layout
+//! worker over the simulated files (`kvtier::sim::SimFiles`), lookups of 1000 keys it has not
+//! indexed and found absent (alone, and beside a second caller).
 //!
 //! `cargo bench --bench core` measures (about 2 s per benchmark); `cargo test --all-targets`
 //! runs each benchmark once, in criterion's test mode, so they keep building and working.
@@ -21,10 +23,12 @@ use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
-use kvtier::config::{Cores, DeviceConfig, HugePages};
+use kvtier::config::{Cores, DeviceConfig, FilesConfig, HugePages, Layout};
+use kvtier::files::mapper::{KvCacheGroup, Namespace};
+use kvtier::sim::files::SimFiles;
 use kvtier::sim::SimStorage;
 use kvtier::slab::{Entry, Geometry, ENTRY_BYTES};
-use kvtier::{Config, Engine, Job, JobResult, Key, Region};
+use kvtier::{Config, Engine, Job, JobResult, Key, Lookup, Region};
 
 /// Block size of the engine benchmarks.
 const BLOCK: u64 = 64 << 10;
@@ -251,6 +255,74 @@ fn lookups(g: &mut BenchmarkGroup<'_, WallTime>) {
     drop(e);
 }
 
+/// Lookups of keys the files layout has not indexed and found absent (answers its worker
+/// recorded for `files.lookup_ttl_ms`, read by the caller without a lock), alone and beside a
+/// second caller asking about other absent keys.
+fn lookups_unindexed(g: &mut BenchmarkGroup<'_, WallTime>) {
+    let core = kvtier_sys::affinity::available_cores()
+        .first()
+        .copied()
+        .unwrap_or(0);
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let mut device = DeviceConfig::new(dir.path());
+    device.layout = Layout::Files;
+    let mut namespace = Namespace::new("bench/model", "float16", 16, 1);
+    namespace.kv_cache_groups = vec![KvCacheGroup {
+        tokens_per_block: 16,
+        layer_names: vec!["layer.0".into()],
+    }];
+    let mut files = FilesConfig::new(namespace);
+    files.lookup_ttl_ms = 3_600_000;
+    let config = Config {
+        block_size: BLOCK,
+        cores: Cores::List(vec![core]),
+        region_blocks: REGION_BLOCKS,
+        devices: vec![device],
+        files: Some(files),
+        ..Config::default()
+    };
+    let region = kvtier::region::allocate_blocks(BLOCK, REGION_BLOCKS, HugePages::Off)
+        .expect("a small region");
+    let engine = Engine::open_with(&config, region, SimFiles::new(1))
+        .expect("the engine opens on the simulated files");
+    let absent: Vec<Key> = (0..2 * LOOKUP_KEYS).map(|n| key(1 << 40 | n)).collect();
+    // The first lookup sends every key to the worker, whose statx finds none.
+    assert!(engine.lookup(&absent).iter().all(|l| *l == Lookup::Miss));
+    let deadline = Instant::now() + JOB_TIMEOUT;
+    while engine.stats().devices[0].probes_absent < 2 * LOOKUP_KEYS {
+        assert!(
+            Instant::now() < deadline,
+            "the probes did not finish in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (mine, other) = absent.split_at(LOOKUP_KEYS as usize);
+    g.throughput(Throughput::Elements(LOOKUP_KEYS));
+    g.bench_function("lookup_1000_unindexed_absent", |b| {
+        b.iter(|| engine.lookup(black_box(mine)));
+    });
+    g.bench_function("lookup_1000_unindexed_absent_beside_another_caller", |b| {
+        b.iter_custom(|iters| {
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        black_box(engine.lookup(black_box(other)));
+                    }
+                });
+                let started = Instant::now();
+                for _ in 0..iters {
+                    black_box(engine.lookup(black_box(mine)));
+                }
+                let took = started.elapsed();
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                took
+            })
+        });
+    });
+    drop(engine);
+}
+
 fn engine_on_sim(c: &mut Criterion) {
     let mut g = c.benchmark_group("engine_sim");
 
@@ -303,6 +375,7 @@ fn engine_on_sim(c: &mut Criterion) {
     drop(e);
 
     lookups(&mut g);
+    lookups_unindexed(&mut g);
 
     // Enough slots that most iterations store into a free slot; the device wraps into
     // evictions only after tens of thousands of iterations.

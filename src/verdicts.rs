@@ -62,6 +62,11 @@ impl Verdicts {
 
     /// Records `verdict` for `key` (whatever was there) and returns its generation.
     pub fn set(&mut self, key: Key, verdict: Verdict) -> u64 {
+        self.set_then(key, verdict, |_| {})
+    }
+
+    /// [`Verdicts::set`], calling `dropped` with each key it drops to stay within `max`.
+    pub fn set_then(&mut self, key: Key, verdict: Verdict, mut dropped: impl FnMut(Key)) -> u64 {
         let generation = self.next_generation;
         self.next_generation += 1;
         while self.map.len() >= self.max && !self.map.contains_key(&key) {
@@ -70,6 +75,7 @@ impl Verdicts {
             };
             if self.map.get(&old).is_some_and(|e| e.generation == g) {
                 self.map.remove(&old);
+                dropped(old);
             }
         }
         self.map.insert(
@@ -91,10 +97,10 @@ impl Verdicts {
 
     /// Asks about `key` again while its current verdict is still served (it counts as fresh
     /// until the new answer; a key not held is recorded absent meanwhile); returns the new
-    /// question's generation.
-    pub fn renew(&mut self, key: Key) -> u64 {
+    /// question's generation. `dropped` as for [`Verdicts::set_then`].
+    pub fn renew(&mut self, key: Key, dropped: impl FnMut(Key)) -> u64 {
         let verdict = self.map.get(&key).map_or(Verdict::Absent, |e| e.verdict);
-        self.set(key, verdict)
+        self.set_then(key, verdict, dropped)
     }
 
     /// Records the answer to question `generation` about `key`, unless a newer state replaced
@@ -144,6 +150,11 @@ impl Verdicts {
                 e.verdict == Verdict::Pending || self.clock.now().duration_since(e.at) < self.ttl;
             (e.verdict, fresh)
         })
+    }
+
+    /// `key`'s verdict and when it was recorded, if held.
+    pub fn entry(&self, key: &Key) -> Option<(Verdict, Instant)> {
+        self.map.get(key).map(|e| (e.verdict, e.at))
     }
 
     /// Keys held.
@@ -219,7 +230,7 @@ mod tests {
         clock.advance(Duration::from_millis(1));
         assert_eq!(v.get(&key(1)), None, "stale at the TTL");
         assert_eq!(v.peek(&key(1)), Some((Verdict::Present, false)));
-        v.renew(key(1));
+        v.renew(key(1), |_| {});
         assert_eq!(
             v.get(&key(1)),
             Some(Verdict::Present),

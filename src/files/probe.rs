@@ -39,23 +39,21 @@ impl FilesLayout {
             };
             let d = key.device(self.devs.len());
             let dest = self.devs[d].path_of(&key);
-            let current = core.me.unindexed().current(&key, generation);
+            let current = core.unindexed.current(&key, generation);
             let start = match dest {
                 // Stopping (no one waits for the answer), a key that is not a files-layout
                 // key, or a failed device: absent without I/O.
                 _ if !current => None,
                 Some(dest) if !core.stopping && !core.device_failed(d) => Some(dest),
                 _ => {
-                    core.me
-                        .unindexed()
-                        .resolve(key, generation, Verdict::Absent);
+                    core.unindexed.resolve(key, generation, Verdict::Absent);
                     None
                 }
             };
             if let Some(dest) = start {
                 if self.index.contains_key(&key) {
                     // Indexed since the question (stored or loaded here): published already.
-                    core.me.unindexed().forget(&key, generation);
+                    core.unindexed.forget(key, generation);
                 } else {
                     let Some(idx) = Self::alloc(core, Kind::Probe) else {
                         break;
@@ -108,11 +106,9 @@ impl FilesLayout {
                 // Published by another process: index it, as a load that finds it does.
                 self.publish(core, key, dev, false);
             }
-            core.me.unindexed().forget(&key, generation);
+            core.unindexed.forget(key, generation);
         } else {
-            core.me
-                .unindexed()
-                .resolve(key, generation, Verdict::Absent);
+            core.unindexed.resolve(key, generation, Verdict::Absent);
         }
         self.start_probes(core);
     }

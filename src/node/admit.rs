@@ -136,7 +136,7 @@ impl Node {
         let me = &self.router.workers[key.worker(self.router.workers.len())].1;
         me.published.contains(key)
             || (self.first_lookup.is_some()
-                && me.unindexed().peek(key) != Some((Verdict::Absent, true)))
+                && me.unindexed.peek(key) != Some((Verdict::Absent, true)))
     }
 
     fn invalid(&self, region: RegionId, job: &Job) -> Option<(usize, String)> {

@@ -9,6 +9,7 @@ use crate::metrics;
 use crate::tier::{Lookup, Tier};
 use crate::verdicts::Verdict;
 use crate::worker::shared::PROBES_OUTSTANDING_MAX;
+use crate::worker::unindexed::Answers;
 use crate::worker::Msg;
 use std::sync::atomic::Ordering;
 
@@ -65,7 +66,8 @@ impl Node {
     fn ask_unindexed(&self, keys: &[Key], out: &mut [Lookup], first: FirstLookup) {
         let handles = &self.router.workers;
         let workers = handles.len();
-        let mut asks: Vec<Vec<(Key, u64)>> = vec![Vec::new(); workers];
+        let mut asks: Vec<Vec<Key>> = vec![Vec::new(); workers];
+        let mut answers: Vec<Option<Answers<'_>>> = handles.iter().map(|_| None).collect();
         for (k, l) in keys.iter().zip(out.iter_mut()) {
             if *l != Lookup::Miss {
                 continue;
@@ -77,8 +79,8 @@ impl Node {
             let may_ask = self.is_open()
                 && me.probes_outstanding.load(Ordering::Acquire) + asks[s].len()
                     < PROBES_OUTSTANDING_MAX;
-            let mut answers = me.unindexed();
-            let (answer, ask) = match answers.peek(k) {
+            let known = answers[s].get_or_insert_with(|| me.unindexed.read());
+            let (answer, ask) = match known.peek(k) {
                 Some((Verdict::Pending, _)) => (Lookup::Pending, false),
                 Some((Verdict::Present, fresh)) => (Lookup::Hit(Tier::Nvme), !fresh),
                 Some((Verdict::Absent, fresh)) => (Lookup::Miss, !fresh),
@@ -87,20 +89,17 @@ impl Node {
             };
             *l = answer;
             if ask && may_ask {
-                // Pending, or an absent answer served until the probe's (a first miss is
-                // recorded absent, so it is asked once per TTL too).
-                let generation = if answer == Lookup::Pending {
-                    answers.begin(*k)
-                } else {
-                    answers.renew(*k)
-                };
-                asks[s].push((*k, generation));
+                // The worker records the question (pending, or the answer served until the
+                // new one; a first miss is recorded absent, so it is asked once per TTL too)
+                // and asks once however many lookups sent the key meanwhile.
+                asks[s].push(*k);
             }
         }
+        drop(answers);
         for ((tx, me), ask) in handles.iter().zip(asks) {
             if !ask.is_empty() {
                 me.probes_outstanding.fetch_add(ask.len(), Ordering::AcqRel);
-                if tx.send(Msg::Probe(ask)).is_ok() {
+                if tx.send(Msg::Probe(ask, first)).is_ok() {
                     me.nudge();
                 }
             }

@@ -11,7 +11,11 @@ use crate::io::{IoBackend, IoBuf, Region};
 use crate::job::{JobState, KeyFailure, Shared};
 use crate::Errno;
 
-use super::{Demote, LayoutOp, OpTable, Part, Publisher, Scheduler, WorkQueue, WorkerShared};
+use super::{
+    Demote, LayoutOp, OpTable, Part, Publisher, Scheduler, Unindexed, WorkQueue, WorkerShared,
+};
+use crate::config::FirstLookup;
+use crate::key::Key;
 
 /// The parts of a worker a layout acts through.
 pub(crate) struct Core<O> {
@@ -34,6 +38,8 @@ pub(crate) struct Core<O> {
     pub demote: Option<Demote>,
     /// Publishes the keys this worker holds to callers (`Engine::lookup`).
     pub publisher: Publisher,
+    /// The files layout's answers for keys not indexed, published to callers.
+    pub unindexed: Unindexed,
     /// `io_timeout_ms`: the deadline of every op, from its start.
     pub io_timeout: Duration,
     /// Devices marked failed (bit d), after repeated timeouts.
@@ -49,6 +55,21 @@ pub(super) const FAIL_AFTER_TIMEOUTS: usize = 3;
 pub(super) const FAILURE_WINDOW_DEADLINES: u32 = 10;
 
 impl<O: LayoutOp> Core<O> {
+    /// The questions to put to the devices for `keys` that lookups asked about (each with its
+    /// generation): one per key until its answer, however many lookups asked meanwhile. Keys
+    /// already asked about leave the callers' count of outstanding questions here.
+    pub fn questions(&mut self, keys: Vec<Key>, first: FirstLookup) -> Vec<(Key, u64)> {
+        let asked = keys.len();
+        let out: Vec<(Key, u64)> = keys
+            .into_iter()
+            .filter_map(|k| self.unindexed.question(k, first).map(|g| (k, g)))
+            .collect();
+        self.me
+            .probes_outstanding
+            .fetch_sub(asked - out.len(), Ordering::AcqRel);
+        out
+    }
+
     /// The worker gives up waiting for I/O past its deadline at a stop: counted for
     /// `Engine::shutdown`'s report (the worker, its ring and the region are leaked).
     pub fn give_up(&self) {

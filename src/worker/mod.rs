@@ -25,6 +25,7 @@ pub(crate) mod published;
 pub(crate) mod queue;
 pub(crate) mod sched;
 pub(crate) mod shared;
+pub(crate) mod unindexed;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -47,6 +48,7 @@ pub(crate) use queue::{fail_left_behind, Msg, Part, Removed, WorkQueue};
 pub(crate) use sched::{Chunks, Scheduler};
 pub(crate) use shared::WorkerShared;
 use shared::{awake, ready_to_sleep};
+use unindexed::Unindexed;
 
 use std::sync::atomic::Ordering;
 
@@ -162,12 +164,12 @@ pub(crate) trait Layout {
     fn remove(&mut self, core: &mut Core<Self::Op>, key: Key) -> bool;
 
     /// Finds out whether `keys` (not indexed here) are on the devices, and answers in
-    /// `core.me.unindexed` (each with its question's generation); a key found is indexed and
+    /// `core.unindexed` (each with its question's generation); a key found is indexed and
     /// published. Only the files layout is asked; by default every key is absent.
     fn probe(&mut self, core: &mut Core<Self::Op>, keys: Vec<(Key, u64)>) {
-        let mut answers = core.me.unindexed();
         for (key, generation) in keys {
-            answers.resolve(key, generation, crate::verdicts::Verdict::Absent);
+            core.unindexed
+                .resolve(key, generation, crate::verdicts::Verdict::Absent);
             core.me.probes_outstanding.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -304,6 +306,7 @@ impl<L: Layout> Worker<L> {
     pub fn new(p: WorkerParams, layout: L, make: impl FnMut() -> L::Op) -> Worker<L> {
         let capacity = p.sched.ops_capacity(p.ring_entries);
         let publisher = Publisher::new(Arc::clone(&p.me.published));
+        let unindexed = Unindexed::new(&p.me.unindexed);
         let now = p.clock.now();
         Worker {
             core: Core {
@@ -322,6 +325,7 @@ impl<L: Layout> Worker<L> {
                 stopping: false,
                 demote: p.demote,
                 publisher,
+                unindexed,
                 io_timeout: p.io_timeout,
                 failed: 0,
                 timeouts: Vec::new(),
@@ -659,7 +663,10 @@ impl<L: Layout> Worker<L> {
                         .collect();
                     let _ = reply.send(removed);
                 }
-                Msg::Probe(keys) => self.layout.probe(&mut self.core, keys),
+                Msg::Probe(keys, first) => {
+                    let questions = self.core.questions(keys, first);
+                    self.layout.probe(&mut self.core, questions);
+                }
                 Msg::Stop => self.stop(),
             }
         }

@@ -38,20 +38,29 @@ const MIGRATE_STEP: usize = 256;
 
 struct Table {
     slots: Box<[AtomicU64]>,
+    /// A word per slot where the table carries one per key (`Publisher::set`); empty where it
+    /// holds keys alone.
+    values: Box<[AtomicU64]>,
     mask: usize,
 }
 
 impl Table {
-    fn new(capacity: usize) -> Table {
+    fn new(capacity: usize, valued: bool) -> Table {
         let capacity = capacity.next_power_of_two().max(MIN_CAPACITY);
+        let words = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect();
         Table {
-            slots: (0..capacity).map(|_| AtomicU64::new(EMPTY)).collect(),
+            slots: words(capacity),
+            values: words(if valued { capacity } else { 0 }),
             mask: capacity - 1,
         }
     }
 
     fn capacity(&self) -> usize {
         self.mask + 1
+    }
+
+    fn valued(&self) -> bool {
+        !self.values.is_empty()
     }
 
     /// The slot holding `fp`, if any.
@@ -71,15 +80,28 @@ impl Table {
         self.find(fp).is_some()
     }
 
-    /// Writer only: stores `fp` unless it is there, in the first removal mark of its probe
-    /// sequence or else the empty slot that ends it, in one pass. `None` if it was there, else
-    /// whether an empty slot was used. The table is never full (the rebuild sees to it).
-    fn insert(&self, fp: u64) -> Option<bool> {
+    /// `fp`'s word. The slot is read again after the word: a slot emptied (and perhaps
+    /// reused by another key) meanwhile answers `None`, as a read just after the removal would
+    /// (the writer stores a new key's word before its fingerprint).
+    fn value(&self, fp: u64) -> Option<u64> {
+        let i = self.find(fp)?;
+        let value = self.values[i].load(Ordering::Acquire);
+        (self.slots[i].load(Ordering::Acquire) == fp).then_some(value)
+    }
+
+    /// Writer only: stores `fp` (with `value`, in a valued table) unless it is there, in the
+    /// first removal mark of its probe sequence or else the empty slot that ends it, in one
+    /// pass. `None` if it was there (its word replaced by `value`), else whether an empty slot
+    /// was used. The table is never full (the rebuild sees to it).
+    fn insert(&self, fp: u64, value: u64) -> Option<bool> {
         let mut i = fp as usize & self.mask;
         let mut reuse = None;
         loop {
             match self.slots[i].load(Ordering::Relaxed) {
-                v if v == fp => return None,
+                v if v == fp => {
+                    self.put_value(i, value);
+                    return None;
+                }
                 GONE => {
                     reuse.get_or_insert(i);
                 }
@@ -88,8 +110,24 @@ impl Table {
             }
             i = (i + 1) & self.mask;
         }
-        self.slots[reuse.unwrap_or(i)].store(fp, Ordering::Release);
+        let at = reuse.unwrap_or(i);
+        self.put_value(at, value);
+        self.slots[at].store(fp, Ordering::Release);
         Some(reuse.is_none())
+    }
+
+    fn put_value(&self, i: usize, value: u64) {
+        if self.valued() {
+            self.values[i].store(value, Ordering::Release);
+        }
+    }
+
+    /// Writer only: replaces `fp`'s word; true if `fp` is here.
+    fn update(&self, fp: u64, value: u64) -> bool {
+        self.find(fp).is_some_and(|i| {
+            self.put_value(i, value);
+            true
+        })
     }
 
     /// Writer only: marks `fp` removed; true if it was there.
@@ -116,31 +154,57 @@ impl Tables {
     fn contains(&self, fp: u64) -> bool {
         self.new.contains(fp) || self.old.as_ref().is_some_and(|o| o.contains(fp))
     }
+
+    /// A key moved to the new table is in both, with the same word.
+    fn value(&self, fp: u64) -> Option<u64> {
+        self.new
+            .value(fp)
+            .or_else(|| self.old.as_ref().and_then(|o| o.value(fp)))
+    }
 }
 
 /// The callers' side, shared with the worker's [`Publisher`].
 pub(crate) struct PublishedKeys {
     current: ArcSwap<Tables>,
+    /// Whether each key carries a word ([`PublishedKeys::valued`]).
+    valued: bool,
 }
 
 impl Default for PublishedKeys {
     fn default() -> Self {
-        PublishedKeys {
-            current: ArcSwap::from_pointee(Tables {
-                new: Arc::new(Table::new(MIN_CAPACITY)),
-                old: None,
-            }),
-        }
+        PublishedKeys::with_words(false)
     }
 }
 
 impl PublishedKeys {
+    /// Keys, each with a word its [`Publisher`] sets ([`Publisher::set`]) and callers read
+    /// ([`PublishedKeys::value`]).
+    pub fn valued() -> PublishedKeys {
+        PublishedKeys::with_words(true)
+    }
+
+    fn with_words(valued: bool) -> PublishedKeys {
+        PublishedKeys {
+            current: ArcSwap::from_pointee(Tables {
+                new: Arc::new(Table::new(MIN_CAPACITY, valued)),
+                old: None,
+            }),
+            valued,
+        }
+    }
+
     fn set(&self, tables: Tables) {
         self.current.store(Arc::new(tables));
     }
 
     pub fn contains(&self, key: &Key) -> bool {
         self.current.load().contains(fingerprint(key))
+    }
+
+    /// `key`'s word (a valued table), if `key` is published.
+    pub fn value(&self, key: &Key) -> Option<u64> {
+        debug_assert!(self.valued, "a table of keys alone carries no words");
+        self.current.load().value(fingerprint(key))
     }
 
     /// The current tables, for many lookups at one pick-up.
@@ -156,6 +220,11 @@ pub(crate) struct Snapshot(Guard<Arc<Tables>>);
 impl Snapshot {
     pub fn contains(&self, key: &Key) -> bool {
         self.0.contains(fingerprint(key))
+    }
+
+    /// `key`'s word (a valued table), if `key` is published.
+    pub fn value(&self, key: &Key) -> Option<u64> {
+        self.0.value(fingerprint(key))
     }
 
     /// Slots of the table new keys go to.
@@ -186,7 +255,7 @@ pub(crate) struct Publisher {
 impl Publisher {
     /// The only writer of `view`, which starts empty.
     pub fn new(view: Arc<PublishedKeys>) -> Publisher {
-        let table = Arc::new(Table::new(MIN_CAPACITY));
+        let table = Arc::new(Table::new(MIN_CAPACITY, view.valued));
         view.set(Tables {
             new: Arc::clone(&table),
             old: None,
@@ -202,12 +271,26 @@ impl Publisher {
 
     /// Publishes `key` (a no-op if it is already published).
     pub fn insert(&mut self, key: &Key) {
-        let fp = fingerprint(key);
-        // A key not moved yet is still published in the old table.
-        if self.old.as_ref().is_some_and(|(o, _)| o.contains(fp)) {
-            return;
+        self.put(fingerprint(key), 0);
+    }
+
+    /// Publishes `key` with `value` as its word (a valued table), or replaces the word of a
+    /// key published. Callers read a key's word whole, the one before or the one after.
+    pub fn set(&mut self, key: &Key, value: u64) {
+        debug_assert!(self.view.valued, "a table of keys alone carries no words");
+        self.put(fingerprint(key), value);
+    }
+
+    fn put(&mut self, fp: u64, value: u64) {
+        // A key not moved yet is still published in the old table (and only there, or in both
+        // with the same word once moved).
+        if let Some((o, _)) = &self.old {
+            if o.update(fp, value) {
+                self.table.update(fp, value);
+                return;
+            }
         }
-        match self.table.insert(fp) {
+        match self.table.insert(fp, value) {
             None => return,
             Some(empty) => self.used += usize::from(empty),
         }
@@ -250,7 +333,10 @@ impl Publisher {
 
     /// Starts moving every key to a fresh table of `capacity`; callers see both from now on.
     fn start_rebuild(&mut self, capacity: usize) {
-        let old = std::mem::replace(&mut self.table, Arc::new(Table::new(capacity)));
+        let old = std::mem::replace(
+            &mut self.table,
+            Arc::new(Table::new(capacity, self.view.valued)),
+        );
         self.used = 0;
         self.view.set(Tables {
             new: Arc::clone(&self.table),
@@ -265,9 +351,10 @@ impl Publisher {
             return;
         };
         let end = (*next + MIGRATE_STEP).min(old.capacity());
-        for slot in &old.slots[*next..end] {
-            let v = slot.load(Ordering::Relaxed);
-            if v > GONE && self.table.insert(v) == Some(true) {
+        for i in *next..end {
+            let v = old.slots[i].load(Ordering::Relaxed);
+            let value = old.values.get(i).map_or(0, |w| w.load(Ordering::Relaxed));
+            if v > GONE && self.table.insert(v, value) == Some(true) {
                 self.used += 1;
             }
         }
@@ -328,6 +415,44 @@ mod tests {
             snap.capacity(),
             longest
         );
+    }
+
+    #[test]
+    fn words_follow_their_keys_through_rebuilds() {
+        // Key i is set to 3i, key i/2 replaced by 3(i/2)+1 at every third i (while it may sit
+        // in the old table, the new one or both), every fifth key i removed after its set.
+        let view = Arc::new(PublishedKeys::valued());
+        let mut p = Publisher::new(Arc::clone(&view));
+        let n = 50_000u32;
+        let mut checked_rebuilding = 0;
+        for i in 1..n {
+            p.set(&key(i), u64::from(i) * 3);
+            assert_eq!(view.value(&key(i)), Some(u64::from(i) * 3));
+            if i % 3 == 0 {
+                let j = i / 2;
+                p.set(&key(j), u64::from(j) * 3 + 1);
+                assert_eq!(view.value(&key(j)), Some(u64::from(j) * 3 + 1), "key {j}");
+                if view.snapshot().rebuilding() {
+                    checked_rebuilding += 1;
+                }
+            }
+            if i % 5 == 0 {
+                p.remove(&key(i));
+                assert_eq!(view.value(&key(i)), None);
+            }
+        }
+        assert!(checked_rebuilding > 0, "replaced during rebuilds");
+        for j in 1..n {
+            let replaced = [2 * j, 2 * j + 1].iter().any(|&i| i < n && i % 3 == 0);
+            let want = if replaced {
+                Some(u64::from(j) * 3 + 1)
+            } else if j % 5 == 0 {
+                None
+            } else {
+                Some(u64::from(j) * 3)
+            };
+            assert_eq!(view.value(&key(j)), want, "key {j}");
+        }
     }
 
     #[test]

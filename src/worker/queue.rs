@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use crate::config::FirstLookup;
 use crate::job::{JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::worker::shared::WorkerShared;
@@ -35,10 +36,12 @@ pub(crate) enum Msg {
     /// Remove these keys (each with its index in the caller's list) and answer which were
     /// (`Engine::remove`).
     Remove(Vec<(u32, Key)>, crossbeam_channel::Sender<Removed>),
-    /// The files layout: find out whether these keys' block files exist (another process may
-    /// have published them), each with the generation of its question in
-    /// [`WorkerShared::unindexed`].
-    Probe(Vec<(Key, u64)>),
+    /// The files layout: lookups asked whether these keys' block files exist (another process
+    /// may have published them); the worker puts a question to the device for each not asked
+    /// already, recorded as `FirstLookup` says until its answer ([`Core::questions`]).
+    ///
+    /// [`Core::questions`]: crate::worker::Core::questions
+    Probe(Vec<Key>, FirstLookup),
     Stop,
 }
 
@@ -61,7 +64,7 @@ pub(crate) fn fail_left_behind(
             Msg::Remove(keys, reply) => {
                 let _ = reply.send(keys.into_iter().map(|(i, _)| (i, false)).collect());
             }
-            Msg::Touch(_) | Msg::Keys(_) | Msg::Probe(_) | Msg::Stop => {}
+            Msg::Touch(_) | Msg::Keys(_) | Msg::Probe(..) | Msg::Stop => {}
         }
     }
 }

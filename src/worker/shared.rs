@@ -1,7 +1,7 @@
 //! The parts of a worker that the engine handle and other threads see, and the worker's sleep.
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
@@ -10,9 +10,9 @@ use crossbeam_utils::CachePadded;
 use crate::io::{EventFd, IoBackend, Region};
 use crate::job::JobState;
 use crate::metrics::WorkerMetrics;
-use crate::verdicts::Verdicts;
 use crate::worker::published::PublishedKeys;
 use crate::worker::queue::Msg;
+use crate::worker::unindexed::UnindexedView;
 
 /// The parts of a worker that the engine handle sees. `sleeping` (written by the worker, read by
 /// every submitter) and `queued_blocks` (written by both) sit on cache lines of their own, so
@@ -24,10 +24,10 @@ pub(crate) struct WorkerShared {
     pub wake: Arc<EventFd>,
     pub queued_blocks: CachePadded<AtomicUsize>,
     pub tid: AtomicI32,
-    /// The files layout: what lookups learnt of keys this worker has not indexed, which
-    /// another process may have published (`Msg::Probe` asks the worker; a `statx` on its
-    /// ring answers). Callers lock it per lookup of such a key; the worker only to answer.
-    pub unindexed: Mutex<Verdicts>,
+    /// The files layout: what the worker learnt of keys it has not indexed, which another
+    /// process may have published (`Msg::Probe` asks the worker; a `statx` on its ring
+    /// answers). Callers read it without a lock; the worker alone writes it.
+    pub unindexed: UnindexedView,
     /// Questions sent to the worker (`Msg::Probe`) and not answered yet: callers ask no more
     /// past [`PROBES_OUTSTANDING_MAX`] (they answer Miss), so the worker's queue is bounded.
     pub probes_outstanding: AtomicUsize,
@@ -47,10 +47,11 @@ impl WorkerShared {
             queued_blocks: CachePadded::new(AtomicUsize::new(0)),
             tid: AtomicI32::new(0),
             probes_outstanding: AtomicUsize::new(0),
-            unindexed: Mutex::new(Verdicts::new(
+            unindexed: UnindexedView::new(
                 crate::config::FilesConfig::DEFAULT_LOOKUP_CACHE_MAX,
                 Duration::from_millis(crate::config::FilesConfig::DEFAULT_LOOKUP_TTL_MS),
-            )),
+                crate::clock::Clock::default(),
+            ),
         }
     }
 
@@ -63,15 +64,8 @@ impl WorkerShared {
         ttl: Duration,
         clock: crate::clock::Clock,
     ) -> WorkerShared {
-        self.unindexed = Mutex::new(Verdicts::new(max, ttl).with_clock(clock));
+        self.unindexed = UnindexedView::new(max, ttl, clock);
         self
-    }
-
-    /// The answers for keys not indexed (see `unindexed`).
-    pub fn unindexed(&self) -> MutexGuard<'_, Verdicts> {
-        self.unindexed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Wakes the worker if it is (about to be) asleep. Pairs with the fence in
