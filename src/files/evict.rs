@@ -3,10 +3,9 @@
 //! with the xattr crc, hand over, close, unlink).
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use crate::key::Key;
-use crate::worker::{Core, Demote, Removal};
+use crate::worker::{Core, Removal};
 use crate::Errno;
 
 use super::layout::{FilesLayout, Kind, Op, State, Step};
@@ -32,14 +31,13 @@ impl FilesLayout {
             // With demotion, a victim is read into a staging slot first; with none free, wait
             // for one to come back rather than evict without demoting (the S3 tier gives them
             // back as soon as it has copied them, however slow the upload).
-            let staging = match core.demote.as_mut() {
+            let staging = match core.demote() {
                 None => None,
                 Some(m) => match m.take_staging() {
                     Some(s) => Some(s),
                     None if m.will_free() => break,
                     None => {
-                        core.me
-                            .metrics
+                        core.metrics()
                             .demotions_dropped
                             .fetch_add(1, Ordering::Relaxed);
                         None
@@ -47,7 +45,7 @@ impl FilesLayout {
                 },
             };
             let Some(idx) = Self::alloc(core, Kind::Remove) else {
-                if let (Some(s), Some(m)) = (staging, core.demote.as_mut()) {
+                if let (Some(s), Some(m)) = (staging, core.demote()) {
                     m.put_back(s);
                 }
                 break;
@@ -94,8 +92,9 @@ impl FilesLayout {
         why: Removal,
     ) {
         let entry = self.unindex(core, &key);
-        core.shared.events.push(vec![key], true);
-        why.count(core.me.metrics.dev(d));
+        core.announce_removed(vec![key]);
+        why.count(core.metrics().dev(d));
+        let block_bytes = core.block_bytes();
         let op = &mut core.ops[idx as usize];
         op.begin(if staging.is_some() {
             Step::Open
@@ -107,12 +106,12 @@ impl FilesLayout {
         op.dev = d as u16;
         op.dest = dest;
         op.bytes = if entry.is_some_and(|e| e.counted) {
-            core.block_bytes
+            block_bytes
         } else {
             0
         };
         op.resolved = true;
-        if let Some(m) = core.demote.as_mut().filter(|_| staging.is_some()) {
+        if let Some(m) = core.demote().filter(|_| staging.is_some()) {
             m.started();
         }
         self.removals_in_flight += 1;
@@ -121,7 +120,7 @@ impl FilesLayout {
 
     /// Whether a demotion will free a staging slot (then a store waiting for space waits).
     pub(super) fn demotion_pending(core: &Core<Op>) -> bool {
-        core.demote.as_ref().is_some_and(Demote::will_free)
+        core.demotion_will_free()
     }
 
     /// A demotion opened the evicted file: read it (with its crc), or give the staging slot
@@ -139,7 +138,7 @@ impl FilesLayout {
     /// The evicted file is in its staging slot: hand it to the S3 tier, close, remove.
     pub(super) fn on_demote_read(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         let op = &core.ops[idx as usize];
-        let demoted = (result == core.block_bytes as i32)
+        let demoted = (result == core.block_bytes() as i32)
             .then_some(op.key)
             .flatten()
             .map(|k| (k, op.crc));
@@ -163,15 +162,15 @@ impl FilesLayout {
         let Some(staging) = core.ops[idx as usize].staging.take() else {
             return;
         };
-        let block_bytes = core.block_bytes as usize;
-        let me = Arc::clone(&core.me);
-        let Some(m) = core.demote.as_mut() else {
+        let block_bytes = core.block_bytes() as usize;
+        let me = core.worker_shared();
+        let Some(m) = core.demote() else {
             return;
         };
         let counter = if m.finished(staging, block_bytes, demoted, &me) {
-            &core.me.metrics.demotions
+            &core.metrics().demotions
         } else {
-            &core.me.metrics.demotions_dropped
+            &core.metrics().demotions_dropped
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }

@@ -155,7 +155,7 @@ impl FilesLayout {
     /// Publishes every block the scan at open found (before the worker starts).
     pub fn publish_scanned(&self, core: &mut Core<Op>) {
         for key in self.index.keys() {
-            core.publisher.insert(key);
+            core.publish_key(key);
         }
     }
 
@@ -202,9 +202,8 @@ impl FilesLayout {
         let e = self.index.remove(key)?;
         self.lru.remove(&e.tick);
         if e.state == State::Valid {
-            core.publisher.remove(key);
-            core.me
-                .metrics
+            core.withdraw_key(key);
+            core.metrics()
                 .dev(e.dev as usize)
                 .blocks_stored
                 .fetch_sub(1, Ordering::Relaxed);
@@ -228,17 +227,15 @@ impl FilesLayout {
         if let Some(p) = prev {
             self.lru.remove(&p.tick);
             if p.state == State::Valid {
-                core.me
-                    .metrics
+                core.metrics()
                     .dev(p.dev as usize)
                     .blocks_stored
                     .fetch_sub(1, Ordering::Relaxed);
             }
         }
         self.lru.insert(tick, key);
-        core.publisher.insert(&key);
-        core.me
-            .metrics
+        core.publish_key(&key);
+        core.metrics()
             .dev(dev as usize)
             .blocks_stored
             .fetch_add(1, Ordering::Relaxed);
@@ -264,8 +261,8 @@ impl Layout for FilesLayout {
             } else {
                 KeyFailure::Miss
             };
-            core.me.metrics.loads_failed.fetch_add(1, Ordering::Relaxed);
-            job.fail(&core.shared, item, reason, String::new());
+            core.metrics().loads_failed.fetch_add(1, Ordering::Relaxed);
+            core.fail_item(job, item, reason);
             return Start::Resolved;
         };
         let Some(idx) = Self::alloc(core, Kind::Load) else {
@@ -310,7 +307,7 @@ impl Layout for FilesLayout {
     ) -> bool {
         let op = &core.ops[idx as usize];
         let job = op.job.as_ref().expect("a store op has a job");
-        let at = op.block as usize * core.block_bytes as usize + start as usize;
+        let at = op.block as usize * core.block_bytes() as usize + start as usize;
         let claim = core.claim(job, at, len as usize, false);
         let buffer = region_buffer(job.region);
         let file_op = FileOp::WriteFd {
@@ -318,8 +315,9 @@ impl Layout for FilesLayout {
             offset: start,
             buf: claim.buf_ref(buffer),
         };
-        core.backend.file_queue().push_file(
-            core.ops.user_data(idx, chunk),
+        let user_data = core.ops.user_data(idx, chunk);
+        core.backend().file_queue().push_file(
+            user_data,
             &file_op,
             Some((buffer, claim)),
             IoClass::Store,
@@ -409,7 +407,7 @@ impl Layout for FilesLayout {
             self.unindex(core, key);
         }
         if !keys.is_empty() {
-            core.shared.events.push(keys, true);
+            core.announce_removed(keys);
         }
     }
 

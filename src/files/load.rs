@@ -38,8 +38,7 @@ impl FilesLayout {
             return;
         }
         if let Some(why) = refused {
-            core.me
-                .metrics
+            core.metrics()
                 .dev(core.ops[idx as usize].dev as usize)
                 .files_refused
                 .fetch_add(1, Ordering::Relaxed);
@@ -55,12 +54,12 @@ impl FilesLayout {
             let key = core.ops[idx as usize].key.expect("load has a key");
             if e == Errno::ENOENT {
                 // Gone (evicted by another process, or never stored): a miss, and forget it.
-                core.me.metrics.load_misses.fetch_add(1, Ordering::Relaxed);
+                core.metrics().load_misses.fetch_add(1, Ordering::Relaxed);
                 self.forget(core, &key);
                 Self::finish_load(core, idx, Err((KeyFailure::Miss, String::new())));
             } else {
                 let d = core.ops[idx as usize].dev as usize;
-                core.me.metrics.dev(d).io_error(ErrClass::of(e));
+                core.metrics().dev(d).io_error(ErrClass::of(e));
                 let what = self.describe_op(core, idx);
                 core.device_error(d, &format!("{what}: open: {}", e.desc()));
                 Self::finish_load(
@@ -80,7 +79,7 @@ impl FilesLayout {
     /// call here; then the read.
     pub(super) fn start_read(&mut self, core: &mut Core<Op>, idx: u32, fd: i32) {
         let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
-        let on_ring = dev.checksums && core.backend.file_queue().xattr_ops();
+        let on_ring = dev.checksums && core.backend().file_queue().xattr_ops();
         let crc = if dev.checksums && !on_ring {
             read_crc(fd, &dev)
         } else {
@@ -96,10 +95,8 @@ impl FilesLayout {
     /// The block's crc32c xattr was read on the ring (4 bytes), or it has none: read the data.
     pub(super) fn on_get_xattr(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         // Always taken, so the buffer does not stay behind in the ring.
-        let value = core
-            .backend
-            .file_queue()
-            .take_file_value(core.ops.user_data(idx, 0));
+        let user_data = core.ops.user_data(idx, 0);
+        let value = core.backend().file_queue().take_file_value(user_data);
         let crc = match (result, value) {
             (4, Some(v)) if v.len() >= 4 => Some(u32::from_le_bytes([v[0], v[1], v[2], v[3]])),
             _ => None,
@@ -113,7 +110,7 @@ impl FilesLayout {
     /// Unindexes `key` (its file is gone or refused) unless other loads still read it.
     pub(super) fn forget(&mut self, core: &mut Core<Op>, key: &Key) {
         if self.index.get(key).is_some_and(|e| e.pins <= 1) && self.unindex(core, key).is_some() {
-            core.shared.events.push(vec![*key], true);
+            core.announce_removed(vec![*key]);
         }
     }
 
@@ -126,13 +123,13 @@ impl FilesLayout {
         let kind = if result >= 0 {
             match confined::fd_stat(result) {
                 // Longer than a block: not a block file (the scan leaves such files alone too).
-                Ok((NodeKind::Regular, size)) if size > core.block_bytes => {
+                Ok((NodeKind::Regular, size)) if size > core.block_bytes() => {
                     let _ = nix::unistd::close(result);
                     return Some(format!(
                         "{} is {size} bytes, longer than a block ({} bytes): not a block file, \
                          refused and left alone",
                         op.dest.display(),
-                        core.block_bytes
+                        core.block_bytes()
                     ));
                 }
                 Ok((NodeKind::Regular, _)) | Err(_) => return None,
@@ -175,9 +172,9 @@ impl FilesLayout {
             self.on_demote_read(core, idx, result);
             return;
         }
-        let m = core.me.metrics.dev(core.ops[idx as usize].dev as usize);
+        let m = core.metrics().dev(core.ops[idx as usize].dev as usize);
         m.read_ops.fetch_add(1, Ordering::Relaxed);
-        let wanted = core.block_bytes as u32;
+        let wanted = core.block_bytes() as u32;
         let op = &core.ops[idx as usize];
         let (block, crc, key) = (op.block, op.crc, op.key.expect("load has a key"));
         let d = op.dev as usize;
@@ -238,10 +235,11 @@ impl FilesLayout {
         if bad {
             // Remove the file after closing it; the removal is this op's trailing step.
             let entry = self.unindex(core, &key);
-            core.shared.events.push(vec![key], true);
+            core.announce_removed(vec![key]);
+            let block_bytes = core.block_bytes();
             let op = &mut core.ops[idx as usize];
             op.bytes = if entry.is_some_and(|e| e.counted) {
-                core.block_bytes
+                block_bytes
             } else {
                 0
             };

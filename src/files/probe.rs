@@ -33,27 +33,27 @@ impl FilesLayout {
     /// Starts queued probes while op room allows; true if any started or was answered.
     pub(super) fn start_probes(&mut self, core: &mut Core<Op>) -> bool {
         let mut any = false;
-        while core.stopping || self.probes_in_flight < PROBES_IN_FLIGHT {
+        while core.stopping() || self.probes_in_flight < PROBES_IN_FLIGHT {
             let Some(&(key, generation)) = self.probes.front() else {
                 break;
             };
             let d = key.device(self.devs.len());
             let dest = self.devs[d].path_of(&key);
-            let current = core.unindexed.current(&key, generation);
+            let current = core.unindexed().current(&key, generation);
             let start = match dest {
                 // Stopping (no one waits for the answer), a key that is not a files-layout
                 // key, or a failed device: absent without I/O.
                 _ if !current => None,
-                Some(dest) if !core.stopping && !core.device_failed(d) => Some(dest),
+                Some(dest) if !core.stopping() && !core.device_failed(d) => Some(dest),
                 _ => {
-                    core.unindexed.resolve(key, generation, Verdict::Absent);
+                    core.unindexed().resolve(key, generation, Verdict::Absent);
                     None
                 }
             };
             if let Some(dest) = start {
                 if self.index.contains_key(&key) {
                     // Indexed since the question (stored or loaded here): published already.
-                    core.unindexed.forget(key, generation);
+                    core.unindexed().forget(key, generation);
                 } else {
                     let Some(idx) = Self::alloc(core, Kind::Probe) else {
                         break;
@@ -74,7 +74,7 @@ impl FilesLayout {
             // Answered, dropped (replaced or evicted from the cache since) or in flight: out
             // of the queue, whose bound the callers keep through this count.
             self.probes.pop_front();
-            core.me.probes_outstanding.fetch_sub(1, Ordering::AcqRel);
+            core.question_taken();
             any = true;
         }
         any
@@ -83,18 +83,19 @@ impl FilesLayout {
     /// The `statx` of probe `idx` completed.
     pub(super) fn on_stat(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
         // Always taken, so the buffer does not stay behind in the ring.
+        let user_data = core.ops.user_data(idx, 0);
         let info = core
-            .backend
+            .backend()
             .file_queue()
-            .take_file_value(core.ops.user_data(idx, 0))
+            .take_file_value(user_data)
             .and_then(|buf| StatxInfo::parse(&buf));
         let op = &core.ops[idx as usize];
         let (key, dev, generation) = (op.key.expect("a probe has a key"), op.dev, op.generation);
         let found =
-            result == 0 && info.is_some_and(|i| i.is_regular() && i.size == core.block_bytes);
+            result == 0 && info.is_some_and(|i| i.is_regular() && i.size == core.block_bytes());
         self.release(core, idx);
         self.probes_in_flight -= 1;
-        let m = core.me.metrics.dev(dev as usize);
+        let m = core.metrics().dev(dev as usize);
         if found {
             &m.probes_found
         } else {
@@ -106,9 +107,9 @@ impl FilesLayout {
                 // Published by another process: index it, as a load that finds it does.
                 self.publish(core, key, dev, false);
             }
-            core.unindexed.forget(key, generation);
+            core.unindexed().forget(key, generation);
         } else {
-            core.unindexed.resolve(key, generation, Verdict::Absent);
+            core.unindexed().resolve(key, generation, Verdict::Absent);
         }
         self.start_probes(core);
     }

@@ -103,7 +103,7 @@ impl FilesLayout {
             }
             Step::Write => unreachable!("writes are pushed chunk by chunk"),
         };
-        core.backend
+        core.backend()
             .file_queue()
             .push_file(user_data, &file_op, claim, class)
     }
@@ -112,11 +112,10 @@ impl FilesLayout {
     /// demotion (into its staging slot), claimed for the transfer.
     fn claim_read(core: &Core<Op>, idx: u32) -> (u16, IoBuf) {
         let op = &core.ops[idx as usize];
-        let bytes = core.block_bytes as usize;
+        let bytes = core.block_bytes() as usize;
         if let Some(slot) = op.staging {
             let claim = core
-                .demote
-                .as_ref()
+                .demoting()
                 .and_then(|m| m.staging.checkout(slot as usize * bytes, bytes, true).ok())
                 .expect("a staging slot taken for a read is the worker's, unclaimed");
             return (BUF_STAGING, claim);
@@ -168,7 +167,7 @@ impl FilesLayout {
                 mode: dev.dir_mode,
             },
         };
-        core.backend
+        core.backend()
             .file_queue()
             .push_file(user_data, &file_op, None, class)
     }

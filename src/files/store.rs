@@ -46,7 +46,7 @@ impl FilesLayout {
     ) -> Result<(), Start> {
         let dev = Arc::clone(&self.devs[d]);
         if let Some(cap) = dev.capacity_bytes {
-            let before = match dev.usage.fetch_add(core.block_bytes) {
+            let before = match dev.usage.fetch_add(core.block_bytes()) {
                 Ok(before) => before,
                 Err(e) => {
                     // The file system cannot serve the shared counter (a FUSE or network file
@@ -54,15 +54,15 @@ impl FilesLayout {
                     let detail = format!(
                         "{}/.kvtier-usage: reserving {} bytes failed: {}",
                         dev.data_dir.display(),
-                        core.block_bytes,
+                        core.block_bytes(),
                         e.desc()
                     );
                     core.store_failed(job, item, KeyFailure::Io(e), detail);
                     return Err(Start::Resolved);
                 }
             };
-            if before + core.block_bytes > cap {
-                let bytes = core.block_bytes;
+            if before + core.block_bytes() > cap {
+                let bytes = core.block_bytes();
                 dev.unreserve(core, bytes);
                 if self.removals_in_flight > 0 {
                     return Err(Start::Blocked);
@@ -129,7 +129,7 @@ impl FilesLayout {
             return start;
         }
         let reserved = if dev.capacity_bytes.is_some() {
-            core.block_bytes
+            core.block_bytes()
         } else {
             0
         };
@@ -145,8 +145,8 @@ impl FilesLayout {
             block_crc(
                 job,
                 core.region_of(job),
-                block as usize * core.block_bytes as usize,
-                core.block_bytes as usize,
+                block as usize * core.block_bytes() as usize,
+                core.block_bytes() as usize,
             )
         });
         self.rng ^= self.rng << 13;
@@ -212,7 +212,7 @@ impl FilesLayout {
                 return;
             }
         }
-        let on_ring = core.backend.file_queue().xattr_ops();
+        let on_ring = core.backend().file_queue().xattr_ops();
         let op = &mut core.ops[idx as usize];
         if op.crc.is_some() && on_ring {
             op.go(Step::SetXattr);
@@ -258,8 +258,7 @@ impl FilesLayout {
     /// counted.
     fn refused_or(core: &Core<Op>, idx: u32, e: Errno) -> String {
         if matches!(e, Errno::ELOOP | Errno::EXDEV) {
-            core.me
-                .metrics
+            core.metrics()
                 .dev(core.ops[idx as usize].dev as usize)
                 .files_refused
                 .fetch_add(1, Ordering::Relaxed);
@@ -421,7 +420,7 @@ impl FilesLayout {
             self.push_step(core, idx);
             return;
         }
-        Self::succeed_store(core, idx, core.block_bytes);
+        Self::succeed_store(core, idx, core.block_bytes());
         self.release(core, idx);
     }
 
@@ -452,14 +451,14 @@ impl FilesLayout {
                 self.push_step(core, idx);
             }
             Step::SyncDir => {
-                Self::succeed_store(core, idx, core.block_bytes);
+                Self::succeed_store(core, idx, core.block_bytes());
                 core.ops[idx as usize].go(Step::CloseDir);
                 self.push_step(core, idx);
             }
             // The directory could not be opened (logged), or it is closed: done.
             _ => {
                 if step == Step::OpenDir {
-                    Self::succeed_store(core, idx, core.block_bytes);
+                    Self::succeed_store(core, idx, core.block_bytes());
                 }
                 core.ops[idx as usize].fd = -1;
                 self.release(core, idx);
@@ -472,11 +471,11 @@ impl FilesLayout {
         op.resolved = true;
         let job = op.job.clone().expect("store has a job");
         let item = op.item as usize;
-        core.me
-            .metrics
-            .dev(op.dev as usize)
+        let (dev, took) = (op.dev as usize, op.started.elapsed());
+        core.metrics()
+            .dev(dev)
             .store_latency
-            .record(op.started.elapsed().as_micros() as u64);
+            .record(took.as_micros() as u64);
         core.store_succeeded(&job, item, bytes);
     }
 
@@ -512,7 +511,7 @@ impl FilesLayout {
             // A data write's error was counted when its chunk completed, a symlink in the way
             // as refused.
             if op.step != Step::Write && !matches!(e, Errno::ELOOP | Errno::EXDEV) {
-                core.me.metrics.dev(d).io_error(ErrClass::of(e));
+                core.metrics().dev(d).io_error(ErrClass::of(e));
             }
         }
         self.devs[d].unreserve(core, reserved);
@@ -529,12 +528,12 @@ impl FilesLayout {
         // job never reported (files campaign seed 2447).
         if no_space
             && !retried
-            && !core.stopping
+            && !core.stopping()
             && !job.is_resolved(item)
             && self.evict(core, d, EVICT_BATCH) > 0
         {
             // Room may come from evicting: queue the block once more, ahead of new stores.
-            core.retry.push_back((job, item));
+            core.retry_store(job, item);
         } else {
             if !logged {
                 core.log_error(&detail);

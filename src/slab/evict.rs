@@ -2,7 +2,6 @@
 //! tier (`s3.write = "on_evict"`).
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use crate::io::{IoClass, IoKind, IoRequest};
 use crate::key::Key;
@@ -17,7 +16,7 @@ impl SlabLayout {
         if let Some(s) = self.devs[d].slots.take_free() {
             return Some(s);
         }
-        if core.demote.is_some() {
+        if core.demotes() {
             return self.demote_for_slot(core, d);
         }
         let victim = self.clock_victim(d)?;
@@ -30,22 +29,21 @@ impl SlabLayout {
     /// demotion in flight (the S3 tier has not copied earlier ones out yet), evicts without
     /// demoting, counted, so a slow object store never stalls NVMe stores.
     fn demote_for_slot(&mut self, core: &mut Core<Op>, d: usize) -> Option<u32> {
-        let waiting = core.demote.as_ref().is_some_and(Demote::will_free);
-        let staging = core.demote.as_mut().and_then(Demote::take_staging);
+        let waiting = core.demotion_will_free();
+        let staging = core.demote().and_then(Demote::take_staging);
         let Some(staging) = staging else {
             if waiting {
                 return None;
             }
             let victim = self.clock_victim(d)?;
-            core.me
-                .metrics
+            core.metrics()
                 .demotions_dropped
                 .fetch_add(1, Ordering::Relaxed);
             self.evict(core, d, victim, Removal::Evicted);
             return self.devs[d].slots.take_free();
         };
         let give_back = |core: &mut Core<Op>| {
-            if let Some(m) = core.demote.as_mut() {
+            if let Some(m) = core.demote() {
                 m.put_back(staging);
             }
         };
@@ -57,8 +55,8 @@ impl SlabLayout {
             give_back(core);
             return None;
         };
-        let bytes = core.block_bytes as usize;
-        let Some(buf) = core.demote.as_ref().and_then(|m| {
+        let bytes = core.block_bytes() as usize;
+        let Some(buf) = core.demoting().and_then(|m| {
             m.staging
                 .checkout(staging as usize * bytes, bytes, true)
                 .ok()
@@ -74,7 +72,7 @@ impl SlabLayout {
             buf,
             class: IoClass::Store,
         };
-        if !core.backend.block_queue().push(req) {
+        if !core.backend().block_queue().push(req) {
             core.ops.release(idx);
             give_back(core);
             return None;
@@ -83,7 +81,7 @@ impl SlabLayout {
         op.dev = d as u16;
         op.slot = victim;
         self.devs[d].slots.pin(victim);
-        if let Some(m) = core.demote.as_mut() {
+        if let Some(m) = core.demote() {
             m.started();
         }
         None
@@ -103,15 +101,15 @@ impl SlabLayout {
         // is (a demotion's read once left it doomed for good: the simulator's seed 21365).
         self.devs[d].slots.unpin(local);
         let slot = &self.devs[d].slots[local as usize];
-        let read_ok = result == core.block_bytes as i32;
+        let read_ok = result == core.block_bytes() as i32;
         let still_valid = slot.state == SlotState::Valid && slot.pins == 0;
         let demoted = slot
             .key
             .filter(|_| read_ok && still_valid)
             .map(|k| (k, Some(slot.crc)));
-        let block_bytes = core.block_bytes as usize;
-        let me = Arc::clone(&core.me);
-        let Some(m) = core.demote.as_mut() else {
+        let block_bytes = core.block_bytes() as usize;
+        let me = core.worker_shared();
+        let Some(m) = core.demote() else {
             return;
         };
         if m.finished(staging, block_bytes, demoted, &me) {
@@ -142,10 +140,10 @@ impl SlabLayout {
         self.unindex(core, key, d, local);
         self.clear_entry(d, local);
         self.free_slot(d, local);
-        let m = core.me.metrics.dev(d);
+        let m = core.metrics().dev(d);
         why.count(m);
         m.blocks_stored.fetch_sub(1, Ordering::Relaxed);
-        core.shared.events.push(vec![key], true);
+        core.announce_removed(vec![key]);
     }
 
     /// Removes `key` from the index and the published keys, if the index names slot `local`
@@ -154,7 +152,7 @@ impl SlabLayout {
     pub(super) fn unindex(&mut self, core: &mut Core<Op>, key: Key, d: usize, local: u32) {
         if self.index.get(&key) == Some(&(d as u16, local)) {
             self.index.remove(&key);
-            core.publisher.remove(&key);
+            core.withdraw_key(&key);
         }
     }
 

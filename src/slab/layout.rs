@@ -308,7 +308,7 @@ impl Layout for SlabLayout {
             buf: core.claim_block(job, block, true),
             class: IoClass::Load,
         };
-        if !core.backend.block_queue().push(req) {
+        if !core.backend().block_queue().push(req) {
             core.ops.release(idx);
             return Start::Blocked;
         }
@@ -354,12 +354,7 @@ impl Layout for SlabLayout {
             return Start::Resolved;
         };
         let Some(local) = self.alloc_slot(core, d) else {
-            if core.backend.in_flight() > self.pages.in_flight()
-                || core
-                    .demote
-                    .as_ref()
-                    .is_some_and(crate::worker::Demote::will_free)
-            {
+            if core.in_flight() > self.pages.in_flight() || core.demotion_will_free() {
                 // A completion may free or unpin a slot, or a demotion give back its staging.
                 return Start::Blocked;
             }
@@ -414,7 +409,7 @@ impl Layout for SlabLayout {
     ) -> bool {
         let op = &core.ops[idx as usize];
         let job = op.job.as_ref().expect("a store op has a job");
-        let at = op.block as usize * core.block_bytes as usize + start as usize;
+        let at = op.block as usize * core.block_bytes() as usize + start as usize;
         let req = IoRequest {
             user_data: core.ops.user_data(idx, chunk),
             kind: IoKind::Write,
@@ -424,7 +419,7 @@ impl Layout for SlabLayout {
             buf: core.claim(job, at, len as usize, false),
             class: IoClass::Store,
         };
-        core.backend.block_queue().push(req)
+        core.backend().block_queue().push(req)
     }
 
     fn on_written(&mut self, core: &mut Core<Op>, idx: u32, failure: Option<(KeyFailure, String)>) {
@@ -432,8 +427,7 @@ impl Layout for SlabLayout {
         let op = &core.ops[idx as usize];
         let (d, local, item, block) = (op.dev as usize, op.slot, op.item as usize, op.block);
         let job = op.job.clone().expect("store op has a job");
-        core.me
-            .metrics
+        core.metrics()
             .dev(d)
             .store_latency
             .record(op.started.elapsed().as_micros() as u64);
@@ -560,7 +554,7 @@ impl Layout for SlabLayout {
         }
         let keys: Vec<Key> = keys.into_iter().map(|(k, _)| k).collect();
         if !keys.is_empty() {
-            core.shared.events.push(keys, true);
+            core.announce_removed(keys);
         }
     }
 
@@ -622,14 +616,14 @@ impl Layout for SlabLayout {
             if s.state != SlotState::Valid || s.key != Some(*key) {
                 return Err(format!("index entry {key:?} names a {:?} slot", s.state));
             }
-            if !core.publisher.contains(key) {
+            if !core.is_published(key) {
                 return Err(format!("{key:?} is indexed but not published"));
             }
         }
-        if core.publisher.len() != self.index.len() {
+        let published = core.published_len();
+        if published != self.index.len() {
             return Err(format!(
-                "{} keys published but {} indexed",
-                core.publisher.len(),
+                "{published} keys published but {} indexed",
                 self.index.len()
             ));
         }

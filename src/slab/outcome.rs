@@ -24,10 +24,10 @@ impl SlabLayout {
             op.started,
         );
         let job = op.job.clone().expect("load op has a job");
-        let me = Arc::clone(&core.me);
+        let me = core.worker_shared();
         let m = me.metrics.dev(d);
         m.read_ops.fetch_add(1, Ordering::Relaxed);
-        let wanted = core.block_bytes;
+        let wanted = core.block_bytes();
         let slot = self.devs[d].slots[local];
         let outcome = if let Err(reason) = io_outcome(result, wanted) {
             m.count_result(result, wanted);
@@ -82,10 +82,9 @@ impl SlabLayout {
         s.state = SlotState::Doomed;
         if let Some(key) = s.key {
             self.unindex(core, key, d, local);
-            core.shared.events.push(vec![key], true);
+            core.announce_removed(vec![key]);
         }
-        core.me
-            .metrics
+        core.metrics()
             .dev(d)
             .blocks_stored
             .fetch_sub(1, Ordering::Relaxed);
@@ -164,7 +163,7 @@ impl SlabLayout {
     }
 
     fn write_store_entry(&mut self, core: &Core<Op>, f: &Finished) {
-        let block_bytes = core.block_bytes;
+        let block_bytes = core.block_bytes();
         let crc = block_crc(
             &f.job,
             core.region_of(&f.job),
@@ -219,14 +218,13 @@ impl SlabLayout {
             s.state = SlotState::Valid;
             let durable = s.entry == EntryState::Durable;
             let key = s.key.expect("writing slot has a key");
-            core.publisher.insert(&key);
-            core.me
-                .metrics
+            core.publish_key(&key);
+            core.metrics()
                 .dev(f.d)
                 .blocks_stored
                 .fetch_add(1, Ordering::Relaxed);
             if durable {
-                core.store_succeeded(&f.job, f.item, core.block_bytes);
+                core.store_succeeded(&f.job, f.item, core.block_bytes());
             }
         }
         self.finalize = finished;

@@ -116,12 +116,7 @@ impl SlabLayout {
         // "Quiet" means the worker is about to run out of work: no queued jobs and no I/O in
         // flight. A queue-depth-bound store stream keeps I/O in flight, so its pages are
         // written at the batch threshold; the rest are written before the worker sleeps.
-        let quiet = core.stopping
-            || (core.stores.is_empty()
-                && core.loads.is_empty()
-                && core.store_issuing.is_empty()
-                && self.store_ops == 0
-                && core.backend.in_flight() == 0);
+        let quiet = core.stopping() || (self.store_ops == 0 && core.quiet());
         let mut any = false;
         let mut from = 0;
         while let Some(i) = self.pages.next_due(from, quiet, TABLE_BATCH_ENTRIES) {
@@ -145,7 +140,7 @@ impl SlabLayout {
                     .expect("a page not in flight is the worker's, unclaimed"),
                 class: IoClass::Meta,
             };
-            if !core.backend.block_queue().push(req) {
+            if !core.backend().block_queue().push(req) {
                 core.ops.release(idx);
                 break;
             }
@@ -161,7 +156,7 @@ impl SlabLayout {
     pub(super) fn on_table_done(&mut self, core: &mut Core<Op>, idx: u32, page: u32, result: i32) {
         let d = core.ops[idx as usize].dev;
         core.ops.release(idx);
-        core.me.metrics.table_writes.fetch_add(1, Ordering::Relaxed);
+        core.metrics().table_writes.fetch_add(1, Ordering::Relaxed);
         // The device is done reading the page (its claim went with the completion): the
         // entries changed meanwhile go in now.
         let (acks, deferred) = self.pages.written((d, page));
@@ -179,14 +174,13 @@ impl SlabLayout {
                     s.entry = EntryState::Durable;
                 } else {
                     // The data is written (the slot may have been evicted since).
-                    core.store_succeeded(&a.job, a.item, core.block_bytes);
+                    core.store_succeeded(&a.job, a.item, core.block_bytes());
                 }
             }
         } else {
             // The entries of this page may not survive a restart: their stores fail (the data
             // is still served until then, and a later write of the page may save them).
-            core.me
-                .metrics
+            core.metrics()
                 .dev(d as usize)
                 .count_result(result, TABLE_PAGE_BYTES as u64);
             let (reason, why) = if result < 0 {
@@ -263,8 +257,8 @@ impl SlabLayout {
                         .expect("the table pages are read once each, at recovery"),
                     class: IoClass::Meta,
                 };
-                while !core.backend.block_queue().push(request()) {
-                    core.backend.submit(true).map_err(|e| e.to_string())?;
+                while !core.backend().block_queue().push(request()) {
+                    core.backend().submit(true).map_err(|e| e.to_string())?;
                     pending -= reap_recover(core)?;
                 }
                 pending += 1;
@@ -272,23 +266,21 @@ impl SlabLayout {
             }
         }
         while pending > 0 {
-            core.backend.submit(true).map_err(|e| e.to_string())?;
+            core.backend().submit(true).map_err(|e| e.to_string())?;
             pending -= reap_recover(core)?;
         }
         let mut recovered = 0u64;
         for d in 0..self.devs.len() {
             if !devices[d].fresh {
                 let n = self.rebuild_device(core, d, devices.len());
-                core.me
-                    .metrics
+                core.metrics()
                     .dev(d)
                     .blocks_stored
                     .store(n, Ordering::Relaxed);
                 recovered += n;
             }
         }
-        core.me
-            .metrics
+        core.metrics()
             .recovered_blocks
             .store(recovered, Ordering::Relaxed);
         Ok(recovered)
@@ -299,12 +291,13 @@ impl SlabLayout {
         let mut raw = [0u8; ENTRY_BYTES];
         let n = self.devs[d].slots.len();
         let mut keep: Vec<(Key, u32, u64)> = Vec::new();
-        let me = Arc::clone(&core.me);
+        let me = core.worker_shared();
         let m = &me.metrics;
         for local in 0..n {
             let off = self.devs[d].meta_offset + local * ENTRY_BYTES;
             self.meta.read(off, &mut raw);
-            match super::recover_entry(&raw, d, devices, self.id, self.workers, core.block_bytes) {
+            match super::recover_entry(&raw, d, devices, self.id, self.workers, core.block_bytes())
+            {
                 Recovered::Empty => {}
                 Recovered::Torn => {
                     m.torn_entries.fetch_add(1, Ordering::Relaxed);
@@ -347,7 +340,7 @@ impl SlabLayout {
         self.devs[d].slots.rebuild_free_list();
         for (key, _, _) in &keep {
             if self.index.contains_key(key) {
-                core.publisher.insert(key);
+                core.publish_key(key);
             }
         }
         recovered
@@ -361,7 +354,7 @@ impl SlabLayout {
 
 fn reap_recover(core: &mut Core<Op>) -> Result<usize, String> {
     let mut out = Vec::new();
-    core.backend.complete(&mut out);
+    core.backend().complete(&mut out);
     let mut n = 0;
     let mut err = None;
     for c in &out {

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::io::{IoBackend, IoBuf, Region};
 use crate::job::{JobState, KeyFailure, Shared};
+use crate::metrics::WorkerMetrics;
 use crate::Errno;
 
 use super::{
@@ -17,31 +18,32 @@ use super::{
 use crate::config::FirstLookup;
 use crate::key::Key;
 
-/// The parts of a worker a layout acts through.
+/// The parts of a worker a layout acts through. Its op table is the layout's own (`O` is the
+/// layout's op type); the rest is the worker's, reached through the methods below.
 pub(crate) struct Core<O> {
-    pub id: usize,
-    pub backend: Box<dyn IoBackend>,
+    pub(super) id: usize,
+    pub(super) backend: Box<dyn IoBackend>,
     /// The node's regions, by `RegionId`: a job's blocks are in its client's.
-    pub regions: Vec<Arc<Region>>,
-    pub shared: Arc<Shared>,
-    pub me: Arc<WorkerShared>,
+    pub(super) regions: Vec<Arc<Region>>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) me: Arc<WorkerShared>,
     pub ops: OpTable<O>,
-    pub sched: Scheduler,
-    pub block_bytes: u64,
-    pub loads: WorkQueue,
-    pub stores: WorkQueue,
+    pub(super) sched: Scheduler,
+    pub(super) block_bytes: u64,
+    pub(super) loads: WorkQueue,
+    pub(super) stores: WorkQueue,
     /// Stores to try once more after evicting (ENOSPC), ahead of new ones.
-    pub retry: VecDeque<(Arc<JobState>, usize)>,
+    pub(super) retry: VecDeque<(Arc<JobState>, usize)>,
     /// Store ops with chunks still to issue, oldest first.
-    pub store_issuing: VecDeque<u32>,
-    pub stopping: bool,
-    pub demote: Option<Demote>,
+    pub(super) store_issuing: VecDeque<u32>,
+    pub(super) stopping: bool,
+    pub(super) demote: Option<Demote>,
     /// Publishes the keys this worker holds to callers (`Engine::lookup`).
-    pub publisher: Publisher,
+    pub(super) publisher: Publisher,
     /// The files layout's answers for keys not indexed, published to callers.
-    pub unindexed: Unindexed,
+    pub(super) unindexed: Unindexed,
     /// `io_timeout_ms`: the deadline of every op, from its start.
-    pub io_timeout: Duration,
+    pub(super) io_timeout: Duration,
     /// Devices marked failed (bit d), after repeated timeouts.
     pub(super) failed: u64,
     /// Recent timeouts per device, oldest first (for marking a device failed).
@@ -68,6 +70,113 @@ impl<O: LayoutOp> Core<O> {
             .probes_outstanding
             .fetch_sub(asked - out.len(), Ordering::AcqRel);
         out
+    }
+
+    /// The device's I/O queues: where a layout pushes its reads, writes and file operations.
+    pub fn backend(&mut self) -> &mut (dyn IoBackend + 'static) {
+        &mut *self.backend
+    }
+
+    /// Operations pushed and not completed.
+    pub fn in_flight(&self) -> usize {
+        self.backend.in_flight()
+    }
+
+    /// The size of every block.
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+
+    /// The worker's counters.
+    pub fn metrics(&self) -> &WorkerMetrics {
+        &self.me.metrics
+    }
+
+    /// What other threads see of the worker (held where its counters are needed across
+    /// changes to the core).
+    pub fn worker_shared(&self) -> Arc<WorkerShared> {
+        Arc::clone(&self.me)
+    }
+
+    /// The worker is stopping: no new work, what is left is drained.
+    pub fn stopping(&self) -> bool {
+        self.stopping
+    }
+
+    /// No load or store waits to be issued, no store has chunks left to issue, and no I/O is
+    /// in flight.
+    pub fn quiet(&self) -> bool {
+        self.stores.is_empty()
+            && self.loads.is_empty()
+            && self.store_issuing.is_empty()
+            && self.backend.in_flight() == 0
+    }
+
+    /// Store `item` of `job` is tried once more (after evicting), ahead of new stores.
+    pub fn retry_store(&mut self, job: Arc<JobState>, item: usize) {
+        self.retry.push_back((job, item));
+    }
+
+    /// Makes `key` visible to lookups (stored or found here).
+    pub fn publish_key(&mut self, key: &Key) {
+        self.publisher.insert(key);
+    }
+
+    /// Withdraws `key` from lookups.
+    pub fn withdraw_key(&mut self, key: &Key) {
+        self.publisher.remove(key);
+    }
+
+    /// Whether `key` is visible to lookups (a layout's own check).
+    #[cfg(any(test, feature = "sim"))]
+    pub fn is_published(&self, key: &Key) -> bool {
+        self.publisher.contains(key)
+    }
+
+    /// How many keys are visible to lookups (a layout's own check).
+    #[cfg(any(test, feature = "sim"))]
+    pub fn published_len(&self) -> usize {
+        self.publisher.len()
+    }
+
+    /// The block event stream: `keys` left this tier.
+    pub fn announce_removed(&self, keys: Vec<Key>) {
+        self.shared.events.push(keys, true);
+    }
+
+    /// Fails `item` of `job` for `reason` without I/O.
+    pub fn fail_item(&self, job: &JobState, item: usize, reason: KeyFailure) {
+        job.fail(&self.shared, item, reason, String::new());
+    }
+
+    /// The files layout's answers for keys it has not indexed.
+    pub fn unindexed(&mut self) -> &mut Unindexed {
+        &mut self.unindexed
+    }
+
+    /// A question lookups sent was taken off the worker's queue (answered, dropped or started).
+    pub fn question_taken(&self) {
+        self.me.probes_outstanding.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Demotion to the cold tier (`s3.write = "on_evict"`), if configured.
+    pub fn demote(&mut self) -> Option<&mut Demote> {
+        self.demote.as_mut()
+    }
+
+    /// Demotion's staging slots, if configured.
+    pub fn demoting(&self) -> Option<&Demote> {
+        self.demote.as_ref()
+    }
+
+    /// Whether demotion is configured.
+    pub fn demotes(&self) -> bool {
+        self.demote.is_some()
+    }
+
+    /// Whether a demotion in flight will free a staging slot (so waiting for one is worth it).
+    pub fn demotion_will_free(&self) -> bool {
+        self.demote.as_ref().is_some_and(Demote::will_free)
     }
 
     /// The worker gives up waiting for I/O past its deadline at a stop: counted for
