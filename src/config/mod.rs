@@ -379,6 +379,36 @@ pub struct SchedulerConfig {
     pub ioprio: bool,
 }
 
+/// A [`Config`] that passed [`Config::validate`], with what is derived from it (once): what the
+/// node, its workers and every front end run with. Only `validate` makes one, so nothing
+/// below the front ends runs on a config that was not checked. Reads as the [`Config`] it
+/// holds.
+#[derive(Clone, Debug)]
+pub struct Validated {
+    config: Config,
+    derived: Derived,
+}
+
+impl Validated {
+    /// The sizes derived from the config.
+    pub fn derived(&self) -> &Derived {
+        &self.derived
+    }
+
+    /// The config that was checked.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+}
+
+impl std::ops::Deref for Validated {
+    type Target = Config;
+
+    fn deref(&self) -> &Config {
+        &self.config
+    }
+}
+
 /// What the engine runs with, derived from a validated [`Config`] by [`Config::validate`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Derived {

@@ -1,14 +1,14 @@
 //! Reading a config (TOML text or file) and checking every field and relation once, which
-//! yields the [`Derived`] sizes.
+//! yields a [`Validated`] config with its [`Derived`] sizes.
 
 use std::path::Path;
 
 use super::{
     ensure, invalid, show_path, show_size, store_chunk_bytes, validate_cores, Config, ConfigError,
-    Derived, DeviceConfig, DeviceKind, FilesConfig, Layout, Named, RawConfig, S3Write, ALIGN_BYTES,
-    AT_LEAST_ONE, BLOCK_SIZE_FORMS, BLOCK_SIZE_MAX, DEMOTION_STAGING_BLOCKS, DEVICE_CAPACITY_MIN,
-    GIB, PATH_FORMS, REGION_BYTES_MAX, REGISTERED_PIECE_MAX, RING_ENTRIES_FORMS, RING_ENTRIES_MAX,
-    RING_ENTRIES_MIN,
+    Derived, DeviceConfig, DeviceKind, FilesConfig, Layout, Named, RawConfig, S3Write, Validated,
+    ALIGN_BYTES, AT_LEAST_ONE, BLOCK_SIZE_FORMS, BLOCK_SIZE_MAX, DEMOTION_STAGING_BLOCKS,
+    DEVICE_CAPACITY_MIN, GIB, PATH_FORMS, REGION_BYTES_MAX, REGISTERED_PIECE_MAX,
+    RING_ENTRIES_FORMS, RING_ENTRIES_MAX, RING_ENTRIES_MIN,
 };
 
 impl Config {
@@ -46,12 +46,13 @@ impl Config {
     }
 
     /// Checks every field and the relations between fields, and derives the sizes the engine
-    /// runs with from them (computed here once; nothing else recomputes them).
+    /// runs with from them (computed here once; nothing else recomputes them): the config as
+    /// every front end and the node take it.
     ///
     /// # Errors
     ///
     /// [`ConfigError::Invalid`] for the first violation found.
-    pub fn validate(&self) -> Result<Derived, ConfigError> {
+    pub fn validate(&self) -> Result<Validated, ConfigError> {
         let block_size = self.block_size;
         ensure(
             block_size.is_multiple_of(ALIGN_BYTES)
@@ -104,7 +105,10 @@ impl Config {
         self.validate_devices()?;
         self.validate_files()?;
         self.validate_s3()?;
-        Ok(self.derive())
+        Ok(Validated {
+            config: self.clone(),
+            derived: self.derive(),
+        })
     }
 
     fn derive(&self) -> Derived {

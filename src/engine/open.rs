@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crate::config::{Config, Derived, Layout, VerifyLoads};
+use crate::config::{Config, Derived, Layout, Validated, VerifyLoads};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
@@ -59,9 +59,10 @@ impl Engine {
         storage: Arc<dyn Storage>,
     ) -> Result<Engine> {
         let started = std::time::Instant::now();
-        let derived = config.validate()?;
+        let config = config.validate()?;
+        let derived = config.derived();
         let region_blocks = check_region(&region, derived.block_bytes)?;
-        let mut devices = open_devices(config, &derived, storage.as_ref())?;
+        let mut devices = open_devices(&config, storage.as_ref())?;
         let cores = config.cores.workers();
         let shared = Shared::new(EventSink::new(
             config.events.enabled,
@@ -72,10 +73,10 @@ impl Engine {
             .demote_on_evict
             .then(|| Arc::new(std::sync::OnceLock::new()));
         let device_summaries = std::mem::take(&mut devices.summaries);
-        let settings = WorkerSettings::new(config, &derived);
+        let settings = WorkerSettings::new(&config);
         let workers = start_workers(
             &settings,
-            &derived,
+            derived,
             &cores,
             devices,
             &storage,
@@ -115,7 +116,7 @@ impl Engine {
                 &cores,
                 &shared,
                 &config.devices,
-                &derived,
+                derived,
             )),
             metrics_server: Mutex::new(None),
             shutting_down: Mutex::new(()),
@@ -136,7 +137,7 @@ impl Engine {
             engine.shutdown();
             return Err(e);
         }
-        if let Err(e) = engine.open_cold(config, &cores, &region, shared, router, demote_sink) {
+        if let Err(e) = engine.open_cold(&config, &cores, &region, shared, router, demote_sink) {
             engine.shutdown();
             return Err(e);
         }
@@ -283,7 +284,8 @@ pub(crate) fn check_region(region: &Region, block_bytes: u64) -> Result<u64> {
 }
 
 /// Opens every device: formats or checks slab headers, or scans `files` directories.
-fn open_devices(config: &Config, derived: &Derived, storage: &dyn Storage) -> Result<Opened> {
+fn open_devices(config: &Validated, storage: &dyn Storage) -> Result<Opened> {
+    let derived = config.derived();
     let block_bytes = derived.block_bytes;
     let mut out = Opened {
         slab: Vec::new(),

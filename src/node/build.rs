@@ -10,7 +10,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::clock::Clock;
-use crate::config::{Config, Derived, FilesConfig, FirstLookup, Layout, SchedulerConfig};
+use crate::config::{FilesConfig, FirstLookup, Layout, SchedulerConfig, Validated};
 use crate::files::device::{FilesDevice, ScannedFile};
 use crate::files::layout::{FilesLayout, Op as FilesOp};
 use crate::io::{BackendSettings, EventFd, Region, Storage};
@@ -62,8 +62,9 @@ pub(crate) struct WorkerSettings {
 }
 
 impl WorkerSettings {
-    /// From `config`, validated into `derived`.
-    pub fn new(config: &Config, derived: &Derived) -> WorkerSettings {
+    /// From the validated `config` and its derived sizes.
+    pub fn new(config: &Validated) -> WorkerSettings {
+        let derived = config.derived();
         let files = config
             .files
             .as_ref()

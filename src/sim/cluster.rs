@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use crate::clock::Clock;
 use crate::cold::ColdTier;
-use crate::config::{Config, Cores, Derived};
+use crate::config::{Config, Cores, Validated};
 use crate::error::{Error, Result};
 use crate::events::EventSink;
 use crate::files::device::{FilesDevice, ScannedFile};
@@ -174,11 +174,10 @@ impl Cluster {
         seed: u64,
         cold: Option<Arc<SimObjectStore>>,
     ) -> Result<Cluster> {
-        let derived = config.validate()?;
-        let devices = open_devices(config, storage, derived.block_bytes)?;
+        let config = config.validate()?;
+        let devices = open_devices(&config, storage, config.derived().block_bytes)?;
         Cluster::build(
-            config,
-            &derived,
+            &config,
             regions,
             Arc::clone(storage) as Arc<dyn Storage>,
             (Layouts::Slab(Arc::new(devices)), Vec::new()),
@@ -204,7 +203,8 @@ impl Cluster {
                 .capacity_bytes
                 .map(|c| c.max(crate::config::DEVICE_CAPACITY_MIN));
         }
-        let derived = checked.validate()?;
+        let checked = checked.validate()?;
+        let block_bytes = checked.derived().block_bytes;
         let files_cfg = config
             .files
             .as_ref()
@@ -217,7 +217,7 @@ impl Cluster {
         let mut scanned = Vec::new();
         for (i, dcfg) in config.devices.iter().enumerate() {
             let (dev, found, _) =
-                FilesDevice::open(i, dcfg, files_cfg, derived.block_bytes, config.direct_io)?;
+                FilesDevice::open(i, dcfg, files_cfg, block_bytes, config.direct_io)?;
             scanned.extend(found);
             devices.push(Arc::new(dev));
         }
@@ -226,8 +226,7 @@ impl Cluster {
             temp_seed: files.temp_seed(),
         };
         Cluster::build(
-            config,
-            &derived,
+            &checked,
             std::slice::from_ref(region),
             Arc::clone(files) as Arc<dyn Storage>,
             (layouts, scanned_by_worker(scanned, workers)),
@@ -238,15 +237,14 @@ impl Cluster {
 
     /// The cluster over `layouts` (with what the files layout's scan found, per worker).
     fn build(
-        config: &Config,
-        derived: &Derived,
+        config: &Validated,
         regions: &[Arc<Region>],
         storage: Arc<dyn Storage>,
         (layouts, mut scanned): (Layouts, Vec<Vec<ScannedFile>>),
         seed: u64,
         cold: Option<Arc<SimObjectStore>>,
     ) -> Result<Cluster> {
-        let block_bytes = derived.block_bytes;
+        let block_bytes = config.derived().block_bytes;
         // The region's blocks as the engine sets them up: jobs lease them, the simulated
         // devices check the leases.
         let mut region_blocks = Vec::with_capacity(regions.len());
@@ -271,7 +269,7 @@ impl Cluster {
         // Deadlines and the files layout's answer ages run on the cluster's clock, so a seed
         // replays (on the wall clock a files seed did not, under load).
         let clock = Clock::manual();
-        let mut settings = WorkerSettings::new(config, derived);
+        let mut settings = WorkerSettings::new(config);
         // The engine's, without what needs a real ring (polling).
         settings.backend.sqpoll = false;
         settings.backend.sqpoll_idle_ms = 0;
