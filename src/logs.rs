@@ -60,12 +60,14 @@ impl RateLimit {
 /// Whether a peer (the object store) is answering: `failure` counts consecutive failed
 /// operations and says when they reach the threshold (log "stopped answering" then, once);
 /// `success` says when it answers again after that (log the recovery, once).
+#[cfg_attr(not(feature = "s3"), allow(dead_code))] // the S3 tier's
 pub(crate) struct Health {
     threshold: u32,
     failures: AtomicU32,
     down: AtomicBool,
 }
 
+#[cfg_attr(not(feature = "s3"), allow(dead_code))]
 impl Health {
     pub const fn new(threshold: u32) -> Health {
         Health {

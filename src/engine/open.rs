@@ -182,8 +182,7 @@ impl Engine {
                 &worker_cores,
             )?;
             self.info.s3 = Some(tier.summary().clone());
-            self.attach_cold(Arc::new(tier), demote_sink.as_ref());
-            Ok(())
+            self.attach_cold(Arc::new(tier), demote_sink.as_ref())
         }
         #[cfg(not(feature = "s3"))]
         {

@@ -146,6 +146,7 @@ impl JobResult {
     /// A write-through store's result: its NVMe half's (`self`) with each key's upload outcome
     /// added (`Ok(bytes)`, or the failure), one failure per key (the NVMe half's, if it failed
     /// too, comes first). The S3 tier and the simulated object store report through it.
+    #[cfg_attr(not(any(feature = "s3", feature = "sim")), allow(dead_code))] // the cold tiers'
     pub(crate) fn with_uploads(
         mut self,
         uploads: impl IntoIterator<Item = (usize, std::result::Result<u64, (KeyFailure, String)>)>,

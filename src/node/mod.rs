@@ -85,9 +85,19 @@ impl Node {
     }
 
     /// Connects the cold tier: loads of keys no worker holds go to it, and lookups ask it.
-    pub fn attach_cold(&mut self, cold: Arc<dyn ColdTier>) {
+    /// Connects `cold` as the node's cold tier. Refused on a node of more than one region:
+    /// the cold tier lands and copies blocks in region 0 only, so a client of another region
+    /// (registered before or after) could not be served.
+    pub fn attach_cold(&mut self, cold: Arc<dyn ColdTier>) -> Result<()> {
+        if self.regions.len() > 1 {
+            return Err(Error::Worker(format!(
+                "a cold tier moves blocks of region 0 only; this node has {} regions",
+                self.regions.len()
+            )));
+        }
         let _ = self.shared.miss_fallback.set(cold.miss_fallback());
         self.cold = Some(cold);
+        Ok(())
     }
 
     pub fn cold(&self) -> Option<&Arc<dyn ColdTier>> {

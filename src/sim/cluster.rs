@@ -313,7 +313,7 @@ impl Cluster {
             first_lookup,
         );
         if let Some(c) = &cold {
-            node.attach_cold(Arc::clone(c) as Arc<dyn ColdTier>);
+            node.attach_cold(Arc::clone(c) as Arc<dyn ColdTier>)?;
         }
         let caller = Arc::new(ChannelSink::default());
         let client = node.register_client(&(Arc::clone(&caller) as _), 0)?;

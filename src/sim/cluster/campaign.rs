@@ -1380,6 +1380,15 @@ mod clock_tests {
         let mut cluster =
             Cluster::open_regions(&config, &[Arc::clone(&r0), Arc::clone(&r1)], &storage, 9)
                 .expect("opens");
+        let store = SimObjectStore::new(9, object_settings(&mut rng), &r0, BLOCK as usize);
+        let no_cold = cluster
+            .node
+            .attach_cold(store as Arc<dyn crate::cold::ColdTier>);
+        assert!(
+            matches!(no_cold, Err(crate::Error::Worker(ref why)) if why.contains("region 0 only; this node has 2 regions")),
+            "{no_cold:?}"
+        );
+        assert!(cluster.node.cold().is_none());
         let sink = Arc::new(ChannelSink::default());
         let refused = cluster.node.register_client(&(Arc::clone(&sink) as _), 2);
         assert!(
