@@ -107,7 +107,7 @@ impl Verdicts {
 
     /// Records the answer to question `generation` about `key`, unless a newer state replaced
     /// it.
-    pub fn resolve(&mut self, key: Key, generation: u64, verdict: Verdict) {
+    pub fn answer(&mut self, key: Key, generation: u64, verdict: Verdict) {
         if let Some(e) = self.map.get_mut(&key) {
             if e.generation == generation {
                 e.verdict = verdict;
@@ -181,9 +181,9 @@ mod tests {
         let first = v.begin(key(1));
         assert_eq!(v.get(&key(1)), Some(Verdict::Pending));
         let second = v.begin(key(1));
-        v.resolve(key(1), first, Verdict::Present);
+        v.answer(key(1), first, Verdict::Present);
         assert_eq!(v.get(&key(1)), Some(Verdict::Pending), "a stale answer");
-        v.resolve(key(1), second, Verdict::Absent);
+        v.answer(key(1), second, Verdict::Absent);
         assert_eq!(v.get(&key(1)), Some(Verdict::Absent));
         assert!(v.current(&key(1), second) && !v.current(&key(1), first));
         v.forget(&key(1), first);
@@ -227,7 +227,7 @@ mod tests {
             Some(Verdict::Pending),
             "a question never goes stale"
         );
-        v.resolve(key(1), g, Verdict::Present);
+        v.answer(key(1), g, Verdict::Present);
         clock.advance(Duration::from_millis(999));
         assert_eq!(v.get(&key(1)), Some(Verdict::Present));
         clock.advance(Duration::from_millis(1));
@@ -246,7 +246,7 @@ mod tests {
         let mut v = Verdicts::new(8, Duration::ZERO);
         let g = v.begin(key(1));
         assert_eq!(v.get(&key(1)), Some(Verdict::Pending));
-        v.resolve(key(1), g, Verdict::Absent);
+        v.answer(key(1), g, Verdict::Absent);
         assert_eq!(v.get(&key(1)), None);
         assert_eq!(v.peek(&key(1)), Some((Verdict::Absent, false)));
     }

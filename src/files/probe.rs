@@ -46,7 +46,7 @@ impl FilesLayout {
                 _ if !current => None,
                 Some(dest) if !core.stopping() && !core.device_failed(d) => Some(dest),
                 _ => {
-                    core.unindexed().resolve(key, generation, Verdict::Absent);
+                    core.unindexed().answer(key, generation, Verdict::Absent);
                     None
                 }
             };
@@ -109,7 +109,7 @@ impl FilesLayout {
             }
             core.unindexed().forget(key, generation);
         } else {
-            core.unindexed().resolve(key, generation, Verdict::Absent);
+            core.unindexed().answer(key, generation, Verdict::Absent);
         }
         self.start_probes(core);
     }

@@ -509,17 +509,18 @@ impl JobState {
             reason,
             detail,
         }];
-        self.publish(shared);
+        self.report(shared);
     }
 
     fn resolve(&self, shared: &Shared) {
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.publish(shared);
+            self.report(shared);
         }
     }
 
-    /// Publishes the result of a job with no keys left to resolve (also used for empty jobs).
-    pub fn publish(&self, shared: &Shared) {
+    /// Reports the result of a job with no keys left to resolve (also used for empty jobs):
+    /// to its client's sink, or held until its blocks are free.
+    pub fn report(&self, shared: &Shared) {
         let mut failures = std::mem::take(
             &mut *self
                 .failures

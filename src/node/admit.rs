@@ -69,7 +69,7 @@ impl Node {
                 .for_client(client.id, client.region),
         );
         if state.job.keys.is_empty() {
-            state.publish(&self.shared);
+            state.report(&self.shared);
             return Ok(());
         }
         if let (JobKind::Load, Some(cold)) = (kind, self.cold.as_deref()) {

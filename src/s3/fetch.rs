@@ -37,7 +37,7 @@ impl Inner {
                     },
                 };
                 if let Some(v) = verdict {
-                    me.lock_cache().resolve(key, generation, v);
+                    me.lock_cache().answer(key, generation, v);
                 }
             });
         }

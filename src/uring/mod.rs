@@ -312,9 +312,9 @@ impl Storage for KernelStorage {
         cfg: &DeviceConfig,
         direct: DirectIo,
     ) -> Result<OpenedDevice> {
-        match nvme::resolve(cfg).map_err(|m| Error::device(&cfg.path, m))? {
-            nvme::Resolved::Passthrough(ns) => Ok(self.open_passthrough(index, cfg, ns)),
-            nvme::Resolved::Kernel(path) => {
+        match nvme::locate(cfg).map_err(|m| Error::device(&cfg.path, m))? {
+            nvme::Located::Passthrough(ns) => Ok(self.open_passthrough(index, cfg, ns)),
+            nvme::Located::Kernel(path) => {
                 let mut info = self.open_kernel(index, &path, cfg, direct)?;
                 info.path.clone_from(&cfg.path);
                 Ok(info)

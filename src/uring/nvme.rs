@@ -13,8 +13,8 @@ use crate::commands::CommandQueue;
 use crate::config::{DeviceConfig, DeviceKind};
 use crate::io::IoBuf;
 
-/// What a device path resolves to.
-pub(super) enum Resolved {
+/// Where a device path leads.
+pub(super) enum Located {
     /// Use passthrough on this namespace.
     Passthrough(Arc<Namespace>),
     /// Use this path through the block layer (files and block devices, or the fallback).
@@ -26,7 +26,7 @@ pub(super) enum Resolved {
 /// device again, with one warning, when passthrough is unavailable: no permission, or a kernel
 /// whose io_uring cannot run `URING_CMD` with fixed buffers ([`Namespace::check_io`] tries one
 /// read both ways).
-pub(super) fn resolve(cfg: &DeviceConfig) -> Result<Resolved, String> {
+pub(super) fn locate(cfg: &DeviceConfig) -> Result<Located, String> {
     let path = cfg.path.as_path();
     let generic = kvtier_sys::nvme::generic_name(path);
     let generic_path = match (cfg.kind, &generic) {
@@ -38,12 +38,12 @@ pub(super) fn resolve(cfg: &DeviceConfig) -> Result<Resolved, String> {
             )
         }
         (DeviceKind::Block, Some(name)) => {
-            return block_device_of(name).map(Resolved::Kernel).ok_or_else(|| {
+            return block_device_of(name).map(Located::Kernel).ok_or_else(|| {
                 format!("kind = \"block\" but the block device of {name} is unknown")
             });
         }
         (DeviceKind::Block | DeviceKind::Auto, None) => {
-            return Ok(Resolved::Kernel(path.to_path_buf()))
+            return Ok(Located::Kernel(path.to_path_buf()))
         }
         (DeviceKind::Auto | DeviceKind::Nvme, Some(_)) => path.to_path_buf(),
         (DeviceKind::Nvme, None) => match generic_sibling(path) {
@@ -57,7 +57,7 @@ pub(super) fn resolve(cfg: &DeviceConfig) -> Result<Resolved, String> {
                      (Linux 5.13+): using the block device with O_DIRECT; `kvtier probe` says \
                      what passthrough needs"
                 );
-                return Ok(Resolved::Kernel(path.to_path_buf()));
+                return Ok(Located::Kernel(path.to_path_buf()));
             }
             None => {
                 return Err(
@@ -83,10 +83,10 @@ pub(super) fn resolve(cfg: &DeviceConfig) -> Result<Resolved, String> {
             "NVMe passthrough unavailable ({why}): using the block device with O_DIRECT; \
              `kvtier probe` says what passthrough needs"
         );
-        Ok(Resolved::Kernel(block))
+        Ok(Located::Kernel(block))
     };
     match Namespace::open(&generic_path).and_then(|ns| ns.check_io().map(|()| ns)) {
-        Ok(ns) => Ok(Resolved::Passthrough(Arc::new(ns))),
+        Ok(ns) => Ok(Located::Passthrough(Arc::new(ns))),
         Err(why) => fallback(why),
     }
 }

@@ -401,7 +401,7 @@ impl<O: LayoutOp> Core<O> {
             && self.backend.in_flight() == 0
     }
 
-    pub(super) fn publish_gauges(&self) {
+    pub(super) fn update_gauges(&self) {
         let m = &self.me.metrics;
         m.queued_loads
             .store(self.loads.blocks as u64, Ordering::Relaxed);

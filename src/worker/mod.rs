@@ -169,7 +169,7 @@ pub(crate) trait Layout {
     fn probe(&mut self, core: &mut Core<Self::Op>, keys: Vec<(Key, u64)>) {
         for (key, generation) in keys {
             core.unindexed
-                .resolve(key, generation, crate::verdicts::Verdict::Absent);
+                .answer(key, generation, crate::verdicts::Verdict::Absent);
             core.me.probes_outstanding.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -374,14 +374,14 @@ impl<L: Layout> Worker<L> {
                 }
             }
         }
-        self.core.publish_gauges();
+        self.core.update_gauges();
     }
 
     /// One pass of the loop up to its submit: a turn, then the stop's checks, then whether
     /// to sleep in the submit (the sleeping flag set when it does).
     fn pass(&mut self) -> Pass {
         let progress = self.turn();
-        self.core.publish_gauges();
+        self.core.update_gauges();
         if self.core.stopping && self.core.idle() && self.layout.idle() {
             return Pass::Exit;
         }
@@ -460,7 +460,7 @@ impl<L: Layout> Worker<L> {
             Pass::Again => return true,
             Pass::Exit => {
                 self.sim.outcome = Some(Stopped::Exited);
-                self.core.publish_gauges();
+                self.core.update_gauges();
                 return false;
             }
             Pass::GiveUp => {

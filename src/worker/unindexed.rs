@@ -140,7 +140,7 @@ impl Unindexed {
             }
             Some((_, false)) | None => self.verdicts.renew(key, dropped),
         };
-        self.publish(key);
+        self.show(key);
         Some(generation)
     }
 
@@ -152,20 +152,20 @@ impl Unindexed {
 
     /// Records the answer to question `generation` about `key`, unless a newer state replaced
     /// it.
-    pub fn resolve(&mut self, key: Key, generation: u64, verdict: Verdict) {
-        self.verdicts.resolve(key, generation, verdict);
-        self.publish(key);
+    pub fn answer(&mut self, key: Key, generation: u64, verdict: Verdict) {
+        self.verdicts.answer(key, generation, verdict);
+        self.show(key);
     }
 
     /// Forgets `key` if question `generation` is still its latest state (found: the key is in
     /// the worker's index and published there).
     pub fn forget(&mut self, key: Key, generation: u64) {
         self.verdicts.forget(&key, generation);
-        self.publish(key);
+        self.show(key);
     }
 
     /// Makes callers see `key` as the worker holds it.
-    fn publish(&mut self, key: Key) {
+    fn show(&mut self, key: Key) {
         match self.verdicts.entry(&key) {
             Some((verdict, at)) => self.publisher.set(&key, encode(verdict, at, self.base)),
             None => self.publisher.remove(&key),
@@ -203,7 +203,7 @@ mod tests {
             Some((Verdict::Pending, true)),
             "a question never goes stale"
         );
-        w.resolve(key(1), g, Verdict::Absent);
+        w.answer(key(1), g, Verdict::Absent);
         assert_eq!(view.peek(&key(1)), Some((Verdict::Absent, true)));
         clock.advance(Duration::from_millis(999));
         assert_eq!(view.peek(&key(1)), Some((Verdict::Absent, true)));
@@ -230,15 +230,15 @@ mod tests {
         let (clock, view, mut w) = pair(8, Duration::from_secs(1));
         let g = w.question(key(1), FirstLookup::Pending).expect("asked");
         assert_eq!(w.question(key(1), FirstLookup::Pending), None, "pending");
-        w.resolve(key(1), g, Verdict::Present);
+        w.answer(key(1), g, Verdict::Present);
         assert_eq!(w.question(key(1), FirstLookup::Pending), None, "fresh");
         assert_eq!(view.peek(&key(1)), Some((Verdict::Present, true)));
         clock.advance(Duration::from_secs(2));
         let newer = w.question(key(1), FirstLookup::Pending).expect("stale");
         // The answer to the old question does not replace the newer state.
-        w.resolve(key(1), g, Verdict::Absent);
+        w.answer(key(1), g, Verdict::Absent);
         assert_eq!(view.peek(&key(1)), Some((Verdict::Present, true)));
-        w.resolve(key(1), newer, Verdict::Absent);
+        w.answer(key(1), newer, Verdict::Absent);
         assert_eq!(view.peek(&key(1)), Some((Verdict::Absent, true)));
         let g2 = w.question(key(2), FirstLookup::Miss).expect("asked");
         assert_eq!(
@@ -299,7 +299,7 @@ mod tests {
                 } else {
                     Verdict::Absent
                 };
-                w.resolve(key(i), g, v);
+                w.answer(key(i), g, v);
             }
         }
         stop.store(true, Ordering::Release);

@@ -54,7 +54,7 @@ impl SimObjectStore {
         } else {
             Verdict::Absent
         };
-        s.verdicts.resolve(key, generation, verdict);
+        s.verdicts.answer(key, generation, verdict);
     }
 
     pub(super) fn get(&self, job: &Arc<JobState>, index: usize, draw: Draw) {
