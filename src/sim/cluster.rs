@@ -195,6 +195,27 @@ impl Cluster {
         seed: u64,
         cold: Option<Arc<SimObjectStore>>,
     ) -> Result<Cluster> {
+        Cluster::open_files_over(config, std::slice::from_ref(region), files, seed, cold)
+    }
+
+    /// [`Cluster::open_files`] over one or more regions, no cold tier (as
+    /// [`Cluster::open_regions`] for the slab).
+    pub fn open_files_regions(
+        config: &Config,
+        regions: &[Arc<Region>],
+        files: &Arc<SimFiles>,
+        seed: u64,
+    ) -> Result<Cluster> {
+        Cluster::open_files_over(config, regions, files, seed, None)
+    }
+
+    fn open_files_over(
+        config: &Config,
+        regions: &[Arc<Region>],
+        files: &Arc<SimFiles>,
+        seed: u64,
+        cold: Option<Arc<SimObjectStore>>,
+    ) -> Result<Cluster> {
         // Below the minimum capacity the engine accepts, so that eviction is frequent: checked
         // at the minimum, opened at the size asked for.
         let mut checked = config.clone();
@@ -227,7 +248,7 @@ impl Cluster {
         };
         Cluster::build(
             &checked,
-            std::slice::from_ref(region),
+            regions,
             Arc::clone(files) as Arc<dyn Storage>,
             (layouts, scanned_by_worker(scanned, workers)),
             seed,
