@@ -33,7 +33,7 @@ use crate::config::{DeviceConfig, DirectIo, FilesConfig, SyncMode};
 use crate::error::{Error, Result};
 use crate::files::mapper::FileMapper;
 use crate::key::Key;
-use crate::worker::Core;
+use crate::worker::Context;
 
 /// The xattr holding a block's crc32c (4 bytes, little endian).
 pub const CHECKSUM_XATTR: &str = "user.kvtier.crc32c";
@@ -85,12 +85,12 @@ impl FilesDevice {
     /// Gives `bytes` reserved in the shared usage counter back. A counter the file system
     /// cannot read or write is logged (the bound may then count too much until a process alone
     /// on the directory resets it at open), never fatal.
-    pub fn unreserve(&self, core: &mut Core<super::layout::Op>, bytes: u64) {
+    pub fn unreserve(&self, cx: &mut Context<super::layout::Op>, bytes: u64) {
         if bytes == 0 {
             return;
         }
         if let Err(e) = self.usage.sub_saturating(bytes) {
-            core.log_error(&format!(
+            cx.log_error(&format!(
                 "{}/.kvtier-usage: giving back {bytes} bytes failed: {}",
                 self.data_dir.display(),
                 e.desc()

@@ -39,7 +39,7 @@ use crate::files::device::{FilesDevice, ScannedFile};
 use crate::io::{FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
-use crate::worker::{own_key, region_buffer, Core, Layout, Start};
+use crate::worker::{own_key, region_buffer, Context, Layout, Start};
 
 pub(crate) use super::op::{Kind, Op, Step};
 
@@ -153,9 +153,9 @@ impl FilesLayout {
     }
 
     /// Publishes every block the scan at open found (before the worker starts).
-    pub fn publish_scanned(&self, core: &mut Core<Op>) {
+    pub fn publish_scanned(&self, cx: &mut Context<Op>) {
         for key in self.index.keys() {
-            core.publish_key(key);
+            cx.publish_key(key);
         }
     }
 
@@ -167,23 +167,23 @@ impl FilesLayout {
     // ---------------------------------------------------------------------------------------
     // Ops table
 
-    pub(super) fn alloc(core: &mut Core<Op>, kind: Kind) -> Option<u32> {
-        core.ops.alloc(Op {
+    pub(super) fn alloc(cx: &mut Context<Op>, kind: Kind) -> Option<u32> {
+        cx.ops.alloc(Op {
             kind,
             ..Op::empty()
         })
     }
 
-    pub(super) fn release(&mut self, core: &mut Core<Op>, idx: u32) {
-        if core.ops[idx as usize].opening {
+    pub(super) fn release(&mut self, cx: &mut Context<Op>, idx: u32) {
+        if cx.ops[idx as usize].opening {
             self.stores_opening -= 1;
         }
-        core.release(idx);
+        cx.release(idx);
     }
 
     /// Store `idx` is done preparing: its block write is issued next.
-    pub(super) fn prepared(&mut self, core: &mut Core<Op>, idx: u32) {
-        let op = &mut core.ops[idx as usize];
+    pub(super) fn prepared(&mut self, cx: &mut Context<Op>, idx: u32) {
+        let op = &mut cx.ops[idx as usize];
         if std::mem::replace(&mut op.opening, false) {
             self.stores_opening -= 1;
         }
@@ -198,12 +198,12 @@ impl FilesLayout {
         }
     }
 
-    pub(super) fn unindex(&mut self, core: &mut Core<Op>, key: &Key) -> Option<Entry> {
+    pub(super) fn unindex(&mut self, cx: &mut Context<Op>, key: &Key) -> Option<Entry> {
         let e = self.index.remove(key)?;
         self.lru.remove(&e.tick);
         if e.state == State::Valid {
-            core.withdraw_key(key);
-            core.metrics()
+            cx.withdraw_key(key);
+            cx.metrics()
                 .dev(e.dev as usize)
                 .blocks_stored
                 .fetch_sub(1, Ordering::Relaxed);
@@ -211,7 +211,7 @@ impl FilesLayout {
         Some(e)
     }
 
-    pub(super) fn publish(&mut self, core: &mut Core<Op>, key: Key, dev: u16, counted: bool) {
+    pub(super) fn publish(&mut self, cx: &mut Context<Op>, key: Key, dev: u16, counted: bool) {
         self.tick += 1;
         let tick = self.tick;
         let prev = self.index.insert(
@@ -227,15 +227,15 @@ impl FilesLayout {
         if let Some(p) = prev {
             self.lru.remove(&p.tick);
             if p.state == State::Valid {
-                core.metrics()
+                cx.metrics()
                     .dev(p.dev as usize)
                     .blocks_stored
                     .fetch_sub(1, Ordering::Relaxed);
             }
         }
         self.lru.insert(tick, key);
-        core.publish_key(&key);
-        core.metrics()
+        cx.publish_key(&key);
+        cx.metrics()
             .dev(dev as usize)
             .blocks_stored
             .fetch_add(1, Ordering::Relaxed);
@@ -245,11 +245,11 @@ impl FilesLayout {
 impl Layout for FilesLayout {
     type Op = Op;
 
-    fn start_load(&mut self, core: &mut Core<Op>, job: &Arc<JobState>, item: usize) -> Start {
+    fn start_load(&mut self, cx: &mut Context<Op>, job: &Arc<JobState>, item: usize) -> Start {
         let key = job.job.keys[item];
         let d = key.device(self.devs.len());
-        if core.device_failed(d) {
-            core.resolve_load(job, item, KeyFailure::Miss);
+        if cx.device_failed(d) {
+            cx.resolve_load(job, item, KeyFailure::Miss);
             return Start::Resolved;
         }
         let dest = self.devs[d].path_of(&key);
@@ -261,14 +261,14 @@ impl Layout for FilesLayout {
             } else {
                 KeyFailure::Miss
             };
-            core.metrics().loads_failed.fetch_add(1, Ordering::Relaxed);
-            core.fail_item(job, item, reason);
+            cx.metrics().loads_failed.fetch_add(1, Ordering::Relaxed);
+            cx.fail_item(job, item, reason);
             return Start::Resolved;
         };
-        let Some(idx) = Self::alloc(core, Kind::Load) else {
+        let Some(idx) = Self::alloc(cx, Kind::Load) else {
             return Start::Blocked;
         };
-        let op = &mut core.ops[idx as usize];
+        let op = &mut cx.ops[idx as usize];
         op.begin(Step::Open);
         op.job = Some(Arc::clone(job));
         op.item = item as u32;
@@ -276,8 +276,8 @@ impl Layout for FilesLayout {
         op.dev = d as u16;
         op.block = job.job.blocks[item];
         op.dest = dest;
-        if !self.try_push_step(core, idx) {
-            self.release(core, idx);
+        if !self.try_push_step(cx, idx) {
+            self.release(cx, idx);
             return Start::Blocked;
         }
         if let Some(e) = self.index.get_mut(&key) {
@@ -289,34 +289,34 @@ impl Layout for FilesLayout {
 
     fn start_store(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         job: &Arc<JobState>,
         item: usize,
         retried: bool,
     ) -> Start {
-        self.begin_store(core, job, item, retried)
+        self.begin_store(cx, job, item, retried)
     }
 
     fn push_chunk(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         idx: u32,
         chunk: u16,
         start: u64,
         len: u64,
     ) -> bool {
-        let op = &core.ops[idx as usize];
+        let op = &cx.ops[idx as usize];
         let job = op.job.as_ref().expect("a store op has a job");
-        let at = op.block as usize * core.block_bytes() as usize + start as usize;
-        let claim = core.claim(job, at, len as usize, false);
+        let at = op.block as usize * cx.block_bytes() as usize + start as usize;
+        let claim = cx.claim(job, at, len as usize, false);
         let buffer = region_buffer(job.region);
         let file_op = FileOp::WriteFd {
             fd: op.fd,
             offset: start,
             buf: claim.buf_ref(buffer),
         };
-        let user_data = core.ops.user_data(idx, chunk);
-        core.backend().file_queue().push_file(
+        let user_data = cx.ops.user_data(idx, chunk);
+        cx.backend().file_queue().push_file(
             user_data,
             &file_op,
             Some((buffer, claim)),
@@ -324,27 +324,32 @@ impl Layout for FilesLayout {
         )
     }
 
-    fn on_written(&mut self, core: &mut Core<Op>, idx: u32, failure: Option<(KeyFailure, String)>) {
-        self.data_written(core, idx, failure);
+    fn on_written(
+        &mut self,
+        cx: &mut Context<Op>,
+        idx: u32,
+        failure: Option<(KeyFailure, String)>,
+    ) {
+        self.data_written(cx, idx, failure);
     }
 
-    fn on_complete(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        match core.ops[idx as usize].step {
-            Step::Open => self.on_open(core, idx, result),
-            Step::GetXattr => self.on_get_xattr(core, idx, result),
-            Step::SetXattr => self.on_set_xattr(core, idx, result),
-            Step::Read => self.on_read(core, idx, result),
-            Step::Close => self.on_close(core, idx),
-            Step::OpenTmp => self.on_open_tmp(core, idx, result),
-            Step::OpenParent => self.on_open_parent(core, idx, result),
-            Step::MkdirLeaf | Step::MkdirParent => self.on_mkdir(core, idx, result),
-            Step::Sync => self.on_sync(core, idx, result),
-            Step::CloseTmp => self.on_close_tmp(core, idx, result),
-            Step::Rename => self.on_rename(core, idx, result),
-            Step::UnlinkTmp => self.release(core, idx),
-            Step::Unlink => self.on_unlink(core, idx, result),
-            Step::OpenDir | Step::SyncDir | Step::CloseDir => self.on_dir_step(core, idx, result),
-            Step::Stat => self.on_stat(core, idx, result),
+    fn on_complete(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        match cx.ops[idx as usize].step {
+            Step::Open => self.on_open(cx, idx, result),
+            Step::GetXattr => self.on_get_xattr(cx, idx, result),
+            Step::SetXattr => self.on_set_xattr(cx, idx, result),
+            Step::Read => self.on_read(cx, idx, result),
+            Step::Close => self.on_close(cx, idx),
+            Step::OpenTmp => self.on_open_tmp(cx, idx, result),
+            Step::OpenParent => self.on_open_parent(cx, idx, result),
+            Step::MkdirLeaf | Step::MkdirParent => self.on_mkdir(cx, idx, result),
+            Step::Sync => self.on_sync(cx, idx, result),
+            Step::CloseTmp => self.on_close_tmp(cx, idx, result),
+            Step::Rename => self.on_rename(cx, idx, result),
+            Step::UnlinkTmp => self.release(cx, idx),
+            Step::Unlink => self.on_unlink(cx, idx, result),
+            Step::OpenDir | Step::SyncDir | Step::CloseDir => self.on_dir_step(cx, idx, result),
+            Step::Stat => self.on_stat(cx, idx, result),
             Step::Write => unreachable!("store writes are the worker's (LayoutOp::writing)"),
         }
     }
@@ -361,28 +366,28 @@ impl Layout for FilesLayout {
             .collect()
     }
 
-    fn remove(&mut self, core: &mut Core<Op>, key: Key) -> bool {
-        self.remove_key(core, key)
+    fn remove(&mut self, cx: &mut Context<Op>, key: Key) -> bool {
+        self.remove_key(cx, key)
     }
 
-    fn probe(&mut self, core: &mut Core<Op>, keys: Vec<(Key, u64)>) {
-        self.queue_probes(core, keys);
+    fn probe(&mut self, cx: &mut Context<Op>, keys: Vec<(Key, u64)>) {
+        self.queue_probes(cx, keys);
     }
 
-    fn unstall(&mut self, core: &mut Core<Op>) -> bool {
-        self.push_stalled(core)
+    fn unstall(&mut self, cx: &mut Context<Op>) -> bool {
+        self.push_stalled(cx)
     }
 
-    fn background(&mut self, core: &mut Core<Op>) -> bool {
-        self.start_probes(core)
+    fn background(&mut self, cx: &mut Context<Op>) -> bool {
+        self.start_probes(cx)
     }
 
     fn idle(&self) -> bool {
         self.stalled.is_empty() && self.probes_idle()
     }
 
-    fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
-        let op = &core.ops[idx as usize];
+    fn overdue_keys(&self, cx: &Context<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
+        let op = &cx.ops[idx as usize];
         match op.kind {
             // An op that reported its key (or handed it to a retry) only cleans up now: no key
             // waits on it, and its steps left (close, unlink) touch no region block.
@@ -396,7 +401,7 @@ impl Layout for FilesLayout {
         }
     }
 
-    fn device_failed(&mut self, core: &mut Core<Op>, d: usize) {
+    fn device_failed(&mut self, cx: &mut Context<Op>, d: usize) {
         let keys: Vec<Key> = self
             .index
             .iter()
@@ -404,15 +409,15 @@ impl Layout for FilesLayout {
             .map(|(k, _)| *k)
             .collect();
         for key in &keys {
-            self.unindex(core, key);
+            self.unindex(cx, key);
         }
         if !keys.is_empty() {
-            core.announce_removed(keys);
+            cx.announce_removed(keys);
         }
     }
 
-    fn describe_op(&self, core: &Core<Op>, idx: u32) -> String {
-        let op = &core.ops[idx as usize];
+    fn describe_op(&self, cx: &Context<Op>, idx: u32) -> String {
+        let op = &cx.ops[idx as usize];
         let what = match op.kind {
             Kind::Load => "load",
             Kind::Store => "store",
@@ -433,7 +438,7 @@ impl Layout for FilesLayout {
     }
 
     #[cfg(any(test, feature = "sim"))]
-    fn check_quiet(&self, _core: &Core<Op>) -> Result<(), String> {
+    fn check_quiet(&self, _core: &Context<Op>) -> Result<(), String> {
         if self.removals_in_flight != 0
             || self.index.values().any(|e| e.pins != 0)
             || !self.probes_idle()

@@ -20,116 +20,116 @@ use crate::job::KeyFailure;
 use crate::key::Key;
 use crate::metrics::ErrClass;
 use crate::worker::shared::block_crc;
-use crate::worker::{io_outcome, Core, Layout};
+use crate::worker::{io_outcome, Context, Layout};
 use crate::Errno;
 
 use super::layout::{FilesLayout, Kind, Op, Step};
 
 impl FilesLayout {
-    pub(super) fn on_open(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        let refused = self.refusal(core, idx, result);
-        if core.ops[idx as usize].kind == Kind::Remove {
+    pub(super) fn on_open(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        let refused = self.refusal(cx, idx, result);
+        if cx.ops[idx as usize].kind == Kind::Remove {
             let result = if refused.is_some() {
                 -(Errno::ELOOP as i32)
             } else {
                 result
             };
-            self.on_demote_open(core, idx, result);
+            self.on_demote_open(cx, idx, result);
             return;
         }
         if let Some(why) = refused {
-            core.metrics()
-                .dev(core.ops[idx as usize].dev as usize)
+            cx.metrics()
+                .dev(cx.ops[idx as usize].dev as usize)
                 .files_refused
                 .fetch_add(1, Ordering::Relaxed);
-            core.log_error(&why);
-            let key = core.ops[idx as usize].key.expect("load has a key");
-            self.forget(core, &key);
-            Self::finish_load(core, idx, Err((KeyFailure::Refused, why)));
-            self.end_load(core, idx);
+            cx.log_error(&why);
+            let key = cx.ops[idx as usize].key.expect("load has a key");
+            self.forget(cx, &key);
+            Self::finish_load(cx, idx, Err((KeyFailure::Refused, why)));
+            self.end_load(cx, idx);
             return;
         }
         if result < 0 {
             let e = Errno::from_raw(-result);
-            let key = core.ops[idx as usize].key.expect("load has a key");
+            let key = cx.ops[idx as usize].key.expect("load has a key");
             if e == Errno::ENOENT {
                 // Gone (evicted by another process, or never stored): a miss, and forget it.
-                core.metrics().load_misses.fetch_add(1, Ordering::Relaxed);
-                self.forget(core, &key);
-                Self::finish_load(core, idx, Err((KeyFailure::Miss, String::new())));
+                cx.metrics().load_misses.fetch_add(1, Ordering::Relaxed);
+                self.forget(cx, &key);
+                Self::finish_load(cx, idx, Err((KeyFailure::Miss, String::new())));
             } else {
-                let d = core.ops[idx as usize].dev as usize;
-                core.metrics().dev(d).io_error(ErrClass::of(e));
-                let what = self.describe_op(core, idx);
-                core.device_error(d, &format!("{what}: open: {}", e.desc()));
+                let d = cx.ops[idx as usize].dev as usize;
+                cx.metrics().dev(d).io_error(ErrClass::of(e));
+                let what = self.describe_op(cx, idx);
+                cx.device_error(d, &format!("{what}: open: {}", e.desc()));
                 Self::finish_load(
-                    core,
+                    cx,
                     idx,
                     Err((KeyFailure::Io(e), format!("open: {}", e.desc()))),
                 );
             }
-            self.end_load(core, idx);
+            self.end_load(cx, idx);
             return;
         }
-        self.start_read(core, idx, result);
+        self.start_read(cx, idx, result);
     }
 
     /// Op `idx` opened its block file as `fd` (a load, or a demotion's read): the crc32c
     /// xattr on the ring when the kernel can (then the read, in `on_get_xattr`), else by a
     /// call here; then the read.
-    pub(super) fn start_read(&mut self, core: &mut Core<Op>, idx: u32, fd: i32) {
-        let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
-        let on_ring = dev.checksums && core.backend().file_queue().xattr_ops();
+    pub(super) fn start_read(&mut self, cx: &mut Context<Op>, idx: u32, fd: i32) {
+        let dev = Arc::clone(&self.devs[cx.ops[idx as usize].dev as usize]);
+        let on_ring = dev.checksums && cx.backend().file_queue().xattr_ops();
         let crc = if dev.checksums && !on_ring {
             read_crc(fd, &dev)
         } else {
             None
         };
-        let op = &mut core.ops[idx as usize];
+        let op = &mut cx.ops[idx as usize];
         op.fd = fd;
         op.crc = crc;
         op.go(if on_ring { Step::GetXattr } else { Step::Read });
-        self.push_step(core, idx);
+        self.push_step(cx, idx);
     }
 
     /// The block's crc32c xattr was read on the ring (4 bytes), or it has none: read the data.
-    pub(super) fn on_get_xattr(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+    pub(super) fn on_get_xattr(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
         // Always taken, so the buffer does not stay behind in the ring.
-        let user_data = core.ops.user_data(idx, 0);
-        let value = core.backend().file_queue().take_file_value(user_data);
+        let user_data = cx.ops.user_data(idx, 0);
+        let value = cx.backend().file_queue().take_file_value(user_data);
         let crc = match (result, value) {
             (4, Some(v)) if v.len() >= 4 => Some(u32::from_le_bytes([v[0], v[1], v[2], v[3]])),
             _ => None,
         };
-        let op = &mut core.ops[idx as usize];
+        let op = &mut cx.ops[idx as usize];
         op.crc = crc;
         op.go(Step::Read);
-        self.push_step(core, idx);
+        self.push_step(cx, idx);
     }
 
     /// Unindexes `key` (its file is gone or refused) unless other loads still read it.
-    pub(super) fn forget(&mut self, core: &mut Core<Op>, key: &Key) {
-        if self.index.get(key).is_some_and(|e| e.pins <= 1) && self.unindex(core, key).is_some() {
-            core.announce_removed(vec![*key]);
+    pub(super) fn forget(&mut self, cx: &mut Context<Op>, key: &Key) {
+        if self.index.get(key).is_some_and(|e| e.pins <= 1) && self.unindex(cx, key).is_some() {
+            cx.announce_removed(vec![*key]);
         }
     }
 
     /// Why the node an `Open` step reached (or failed to reach) must not be read: a symlink on
     /// the way (the confined open's ELOOP/EXDEV), or something other than a regular file (an
     /// open fd of it is closed here). `None` for a regular file and for ordinary errors.
-    pub(super) fn refusal(&self, core: &Core<Op>, idx: u32, result: i32) -> Option<String> {
-        let op = &core.ops[idx as usize];
+    pub(super) fn refusal(&self, cx: &Context<Op>, idx: u32, result: i32) -> Option<String> {
+        let op = &cx.ops[idx as usize];
         let dev = &self.devs[op.dev as usize];
         let kind = if result >= 0 {
             match confined::fd_stat(result) {
                 // Longer than a block: not a block file (the scan leaves such files alone too).
-                Ok((NodeKind::Regular, size)) if size > core.block_bytes() => {
+                Ok((NodeKind::Regular, size)) if size > cx.block_bytes() => {
                     let _ = nix::unistd::close(result);
                     return Some(format!(
                         "{} is {size} bytes, longer than a block ({} bytes): not a block file, \
                          refused and left alone",
                         op.dest.display(),
-                        core.block_bytes()
+                        cx.block_bytes()
                     ));
                 }
                 Ok((NodeKind::Regular, _)) | Err(_) => return None,
@@ -167,23 +167,23 @@ impl FilesLayout {
         })
     }
 
-    pub(super) fn on_read(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        if core.ops[idx as usize].kind == Kind::Remove {
-            self.on_demote_read(core, idx, result);
+    pub(super) fn on_read(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        if cx.ops[idx as usize].kind == Kind::Remove {
+            self.on_demote_read(cx, idx, result);
             return;
         }
-        let m = core.metrics().dev(core.ops[idx as usize].dev as usize);
+        let m = cx.metrics().dev(cx.ops[idx as usize].dev as usize);
         m.read_ops.fetch_add(1, Ordering::Relaxed);
-        let wanted = core.block_bytes() as u32;
-        let op = &core.ops[idx as usize];
+        let wanted = cx.block_bytes() as u32;
+        let op = &cx.ops[idx as usize];
         let (block, crc, key) = (op.block, op.crc, op.key.expect("load has a key"));
         let d = op.dev as usize;
         let outcome = if let Err(reason) = io_outcome(result, u64::from(wanted)) {
             m.count_result(result, u64::from(wanted));
             Err(match reason {
                 KeyFailure::Io(e) => {
-                    let what = self.describe_op(core, idx);
-                    core.device_error(d, &format!("{what}: read: {}", e.desc()));
+                    let what = self.describe_op(cx, idx);
+                    cx.device_error(d, &format!("{what}: read: {}", e.desc()));
                     (reason, format!("read: {}", e.desc()))
                 }
                 // Stores are atomic (temp file + rename), so a short file is corrupt: drop it.
@@ -191,13 +191,13 @@ impl FilesLayout {
             })
         } else {
             m.bytes_read.fetch_add(u64::from(wanted), Ordering::Relaxed);
-            core.device_ok(d, || self.device_name(d));
+            cx.device_ok(d, || self.device_name(d));
             match crc {
                 Some(want) => {
                     let job = op.job.as_ref().expect("load has a job");
                     let got = block_crc(
                         job,
-                        core.region_of(job),
+                        cx.region_of(job),
                         block as usize * wanted as usize,
                         wanted as usize,
                     );
@@ -220,24 +220,24 @@ impl FilesLayout {
         );
         if outcome.is_ok() && !self.index.contains_key(&key) {
             // Published by another process since our scan: index it now.
-            let dev = core.ops[idx as usize].dev;
-            self.publish(core, key, dev, false);
+            let dev = cx.ops[idx as usize].dev;
+            self.publish(cx, key, dev, false);
             if let Some(e) = self.index.get_mut(&key) {
                 e.pins = 1;
             }
         }
         if bad {
             // Reported once the file is gone (`on_unlink`); the index forgets it now.
-            core.ops[idx as usize].pending_failure = outcome.err();
+            cx.ops[idx as usize].pending_failure = outcome.err();
         } else {
-            Self::finish_load(core, idx, outcome);
+            Self::finish_load(cx, idx, outcome);
         }
         if bad {
             // Remove the file after closing it; the removal is this op's trailing step.
-            let entry = self.unindex(core, &key);
-            core.announce_removed(vec![key]);
-            let block_bytes = core.block_bytes();
-            let op = &mut core.ops[idx as usize];
+            let entry = self.unindex(cx, &key);
+            cx.announce_removed(vec![key]);
+            let block_bytes = cx.block_bytes();
+            let op = &mut cx.ops[idx as usize];
             op.bytes = if entry.is_some_and(|e| e.counted) {
                 block_bytes
             } else {
@@ -245,44 +245,44 @@ impl FilesLayout {
             };
             op.kind = Kind::Remove;
             self.removals_in_flight += 1;
-            core.end_load(idx);
+            cx.end_load(idx);
         }
-        core.ops[idx as usize].go(Step::Close);
-        self.push_step(core, idx);
+        cx.ops[idx as usize].go(Step::Close);
+        self.push_step(cx, idx);
     }
 
-    pub(super) fn on_close(&mut self, core: &mut Core<Op>, idx: u32) {
-        if core.ops[idx as usize].kind == Kind::Remove {
-            core.ops[idx as usize].go(Step::Unlink);
-            self.push_step(core, idx);
+    pub(super) fn on_close(&mut self, cx: &mut Context<Op>, idx: u32) {
+        if cx.ops[idx as usize].kind == Kind::Remove {
+            cx.ops[idx as usize].go(Step::Unlink);
+            self.push_step(cx, idx);
             return;
         }
-        self.end_load(core, idx);
+        self.end_load(cx, idx);
     }
 
     /// Reports the key's outcome (once).
     pub(super) fn finish_load(
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         idx: u32,
         outcome: Result<(), (KeyFailure, String)>,
     ) {
-        let op = &mut core.ops[idx as usize];
+        let op = &mut cx.ops[idx as usize];
         if op.resolved {
             return;
         }
         op.resolved = true;
         let job = op.job.clone().expect("load has a job");
         let (item, dev, started) = (op.item as usize, op.dev as usize, op.started);
-        core.report_load(&job, item, dev, started, outcome);
+        cx.report_load(&job, item, dev, started, outcome);
     }
 
     /// Unpins and frees a finished load op.
-    pub(super) fn end_load(&mut self, core: &mut Core<Op>, idx: u32) {
-        let key = core.ops[idx as usize].key;
+    pub(super) fn end_load(&mut self, cx: &mut Context<Op>, idx: u32) {
+        let key = cx.ops[idx as usize].key;
         if let Some(e) = key.and_then(|k| self.index.get_mut(&k)) {
             e.pins = e.pins.saturating_sub(1);
         }
-        self.release(core, idx);
+        self.release(cx, idx);
     }
 }
 

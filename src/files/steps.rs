@@ -7,21 +7,21 @@ use nix::fcntl::OFlag;
 
 use crate::files::device::c_path;
 use crate::io::{FileOp, IoBuf, IoClass};
-use crate::worker::{region_buffer, Core, BUF_STAGING};
+use crate::worker::{region_buffer, Context, BUF_STAGING};
 
 use super::layout::{FilesLayout, RENAME_NOREPLACE};
 use super::op::{Kind, Op, Step};
 
 impl FilesLayout {
     /// Pushes the SQE for `idx`'s current step; on a full SQ parks the op in `stalled`.
-    pub(super) fn push_step(&mut self, core: &mut Core<Op>, idx: u32) {
-        if !self.try_push_step(core, idx) {
+    pub(super) fn push_step(&mut self, cx: &mut Context<Op>, idx: u32) {
+        if !self.try_push_step(cx, idx) {
             self.stalled.push_back(idx);
         }
     }
 
-    pub(super) fn try_push_step(&mut self, core: &mut Core<Op>, idx: u32) -> bool {
-        let op = &core.ops[idx as usize];
+    pub(super) fn try_push_step(&mut self, cx: &mut Context<Op>, idx: u32) -> bool {
+        let op = &cx.ops[idx as usize];
         let dev = &self.devs[op.dev as usize];
         let direct = if dev.direct { O_DIRECT } else { 0 };
         let class = match op.kind {
@@ -29,11 +29,11 @@ impl FilesLayout {
             Kind::Store | Kind::Remove => IoClass::Store,
             Kind::Probe => IoClass::Meta,
         };
-        let user_data = core.ops.user_data(idx, 0);
+        let user_data = cx.ops.user_data(idx, 0);
         let at = dev.dir_fd();
         let dest = dev.rel(&op.dest);
         let tmp = dev.rel(&op.tmp);
-        let claim = (op.step == Step::Read).then(|| Self::claim_read(core, idx));
+        let claim = (op.step == Step::Read).then(|| Self::claim_read(cx, idx));
         let crc_bytes = op.crc.unwrap_or(0).to_le_bytes();
         let file_op = match op.step {
             Step::GetXattr => FileOp::GetXattr {
@@ -99,22 +99,22 @@ impl FilesLayout {
                 path: &dest,
             },
             Step::OpenDir | Step::OpenParent | Step::MkdirParent | Step::MkdirLeaf => {
-                return self.push_dir_step(core, idx, class);
+                return self.push_dir_step(cx, idx, class);
             }
             Step::Write => unreachable!("writes are pushed chunk by chunk"),
         };
-        core.backend()
+        cx.backend()
             .file_queue()
             .push_file(user_data, &file_op, claim, class)
     }
 
     /// The one step that moves block bytes: the read of a load (into the job's block) or of a
     /// demotion (into its staging slot), claimed for the transfer.
-    fn claim_read(core: &Core<Op>, idx: u32) -> (u16, IoBuf) {
-        let op = &core.ops[idx as usize];
-        let bytes = core.block_bytes() as usize;
+    fn claim_read(cx: &Context<Op>, idx: u32) -> (u16, IoBuf) {
+        let op = &cx.ops[idx as usize];
+        let bytes = cx.block_bytes() as usize;
         if let Some(slot) = op.staging {
-            let claim = core
+            let claim = cx
                 .demoting()
                 .and_then(|m| m.staging.checkout(slot as usize * bytes, bytes, true).ok())
                 .expect("a staging slot taken for a read is the worker's, unclaimed");
@@ -123,17 +123,17 @@ impl FilesLayout {
         let job = op.job.as_ref().expect("a load op has a job");
         (
             region_buffer(job.region),
-            core.claim_block(job, op.block, true),
+            cx.claim_block(job, op.block, true),
         )
     }
 
     /// The directory steps of `idx`: opening the block's directory (to fsync it) or `<hhh>`,
     /// and making `<hhh>` or the leaf.
-    fn push_dir_step(&self, core: &mut Core<Op>, idx: u32, class: IoClass) -> bool {
-        let op = &core.ops[idx as usize];
+    fn push_dir_step(&self, cx: &mut Context<Op>, idx: u32, class: IoClass) -> bool {
+        let op = &cx.ops[idx as usize];
         let dev = &self.devs[op.dev as usize];
         let at = dev.dir_fd();
-        let user_data = core.ops.user_data(idx, 0);
+        let user_data = cx.ops.user_data(idx, 0);
         let parent = || dev.rel(op.leaf_dir().parent().unwrap_or(&op.tmp));
         // Opens are confined; `<hhh>` is made below the data directory (one component:
         // mkdirat never follows a final symlink), the leaf `<hh>_g<g>` below the `<hhh>` the
@@ -167,15 +167,15 @@ impl FilesLayout {
                 mode: dev.dir_mode,
             },
         };
-        core.backend()
+        cx.backend()
             .file_queue()
             .push_file(user_data, &file_op, None, class)
     }
 
-    pub(super) fn push_stalled(&mut self, core: &mut Core<Op>) -> bool {
+    pub(super) fn push_stalled(&mut self, cx: &mut Context<Op>) -> bool {
         let mut any = false;
         while let Some(&idx) = self.stalled.front() {
-            if !self.try_push_step(core, idx) {
+            if !self.try_push_step(cx, idx) {
                 break;
             }
             self.stalled.pop_front();

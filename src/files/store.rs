@@ -28,7 +28,7 @@ use crate::files::mapper::FileMapper;
 use crate::job::{JobState, KeyFailure};
 use crate::metrics::ErrClass;
 use crate::worker::shared::block_crc;
-use crate::worker::{Core, Layout, Start};
+use crate::worker::{Context, Layout, Start};
 use crate::Errno;
 
 use super::layout::{Entry, FilesLayout, Kind, Op, State, Step, EVICT_BATCH};
@@ -39,14 +39,14 @@ impl FilesLayout {
     /// start ends instead (blocked until space is freed, or resolved: failed).
     fn reserve(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         job: &Arc<JobState>,
         item: usize,
         d: usize,
     ) -> Result<(), Start> {
         let dev = Arc::clone(&self.devs[d]);
         if let Some(cap) = dev.capacity_bytes {
-            let before = match dev.usage.fetch_add(core.block_bytes()) {
+            let before = match dev.usage.fetch_add(cx.block_bytes()) {
                 Ok(before) => before,
                 Err(e) => {
                     // The file system cannot serve the shared counter (a FUSE or network file
@@ -54,20 +54,20 @@ impl FilesLayout {
                     let detail = format!(
                         "{}/.kvtier-usage: reserving {} bytes failed: {}",
                         dev.data_dir.display(),
-                        core.block_bytes(),
+                        cx.block_bytes(),
                         e.desc()
                     );
-                    core.store_failed(job, item, KeyFailure::Io(e), detail);
+                    cx.store_failed(job, item, KeyFailure::Io(e), detail);
                     return Err(Start::Resolved);
                 }
             };
-            if before + core.block_bytes() > cap {
-                let bytes = core.block_bytes();
-                dev.unreserve(core, bytes);
+            if before + cx.block_bytes() > cap {
+                let bytes = cx.block_bytes();
+                dev.unreserve(cx, bytes);
                 if self.removals_in_flight > 0 {
                     return Err(Start::Blocked);
                 }
-                if self.evict(core, d, EVICT_BATCH) > 0 || Self::demotion_pending(core) {
+                if self.evict(cx, d, EVICT_BATCH) > 0 || Self::demotion_pending(cx) {
                     return Err(Start::Blocked);
                 }
                 let detail = format!(
@@ -75,7 +75,7 @@ impl FilesLayout {
                     dev.data_dir.display(),
                     self.id
                 );
-                core.store_failed(job, item, KeyFailure::NoSpace, detail);
+                cx.store_failed(job, item, KeyFailure::NoSpace, detail);
                 return Err(Start::Resolved);
             }
         }
@@ -85,7 +85,7 @@ impl FilesLayout {
     /// Starts a store: checks, reserves its bytes, opens its temp file.
     pub(super) fn begin_store(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         job: &Arc<JobState>,
         item: usize,
         retried: bool,
@@ -96,23 +96,23 @@ impl FilesLayout {
         }
         let key = job.job.keys[item];
         if self.index.contains_key(&key) {
-            core.store_present(job, item);
+            cx.store_present(job, item);
             return Start::Resolved;
         }
         let d = key.device(self.devs.len());
         let dev = Arc::clone(&self.devs[d]);
-        if core.device_failed(d) {
+        if cx.device_failed(d) {
             // A block's directory is fixed by its key (vLLM's layout): no other device can
             // take it where other processes would look.
             let detail = format!(
                 "devices[{d}] {} was marked failed after repeated timeouts",
                 dev.data_dir.display()
             );
-            core.store_failed(job, item, KeyFailure::Io(Errno::EIO), detail);
+            cx.store_failed(job, item, KeyFailure::Io(Errno::EIO), detail);
             return Start::Resolved;
         }
         let Some(dest) = dev.path_of(&key) else {
-            core.store_failed(
+            cx.store_failed(
                 job,
                 item,
                 KeyFailure::InvalidJob,
@@ -125,28 +125,28 @@ impl FilesLayout {
             return Start::Blocked;
         }
         // Reserve the bytes before the temp file exists, so the bound holds across processes.
-        if let Err(start) = self.reserve(core, job, item, d) {
+        if let Err(start) = self.reserve(cx, job, item, d) {
             return start;
         }
         let reserved = if dev.capacity_bytes.is_some() {
-            core.block_bytes()
+            cx.block_bytes()
         } else {
             0
         };
-        let Some(idx) = Self::alloc(core, Kind::Store) else {
-            dev.unreserve(core, reserved);
+        let Some(idx) = Self::alloc(cx, Kind::Store) else {
+            dev.unreserve(cx, reserved);
             return Start::Blocked;
         };
         self.stores_opening += 1;
         debug_assert!(self.stores_opening <= self.stores_opening_max);
-        core.ops[idx as usize].opening = true;
+        cx.ops[idx as usize].opening = true;
         let block = job.job.blocks[item];
         let crc = dev.checksums.then(|| {
             block_crc(
                 job,
-                core.region_of(job),
-                block as usize * core.block_bytes() as usize,
-                core.block_bytes() as usize,
+                cx.region_of(job),
+                block as usize * cx.block_bytes() as usize,
+                cx.block_bytes() as usize,
             )
         });
         self.rng ^= self.rng << 13;
@@ -164,7 +164,7 @@ impl FilesLayout {
                 counted: reserved > 0,
             },
         );
-        let op = &mut core.ops[idx as usize];
+        let op = &mut cx.ops[idx as usize];
         op.begin(Step::OpenTmp);
         op.job = Some(Arc::clone(job));
         op.item = item as u32;
@@ -176,66 +176,66 @@ impl FilesLayout {
         op.crc = crc;
         op.bytes = reserved;
         op.retried = retried;
-        self.push_step(core, idx);
+        self.push_step(cx, idx);
         Start::Started
     }
 
-    pub(super) fn on_open_tmp(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        if result == -(Errno::ENOENT as i32) && !core.ops[idx as usize].mkdir_tried {
+    pub(super) fn on_open_tmp(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        if result == -(Errno::ENOENT as i32) && !cx.ops[idx as usize].mkdir_tried {
             // First block under this <hhh>/<hh>_g<g> directory: create it (io_uring ops, so
             // the ring thread never blocks in the file system) and try again.
-            let op = &mut core.ops[idx as usize];
+            let op = &mut cx.ops[idx as usize];
             op.mkdir_tried = true;
             op.go(Step::OpenParent);
-            self.push_step(core, idx);
+            self.push_step(cx, idx);
             return;
         }
         if result < 0 {
             let e = Errno::from_raw(-result);
             let detail = format!(
                 "creating the temp file {}: {}",
-                core.ops[idx as usize].tmp.display(),
-                Self::refused_or(core, idx, e)
+                cx.ops[idx as usize].tmp.display(),
+                Self::refused_or(cx, idx, e)
             );
-            self.fail_store(core, idx, KeyFailure::Io(e), detail);
+            self.fail_store(cx, idx, KeyFailure::Io(e), detail);
             return;
         }
-        let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
-        let op = &mut core.ops[idx as usize];
+        let dev = Arc::clone(&self.devs[cx.ops[idx as usize].dev as usize]);
+        let op = &mut cx.ops[idx as usize];
         op.fd = result;
         op.tmp_exists = true;
         if dev.chmod_files {
             // The umask took bits of `file_mode`: give them back (inode metadata, no I/O).
             if let Err(e) = confined::fchmod(op.fd, dev.file_mode) {
                 let detail = format!("fchmod of the temp file: {}", e.desc());
-                self.fail_store(core, idx, KeyFailure::Io(e), detail);
+                self.fail_store(cx, idx, KeyFailure::Io(e), detail);
                 return;
             }
         }
-        let on_ring = core.backend().file_queue().xattr_ops();
-        let op = &mut core.ops[idx as usize];
+        let on_ring = cx.backend().file_queue().xattr_ops();
+        let op = &mut cx.ops[idx as usize];
         if op.crc.is_some() && on_ring {
             op.go(Step::SetXattr);
-            self.push_step(core, idx);
+            self.push_step(cx, idx);
             return;
         }
         let set = op
             .crc
             .map(|crc| kvtier_sys::file::fsetxattr(op.fd, &dev.xattr_name, &crc.to_le_bytes()));
         if let Some(Err(e)) = set {
-            self.crc_not_set(core, idx, e);
+            self.crc_not_set(cx, idx, e);
         }
-        core.ops[idx as usize].go(Step::Write);
-        self.prepared(core, idx);
-        core.begin_writing(idx);
+        cx.ops[idx as usize].go(Step::Write);
+        self.prepared(cx, idx);
+        cx.begin_writing(idx);
     }
 
     /// No xattrs here: the block is still stored, without a checksum (said once per store).
-    fn crc_not_set(&self, core: &mut Core<Op>, idx: u32, e: Errno) {
-        core.ops[idx as usize].crc = None;
-        core.log_error(&format!(
+    fn crc_not_set(&self, cx: &mut Context<Op>, idx: u32, e: Errno) {
+        cx.ops[idx as usize].crc = None;
+        cx.log_error(&format!(
             "{}: cannot set {}: {}",
-            self.devs[core.ops[idx as usize].dev as usize]
+            self.devs[cx.ops[idx as usize].dev as usize]
                 .data_dir
                 .display(),
             crate::files::device::CHECKSUM_XATTR,
@@ -245,21 +245,21 @@ impl FilesLayout {
 
     /// The crc32c xattr was set on the ring, or could not be (the block is still stored,
     /// without a checksum): write the data.
-    pub(super) fn on_set_xattr(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+    pub(super) fn on_set_xattr(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
         if result < 0 {
-            self.crc_not_set(core, idx, Errno::from_raw(-result));
+            self.crc_not_set(cx, idx, Errno::from_raw(-result));
         }
-        core.ops[idx as usize].go(Step::Write);
-        self.prepared(core, idx);
-        core.begin_writing(idx);
+        cx.ops[idx as usize].go(Step::Write);
+        self.prepared(cx, idx);
+        cx.begin_writing(idx);
     }
 
     /// The error text of op `idx`'s failed confined open or mkdir; a symlink in the way is
     /// counted.
-    fn refused_or(core: &Core<Op>, idx: u32, e: Errno) -> String {
+    fn refused_or(cx: &Context<Op>, idx: u32, e: Errno) -> String {
         if matches!(e, Errno::ELOOP | Errno::EXDEV) {
-            core.metrics()
-                .dev(core.ops[idx as usize].dev as usize)
+            cx.metrics()
+                .dev(cx.ops[idx as usize].dev as usize)
                 .files_refused
                 .fetch_add(1, Ordering::Relaxed);
         }
@@ -267,8 +267,8 @@ impl FilesLayout {
     }
 
     /// `<hhh>` was opened (`O_PATH`, confined) to make the leaf in it, or is missing too.
-    pub(super) fn on_open_parent(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        let op = &mut core.ops[idx as usize];
+    pub(super) fn on_open_parent(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        let op = &mut cx.ops[idx as usize];
         if result >= 0 {
             op.fd = result;
             op.go(Step::MkdirLeaf);
@@ -279,31 +279,31 @@ impl FilesLayout {
             let e = Errno::from_raw(-result);
             let detail = format!(
                 "opening {}: {}",
-                core.ops[idx as usize].mkdir_target().display(),
-                Self::refused_or(core, idx, e)
+                cx.ops[idx as usize].mkdir_target().display(),
+                Self::refused_or(cx, idx, e)
             );
-            self.fail_store(core, idx, KeyFailure::Io(e), detail);
+            self.fail_store(cx, idx, KeyFailure::Io(e), detail);
             return;
         }
-        self.push_step(core, idx);
+        self.push_step(cx, idx);
     }
 
     /// A directory for a store's temp file was made (or already existed: another writer).
-    pub(super) fn on_mkdir(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        let step = core.ops[idx as usize].step;
+    pub(super) fn on_mkdir(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        let step = cx.ops[idx as usize].step;
         if result < 0 && result != -(Errno::EEXIST as i32) {
             // A failed MkdirLeaf leaves the parent's fd in `fd`: the failure path closes it.
             let e = Errno::from_raw(-result);
             let detail = format!(
                 "creating {}: {}",
-                core.ops[idx as usize].mkdir_target().display(),
+                cx.ops[idx as usize].mkdir_target().display(),
                 e.desc()
             );
-            self.fail_store(core, idx, KeyFailure::Io(e), detail);
+            self.fail_store(cx, idx, KeyFailure::Io(e), detail);
             return;
         }
-        let dev = Arc::clone(&self.devs[core.ops[idx as usize].dev as usize]);
-        let op = &mut core.ops[idx as usize];
+        let dev = Arc::clone(&self.devs[cx.ops[idx as usize].dev as usize]);
+        let op = &mut cx.ops[idx as usize];
         let target = op.mkdir_target().file_name().map(|n| c_path(Path::new(n)));
         let next = if step == Step::MkdirLeaf {
             let parent = std::mem::replace(&mut op.fd, -1);
@@ -321,14 +321,14 @@ impl FilesLayout {
             }
             Step::OpenParent
         };
-        core.ops[idx as usize].go(next);
-        self.push_step(core, idx);
+        cx.ops[idx as usize].go(next);
+        self.push_step(cx, idx);
     }
 
     /// Every write of the block completed: sync (per config), close, rename; or clean up.
     pub(super) fn data_written(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         idx: u32,
         failure: Option<(KeyFailure, String)>,
     ) {
@@ -342,97 +342,92 @@ impl FilesLayout {
                 ),
                 _ => (reason, detail),
             };
-            self.fail_store(core, idx, reason, detail);
+            self.fail_store(cx, idx, reason, detail);
             return;
         }
-        let sync = self.devs[core.ops[idx as usize].dev as usize].sync;
-        core.ops[idx as usize].go(if sync == SyncMode::Data {
+        let sync = self.devs[cx.ops[idx as usize].dev as usize].sync;
+        cx.ops[idx as usize].go(if sync == SyncMode::Data {
             Step::Sync
         } else {
             Step::CloseTmp
         });
-        self.push_step(core, idx);
+        self.push_step(cx, idx);
     }
 
-    pub(super) fn on_sync(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
+    pub(super) fn on_sync(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
         if result < 0 {
             let e = Errno::from_raw(-result);
             self.fail_store(
-                core,
+                cx,
                 idx,
                 KeyFailure::Io(e),
                 format!("fdatasync: {}", e.desc()),
             );
             return;
         }
-        core.ops[idx as usize].go(Step::CloseTmp);
-        self.push_step(core, idx);
+        cx.ops[idx as usize].go(Step::CloseTmp);
+        self.push_step(cx, idx);
     }
 
-    pub(super) fn on_close_tmp(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        core.ops[idx as usize].fd = -1;
-        if core.ops[idx as usize].failed {
+    pub(super) fn on_close_tmp(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        cx.ops[idx as usize].fd = -1;
+        if cx.ops[idx as usize].failed {
             // Closed after a failure: remove the temp file.
-            core.ops[idx as usize].go(Step::UnlinkTmp);
-            self.push_step(core, idx);
+            cx.ops[idx as usize].go(Step::UnlinkTmp);
+            self.push_step(cx, idx);
             return;
         }
         if result < 0 {
             let e = Errno::from_raw(-result);
-            self.fail_store(core, idx, KeyFailure::Io(e), format!("close: {}", e.desc()));
+            self.fail_store(cx, idx, KeyFailure::Io(e), format!("close: {}", e.desc()));
             return;
         }
-        core.ops[idx as usize].go(Step::Rename);
-        self.push_step(core, idx);
+        cx.ops[idx as usize].go(Step::Rename);
+        self.push_step(cx, idx);
     }
 
-    pub(super) fn on_rename(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        let op = &core.ops[idx as usize];
+    pub(super) fn on_rename(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        let op = &cx.ops[idx as usize];
         let (key, dev) = (op.key.expect("store has a key"), op.dev);
         if result == -(Errno::EEXIST as i32) {
             // Another writer published the same key first: same content (keys are content
             // hashes), so this store succeeded; drop our copy and our reservation.
             let d = Arc::clone(&self.devs[dev as usize]);
-            let bytes = core.ops[idx as usize].bytes;
-            d.unreserve(core, bytes);
-            core.ops[idx as usize].bytes = 0;
-            self.publish(core, key, dev, false);
-            Self::succeed_store(core, idx, 0);
-            core.ops[idx as usize].go(Step::UnlinkTmp);
-            self.push_step(core, idx);
+            let bytes = cx.ops[idx as usize].bytes;
+            d.unreserve(cx, bytes);
+            cx.ops[idx as usize].bytes = 0;
+            self.publish(cx, key, dev, false);
+            Self::succeed_store(cx, idx, 0);
+            cx.ops[idx as usize].go(Step::UnlinkTmp);
+            self.push_step(cx, idx);
             return;
         }
         if result < 0 {
             let e = Errno::from_raw(-result);
-            self.fail_store(
-                core,
-                idx,
-                KeyFailure::Io(e),
-                format!("rename: {}", e.desc()),
-            );
+            self.fail_store(cx, idx, KeyFailure::Io(e), format!("rename: {}", e.desc()));
             return;
         }
-        let counted = core.ops[idx as usize].bytes > 0;
-        self.publish(core, key, dev, counted);
+        let counted = cx.ops[idx as usize].bytes > 0;
+        self.publish(cx, key, dev, counted);
         if self.devs[dev as usize].sync == SyncMode::Data {
             // Make the new name durable before reporting: the directory's fsync, on the ring.
-            core.ops[idx as usize].go(Step::OpenDir);
-            self.push_step(core, idx);
+            cx.ops[idx as usize].go(Step::OpenDir);
+            self.push_step(cx, idx);
             return;
         }
-        Self::succeed_store(core, idx, core.block_bytes());
-        self.release(core, idx);
+        Self::succeed_store(cx, idx, cx.block_bytes());
+        self.release(cx, idx);
     }
 
     /// The directory steps of a `sync = "data"` store: open, fsync (then the store reports),
     /// close. A failure is logged and the store still reports success, as its data and name are
     /// in place (only their durability across a power loss is in doubt).
-    pub(super) fn on_dir_step(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        let step = core.ops[idx as usize].step;
+    pub(super) fn on_dir_step(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        let step = cx.ops[idx as usize].step;
         if result < 0 {
             let e = Errno::from_raw(-result);
-            let dir = core.ops[idx as usize].dest.parent().map(Path::to_path_buf);
-            core.log_error(&format!(
+            let dir = cx.ops[idx as usize].dest.parent().map(Path::to_path_buf);
+            cx.log_error(&format!(
                 "{} of the directory {}: {}",
                 match step {
                     Step::OpenDir => "open",
@@ -445,52 +440,52 @@ impl FilesLayout {
         }
         match step {
             Step::OpenDir if result >= 0 => {
-                let op = &mut core.ops[idx as usize];
+                let op = &mut cx.ops[idx as usize];
                 op.fd = result;
                 op.go(Step::SyncDir);
-                self.push_step(core, idx);
+                self.push_step(cx, idx);
             }
             Step::SyncDir => {
-                Self::succeed_store(core, idx, core.block_bytes());
-                core.ops[idx as usize].go(Step::CloseDir);
-                self.push_step(core, idx);
+                Self::succeed_store(cx, idx, cx.block_bytes());
+                cx.ops[idx as usize].go(Step::CloseDir);
+                self.push_step(cx, idx);
             }
             // The directory could not be opened (logged), or it is closed: done.
             _ => {
                 if step == Step::OpenDir {
-                    Self::succeed_store(core, idx, core.block_bytes());
+                    Self::succeed_store(cx, idx, cx.block_bytes());
                 }
-                core.ops[idx as usize].fd = -1;
-                self.release(core, idx);
+                cx.ops[idx as usize].fd = -1;
+                self.release(cx, idx);
             }
         }
     }
 
-    fn succeed_store(core: &mut Core<Op>, idx: u32, bytes: u64) {
-        let op = &mut core.ops[idx as usize];
+    fn succeed_store(cx: &mut Context<Op>, idx: u32, bytes: u64) {
+        let op = &mut cx.ops[idx as usize];
         op.resolved = true;
         let job = op.job.clone().expect("store has a job");
         let item = op.item as usize;
         let (dev, took) = (op.dev as usize, op.started.elapsed());
-        core.metrics()
+        cx.metrics()
             .dev(dev)
             .store_latency
             .record(took.as_micros() as u64);
-        core.store_succeeded(&job, item, bytes);
+        cx.store_succeeded(&job, item, bytes);
     }
 
     /// Fails a store: releases its reservation and index entry, reports the key, then closes
     /// and removes the temp file as trailing steps. ENOSPC gets one retry after evicting.
     fn fail_store(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         idx: u32,
         reason: KeyFailure,
         mut detail: String,
     ) {
         // Every store failure names the device, the block and the step.
-        detail.insert_str(0, &format!("{}: ", self.describe_op(core, idx)));
-        let op = &mut core.ops[idx as usize];
+        detail.insert_str(0, &format!("{}: ", self.describe_op(cx, idx)));
+        let op = &mut cx.ops[idx as usize];
         let (key, d, reserved, retried) = (
             op.key.expect("store has a key"),
             op.dev as usize,
@@ -511,10 +506,10 @@ impl FilesLayout {
             // A data write's error was counted when its chunk completed, a symlink in the way
             // as refused.
             if op.step != Step::Write && !matches!(e, Errno::ELOOP | Errno::EXDEV) {
-                core.metrics().dev(d).io_error(ErrClass::of(e));
+                cx.metrics().dev(d).io_error(ErrClass::of(e));
             }
         }
-        self.devs[d].unreserve(core, reserved);
+        self.devs[d].unreserve(cx, reserved);
         if self
             .index
             .get(&key)
@@ -528,28 +523,28 @@ impl FilesLayout {
         // job never reported (files campaign seed 2447).
         if no_space
             && !retried
-            && !core.stopping()
+            && !cx.stopping()
             && !job.is_resolved(item)
-            && self.evict(core, d, EVICT_BATCH) > 0
+            && self.evict(cx, d, EVICT_BATCH) > 0
         {
             // Room may come from evicting: queue the block once more, ahead of new stores.
-            core.retry_store(job, item);
+            cx.retry_store(job, item);
         } else {
             if !logged {
-                core.log_error(&detail);
+                cx.log_error(&detail);
             }
-            core.store_failed(&job, item, reason, detail);
+            cx.store_failed(&job, item, reason, detail);
         }
-        let op = &mut core.ops[idx as usize];
+        let op = &mut cx.ops[idx as usize];
         op.failed = true;
         if had_fd {
             op.go(Step::CloseTmp);
-            self.push_step(core, idx);
+            self.push_step(cx, idx);
         } else if had_tmp {
             op.go(Step::UnlinkTmp);
-            self.push_step(core, idx);
+            self.push_step(cx, idx);
         } else {
-            self.release(core, idx);
+            self.release(cx, idx);
         }
     }
 }

@@ -245,8 +245,8 @@ impl WorkerPlan {
                 );
                 let indexed = layout.indexed();
                 let mut worker = Worker::new(params, layout, FilesOp::empty);
-                let (layout, core) = worker.parts();
-                layout.publish_scanned(core);
+                let (layout, cx) = worker.parts();
+                layout.publish_scanned(cx);
                 Ok((Built::Files(worker), indexed))
             }
         }

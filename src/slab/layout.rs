@@ -24,7 +24,7 @@ use crate::job::{JobState, KeyFailure};
 use crate::key::{Key, KeyMap};
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
 use crate::worker::{
-    own_key, region_buffer, Chunks, Core, Layout, LayoutOp, Removal, Start, TableOp, Worker,
+    own_key, region_buffer, Chunks, Context, Layout, LayoutOp, Removal, Start, TableOp, Worker,
     WorkerParams,
 };
 use crate::Errno;
@@ -275,8 +275,8 @@ impl SlabLayout {
     ) -> Result<(Worker<SlabLayout>, u64), String> {
         let layout = SlabLayout::new(params.id, workers, meta, devices, &params.me.metrics);
         let mut worker = Worker::new(params, layout, || Op::new(OpKind::Load));
-        let (layout, core) = worker.parts();
-        let recovered = layout.recover(core, devices)?;
+        let (layout, cx) = worker.parts();
+        let recovered = layout.recover(cx, devices)?;
         Ok((worker, recovered))
     }
 }
@@ -284,35 +284,35 @@ impl SlabLayout {
 impl Layout for SlabLayout {
     type Op = Op;
 
-    fn start_load(&mut self, core: &mut Core<Op>, job: &Arc<JobState>, item: usize) -> Start {
+    fn start_load(&mut self, cx: &mut Context<Op>, job: &Arc<JobState>, item: usize) -> Start {
         let key = job.job.keys[item];
         let block = job.job.blocks[item];
         let Some(&(d, local)) = self.index.get(&key) else {
-            core.resolve_load(job, item, KeyFailure::Miss);
+            cx.resolve_load(job, item, KeyFailure::Miss);
             return Start::Resolved;
         };
         let slot = self.devs[d as usize].slots[local as usize];
         if slot.state != SlotState::Valid {
-            core.resolve_load(job, item, KeyFailure::NotReady);
+            cx.resolve_load(job, item, KeyFailure::NotReady);
             return Start::Resolved;
         }
-        let Some(idx) = core.ops.alloc(Op::new(OpKind::Load)) else {
+        let Some(idx) = cx.ops.alloc(Op::new(OpKind::Load)) else {
             return Start::Blocked;
         };
         let req = IoRequest {
-            user_data: core.ops.user_data(idx, 0),
+            user_data: cx.ops.user_data(idx, 0),
             kind: IoKind::Read,
             device: d,
             offset: self.devs[d as usize].slot_offset(local),
             region: region_buffer(job.region),
-            buf: core.claim_block(job, block, true),
+            buf: cx.claim_block(job, block, true),
             class: IoClass::Load,
         };
-        if !core.backend().block_queue().push(req) {
-            core.ops.release(idx);
+        if !cx.backend().block_queue().push(req) {
+            cx.ops.release(idx);
             return Start::Blocked;
         }
-        let op = &mut core.ops[idx as usize];
+        let op = &mut cx.ops[idx as usize];
         op.job = Some(Arc::clone(job));
         op.item = item as u32;
         op.dev = d;
@@ -326,7 +326,7 @@ impl Layout for SlabLayout {
 
     fn start_store(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         job: &Arc<JobState>,
         item: usize,
         _retried: bool,
@@ -335,7 +335,7 @@ impl Layout for SlabLayout {
         let block = job.job.blocks[item];
         if self.index.contains_key(&key) {
             // Already stored (or being stored).
-            core.store_present(job, item);
+            cx.store_present(job, item);
             return Start::Resolved;
         }
         let n = self.devs.len();
@@ -343,9 +343,9 @@ impl Layout for SlabLayout {
         // A failed device's stores go to the next device that works.
         let Some(d) = (0..n)
             .map(|i| (home + i) % n)
-            .find(|&d| !core.device_failed(d))
+            .find(|&d| !cx.device_failed(d))
         else {
-            core.store_failed(
+            cx.store_failed(
                 job,
                 item,
                 KeyFailure::Io(Errno::EIO),
@@ -353,15 +353,15 @@ impl Layout for SlabLayout {
             );
             return Start::Resolved;
         };
-        let Some(local) = self.alloc_slot(core, d) else {
-            if core.in_flight() > self.pages.in_flight() || core.demotion_will_free() {
+        let Some(local) = self.alloc_slot(cx, d) else {
+            if cx.in_flight() > self.pages.in_flight() || cx.demotion_will_free() {
                 // A completion may free or unpin a slot, or a demotion give back its staging.
                 return Start::Blocked;
             }
-            core.store_failed(job, item, KeyFailure::NoSpace, self.no_space_detail(d));
+            cx.store_failed(job, item, KeyFailure::NoSpace, self.no_space_detail(d));
             return Start::Resolved;
         };
-        let Some(idx) = core.ops.alloc(Op::new(OpKind::Store)) else {
+        let Some(idx) = cx.ops.alloc(Op::new(OpKind::Store)) else {
             self.free_slot(d, local);
             return Start::Blocked;
         };
@@ -380,7 +380,7 @@ impl Layout for SlabLayout {
         let seq = self.seq;
         self.seq += 1;
         self.index.insert(key, (d as u16, local));
-        let op = &mut core.ops[idx as usize];
+        let op = &mut cx.ops[idx as usize];
         op.job = Some(Arc::clone(job));
         op.item = item as u32;
         op.dev = d as u16;
@@ -395,47 +395,52 @@ impl Layout for SlabLayout {
             job: Arc::clone(job),
             seq,
         });
-        core.begin_writing(idx);
+        cx.begin_writing(idx);
         Start::Started
     }
 
     fn push_chunk(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         idx: u32,
         chunk: u16,
         start: u64,
         len: u64,
     ) -> bool {
-        let op = &core.ops[idx as usize];
+        let op = &cx.ops[idx as usize];
         let job = op.job.as_ref().expect("a store op has a job");
-        let at = op.block as usize * core.block_bytes() as usize + start as usize;
+        let at = op.block as usize * cx.block_bytes() as usize + start as usize;
         let req = IoRequest {
-            user_data: core.ops.user_data(idx, chunk),
+            user_data: cx.ops.user_data(idx, chunk),
             kind: IoKind::Write,
             device: op.dev,
             offset: self.devs[op.dev as usize].slot_offset(op.slot) + start,
             region: region_buffer(job.region),
-            buf: core.claim(job, at, len as usize, false),
+            buf: cx.claim(job, at, len as usize, false),
             class: IoClass::Store,
         };
-        core.backend().block_queue().push(req)
+        cx.backend().block_queue().push(req)
     }
 
-    fn on_written(&mut self, core: &mut Core<Op>, idx: u32, failure: Option<(KeyFailure, String)>) {
+    fn on_written(
+        &mut self,
+        cx: &mut Context<Op>,
+        idx: u32,
+        failure: Option<(KeyFailure, String)>,
+    ) {
         self.store_ops -= 1;
-        let op = &core.ops[idx as usize];
+        let op = &cx.ops[idx as usize];
         let (d, local, item, block) = (op.dev as usize, op.slot, op.item as usize, op.block);
         let job = op.job.clone().expect("store op has a job");
-        core.metrics()
+        cx.metrics()
             .dev(d)
             .store_latency
             .record(op.started.elapsed().as_micros() as u64);
-        core.ops.release(idx);
-        if job.is_resolved(item) || core.device_failed(d) {
+        cx.ops.release(idx);
+        if job.is_resolved(item) || cx.device_failed(d) {
             // Failed by its deadline already (the caller was told; its region bytes may be the
             // caller's again), or on a device marked failed since: drop the block.
-            self.drop_on_failed_device(core, d, local, &job, item);
+            self.drop_on_failed_device(cx, d, local, &job, item);
             return;
         }
         match failure {
@@ -450,16 +455,16 @@ impl Layout for SlabLayout {
             Some((reason, detail)) => {
                 self.drop_store(d, local);
                 // The write's error was logged (once per episode) when its chunk completed.
-                core.store_failed(&job, item, reason, detail);
+                cx.store_failed(&job, item, reason, detail);
             }
         }
     }
 
-    fn on_complete(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        match core.ops[idx as usize].kind {
-            OpKind::Load => self.on_load_done(core, idx, result),
-            OpKind::Table { page } => self.on_table_done(core, idx, page, result),
-            OpKind::Demote { staging } => self.on_demote_done(core, idx, staging, result),
+    fn on_complete(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        match cx.ops[idx as usize].kind {
+            OpKind::Load => self.on_load_done(cx, idx, result),
+            OpKind::Table { page } => self.on_table_done(cx, idx, page, result),
+            OpKind::Demote { staging } => self.on_demote_done(cx, idx, staging, result),
             OpKind::Recover => unreachable!("recovery ops are reaped before the loop starts"),
             OpKind::Store => unreachable!("store writes are the worker's (LayoutOp::writing)"),
         }
@@ -481,7 +486,7 @@ impl Layout for SlabLayout {
             .collect()
     }
 
-    fn remove(&mut self, core: &mut Core<Op>, key: Key) -> bool {
+    fn remove(&mut self, cx: &mut Context<Op>, key: Key) -> bool {
         let Some(&(d, local)) = self.index.get(&key) else {
             return false;
         };
@@ -489,29 +494,29 @@ impl Layout for SlabLayout {
         if slot.state != SlotState::Valid || slot.pins > 0 {
             return false;
         }
-        self.evict(core, d as usize, local, Removal::Asked);
+        self.evict(cx, d as usize, local, Removal::Asked);
         true
     }
 
-    fn background(&mut self, core: &mut Core<Op>) -> bool {
-        self.issue_table_writes(core)
+    fn background(&mut self, cx: &mut Context<Op>) -> bool {
+        self.issue_table_writes(cx)
     }
 
     fn expire_waiting(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         now: std::time::Instant,
         limit: std::time::Duration,
     ) -> bool {
-        SlabLayout::expire_waiting(self, core, now, limit)
+        SlabLayout::expire_waiting(self, cx, now, limit)
     }
 
-    fn after_submit(&mut self, core: &mut Core<Op>) {
+    fn after_submit(&mut self, cx: &mut Context<Op>) {
         if !self.entering.is_empty() {
-            self.write_entries(core);
+            self.write_entries(cx);
         }
         if !self.finalize.is_empty() {
-            self.finalize_stores(core);
+            self.finalize_stores(cx);
         }
     }
 
@@ -519,8 +524,8 @@ impl Layout for SlabLayout {
         self.pages.all_written() && self.entering.is_empty() && self.finalize.is_empty()
     }
 
-    fn overdue_keys(&self, core: &Core<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
-        let op = &core.ops[idx as usize];
+    fn overdue_keys(&self, cx: &Context<Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)> {
+        let op = &cx.ops[idx as usize];
         match op.kind {
             OpKind::Load | OpKind::Store => own_key(op.job.as_ref(), op.item),
             // The stores acknowledged by this page write whose data is written (the page write
@@ -542,7 +547,7 @@ impl Layout for SlabLayout {
         }
     }
 
-    fn device_failed(&mut self, core: &mut Core<Op>, d: usize) {
+    fn device_failed(&mut self, cx: &mut Context<Op>, d: usize) {
         let keys: Vec<(Key, u32)> = self
             .index
             .iter()
@@ -550,16 +555,16 @@ impl Layout for SlabLayout {
             .map(|(k, &(_, local))| (*k, local))
             .collect();
         for &(key, local) in &keys {
-            self.unindex(core, key, d, local);
+            self.unindex(cx, key, d, local);
         }
         let keys: Vec<Key> = keys.into_iter().map(|(k, _)| k).collect();
         if !keys.is_empty() {
-            core.announce_removed(keys);
+            cx.announce_removed(keys);
         }
     }
 
-    fn describe_op(&self, core: &Core<Op>, idx: u32) -> String {
-        let op = &core.ops[idx as usize];
+    fn describe_op(&self, cx: &Context<Op>, idx: u32) -> String {
+        let op = &cx.ops[idx as usize];
         let dev = &self.devs[op.dev as usize];
         let what = match op.kind {
             OpKind::Load => format!("load (read of slot {})", op.slot),
@@ -580,7 +585,7 @@ impl Layout for SlabLayout {
     }
 
     #[cfg(any(test, feature = "sim"))]
-    fn check_quiet(&self, core: &Core<Op>) -> Result<(), String> {
+    fn check_quiet(&self, cx: &Context<Op>) -> Result<(), String> {
         if self.store_ops != 0
             || self.pages.in_flight() != 0
             || !self.entering.is_empty()
@@ -616,11 +621,11 @@ impl Layout for SlabLayout {
             if s.state != SlotState::Valid || s.key != Some(*key) {
                 return Err(format!("index entry {key:?} names a {:?} slot", s.state));
             }
-            if !core.is_published(key) {
+            if !cx.is_published(key) {
                 return Err(format!("{key:?} is indexed but not published"));
             }
         }
-        let published = core.published_len();
+        let published = cx.published_len();
         if published != self.index.len() {
             return Err(format!(
                 "{published} keys published but {} indexed",

@@ -6,7 +6,7 @@ use super::table::Ack;
 use crate::job::{JobState, KeyFailure};
 use crate::slab::ENTRIES_PER_PAGE;
 use crate::worker::shared::block_crc;
-use crate::worker::{io_outcome, Core};
+use crate::worker::{io_outcome, Context};
 use crate::Errno;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -14,8 +14,8 @@ use std::sync::Arc;
 use super::layout::{EntryState, Finished, Op, SlabLayout, SlotState};
 
 impl SlabLayout {
-    pub(super) fn on_load_done(&mut self, core: &mut Core<Op>, idx: u32, result: i32) {
-        let op = &core.ops[idx as usize];
+    pub(super) fn on_load_done(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
+        let op = &cx.ops[idx as usize];
         let (d, local, block, item, started) = (
             op.dev as usize,
             op.slot as usize,
@@ -24,10 +24,10 @@ impl SlabLayout {
             op.started,
         );
         let job = op.job.clone().expect("load op has a job");
-        let me = core.worker_shared();
+        let me = cx.worker_shared();
         let m = me.metrics.dev(d);
         m.read_ops.fetch_add(1, Ordering::Relaxed);
-        let wanted = core.block_bytes();
+        let wanted = cx.block_bytes();
         let slot = self.devs[d].slots[local];
         let outcome = if let Err(reason) = io_outcome(result, wanted) {
             m.count_result(result, wanted);
@@ -39,15 +39,15 @@ impl SlabLayout {
                     _ => format!("short read ({result} of {wanted} bytes)"),
                 }
             );
-            core.device_error(d, &detail);
+            cx.device_error(d, &detail);
             Err((reason, detail))
         } else {
             m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
-            core.device_ok(d, || self.devs[d].name.clone());
+            cx.device_ok(d, || self.devs[d].name.clone());
             let crc = (!slot.verified || self.verify_always[d]).then(|| {
                 block_crc(
                     &job,
-                    core.region_of(&job),
+                    cx.region_of(&job),
                     block as usize * wanted as usize,
                     wanted as usize,
                 )
@@ -55,7 +55,7 @@ impl SlabLayout {
             match crc {
                 Some(crc) if crc != slot.crc => {
                     m.checksum_failures.fetch_add(1, Ordering::Relaxed);
-                    self.doom_slot(core, d, local as u32);
+                    self.doom_slot(cx, d, local as u32);
                     Err((
                         KeyFailure::Checksum,
                         format!("stored crc {:08x}, read {crc:08x}", slot.crc),
@@ -69,22 +69,22 @@ impl SlabLayout {
             }
         };
         self.devs[d].slots.unpin(local as u32);
-        core.release(idx);
-        core.report_load(&job, item, d, started, outcome);
+        cx.release(idx);
+        cx.report_load(&job, item, d, started, outcome);
     }
 
     /// Removes a bad block from the index now; its slot is freed when the last load unpins it.
-    pub(super) fn doom_slot(&mut self, core: &mut Core<Op>, d: usize, local: u32) {
+    pub(super) fn doom_slot(&mut self, cx: &mut Context<Op>, d: usize, local: u32) {
         let s = &mut self.devs[d].slots[local as usize];
         if s.state != SlotState::Valid {
             return;
         }
         s.state = SlotState::Doomed;
         if let Some(key) = s.key {
-            self.unindex(core, key, d, local);
-            core.announce_removed(vec![key]);
+            self.unindex(cx, key, d, local);
+            cx.announce_removed(vec![key]);
         }
-        core.metrics()
+        cx.metrics()
             .dev(d)
             .blocks_stored
             .fetch_sub(1, Ordering::Relaxed);
@@ -115,7 +115,7 @@ impl SlabLayout {
     /// deadline failed the key) and fails its key, if still open, with EIO.
     pub(super) fn drop_on_failed_device(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         d: usize,
         local: u32,
         job: &Arc<JobState>,
@@ -123,7 +123,7 @@ impl SlabLayout {
     ) {
         self.drop_store(d, local);
         let detail = format!("{} was marked failed", self.devs[d].name);
-        core.store_failed(job, item, KeyFailure::Io(Errno::EIO), detail);
+        cx.store_failed(job, item, KeyFailure::Io(Errno::EIO), detail);
     }
 
     /// Takes back a store whose write failed or outlived its job: the slot is freed, and its
@@ -146,7 +146,7 @@ impl SlabLayout {
     /// crc32c of the block, the entry in the meta buffer, and the store's acknowledgement
     /// queued on the entry's page, whose write then runs beside the data write. Runs after the
     /// ring was submitted, so the checksum never delays the data on its way to the device.
-    pub(super) fn write_entries(&mut self, core: &mut Core<Op>) {
+    pub(super) fn write_entries(&mut self, cx: &mut Context<Op>) {
         let entering = std::mem::take(&mut self.entering);
         for f in &entering {
             let s = self.devs[f.d].slots[f.local as usize];
@@ -156,17 +156,17 @@ impl SlabLayout {
             {
                 continue;
             }
-            self.write_store_entry(core, f);
+            self.write_store_entry(cx, f);
         }
         self.entering = entering;
         self.entering.clear();
     }
 
-    fn write_store_entry(&mut self, core: &Core<Op>, f: &Finished) {
-        let block_bytes = core.block_bytes();
+    fn write_store_entry(&mut self, cx: &Context<Op>, f: &Finished) {
+        let block_bytes = cx.block_bytes();
         let crc = block_crc(
             &f.job,
-            core.region_of(&f.job),
+            cx.region_of(&f.job),
             f.block as usize * block_bytes as usize,
             block_bytes as usize,
         );
@@ -186,7 +186,7 @@ impl SlabLayout {
             }),
         );
         self.ack_after_entry(
-            core,
+            cx,
             f.d,
             f.local,
             Ack {
@@ -201,30 +201,30 @@ impl SlabLayout {
     /// Publishes the stores whose data writes completed: the slot is valid and its key
     /// indexed. A store is acknowledged here if its table entry is already on the device,
     /// else by the entry's page write (`on_table_done`).
-    pub(super) fn finalize_stores(&mut self, core: &mut Core<Op>) {
+    pub(super) fn finalize_stores(&mut self, cx: &mut Context<Op>) {
         let finished = std::mem::take(&mut self.finalize);
         for f in &finished {
-            if core.device_failed(f.d) {
+            if cx.device_failed(f.d) {
                 // Marked failed since the data write completed (its keys were unindexed then):
                 // the block is dropped, as `on_written` drops one that completes later.
-                self.drop_on_failed_device(core, f.d, f.local, &f.job, f.item);
+                self.drop_on_failed_device(cx, f.d, f.local, &f.job, f.item);
                 continue;
             }
             if self.devs[f.d].slots[f.local as usize].entry == EntryState::Unwritten {
                 // Completed before `write_entries` ran.
-                self.write_store_entry(core, f);
+                self.write_store_entry(cx, f);
             }
             let s = &mut self.devs[f.d].slots[f.local as usize];
             s.state = SlotState::Valid;
             let durable = s.entry == EntryState::Durable;
             let key = s.key.expect("writing slot has a key");
-            core.publish_key(&key);
-            core.metrics()
+            cx.publish_key(&key);
+            cx.metrics()
                 .dev(f.d)
                 .blocks_stored
                 .fetch_add(1, Ordering::Relaxed);
             if durable {
-                core.store_succeeded(&f.job, f.item, core.block_bytes());
+                cx.store_succeeded(&f.job, f.item, cx.block_bytes());
             }
         }
         self.finalize = finished;

@@ -9,7 +9,7 @@ use crate::io::{IoClass, IoKind, IoRequest};
 use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
 use crate::slab::{Entry, Recovered, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
-use crate::worker::{Core, BUF_META};
+use crate::worker::{Context, BUF_META};
 use crate::Errno;
 
 use super::layout::{
@@ -57,9 +57,9 @@ impl SlabLayout {
     }
 
     /// Queues `ack` for when the table page holding entry `local` of device `d` is written.
-    pub(super) fn ack_after_entry(&mut self, core: &Core<Op>, d: usize, local: u32, ack: Ack) {
+    pub(super) fn ack_after_entry(&mut self, cx: &Context<Op>, d: usize, local: u32, ack: Ack) {
         let page = (local as usize / ENTRIES_PER_PAGE) as u32;
-        self.pages.wait((d as u16, page), ack, core.ops.now());
+        self.pages.wait((d as u16, page), ack, cx.ops.now());
     }
 
     /// Fails, with a timeout, the stores whose data is written and whose entry has waited
@@ -69,7 +69,7 @@ impl SlabLayout {
     /// still reach the device later). True if any failed.
     pub(super) fn expire_waiting(
         &mut self,
-        core: &mut Core<Op>,
+        cx: &mut Context<Op>,
         now: std::time::Instant,
         limit: std::time::Duration,
     ) -> bool {
@@ -90,7 +90,7 @@ impl SlabLayout {
             );
             for a in failing {
                 if !a.job.is_resolved(a.item) {
-                    core.store_failed(&a.job, a.item, KeyFailure::Timeout, detail.clone());
+                    cx.store_failed(&a.job, a.item, KeyFailure::Timeout, detail.clone());
                     any = true;
                 }
             }
@@ -112,22 +112,22 @@ impl SlabLayout {
 
     /// Writes the dirty table pages that are due: those with enough changed entries, or all of
     /// them once no store is queued or in flight (or the worker is stopping).
-    pub(super) fn issue_table_writes(&mut self, core: &mut Core<Op>) -> bool {
+    pub(super) fn issue_table_writes(&mut self, cx: &mut Context<Op>) -> bool {
         // "Quiet" means the worker is about to run out of work: no queued jobs and no I/O in
         // flight. A queue-depth-bound store stream keeps I/O in flight, so its pages are
         // written at the batch threshold; the rest are written before the worker sleeps.
-        let quiet = core.stopping() || (self.store_ops == 0 && core.quiet());
+        let quiet = cx.stopping() || (self.store_ops == 0 && cx.quiet());
         let mut any = false;
         let mut from = 0;
         while let Some(i) = self.pages.next_due(from, quiet, TABLE_BATCH_ENTRIES) {
             let (d, page) = self.pages.queued()[i];
-            let Some(idx) = core.ops.alloc(Op::new(OpKind::Table { page })) else {
+            let Some(idx) = cx.ops.alloc(Op::new(OpKind::Table { page })) else {
                 break;
             };
             let dev = &self.devs[d as usize];
             let at = dev.meta_offset + page as usize * TABLE_PAGE_BYTES;
             let req = IoRequest {
-                user_data: core.ops.user_data(idx, 0),
+                user_data: cx.ops.user_data(idx, 0),
                 kind: IoKind::Write,
                 device: d,
                 offset: dev
@@ -140,11 +140,11 @@ impl SlabLayout {
                     .expect("a page not in flight is the worker's, unclaimed"),
                 class: IoClass::Meta,
             };
-            if !core.backend().block_queue().push(req) {
-                core.ops.release(idx);
+            if !cx.backend().block_queue().push(req) {
+                cx.ops.release(idx);
                 break;
             }
-            core.ops[idx as usize].dev = d;
+            cx.ops[idx as usize].dev = d;
             self.pages.start(i);
             // The page left the queue: the next due one is at `i` or after.
             from = i;
@@ -153,10 +153,10 @@ impl SlabLayout {
         any
     }
 
-    pub(super) fn on_table_done(&mut self, core: &mut Core<Op>, idx: u32, page: u32, result: i32) {
-        let d = core.ops[idx as usize].dev;
-        core.ops.release(idx);
-        core.metrics().table_writes.fetch_add(1, Ordering::Relaxed);
+    pub(super) fn on_table_done(&mut self, cx: &mut Context<Op>, idx: u32, page: u32, result: i32) {
+        let d = cx.ops[idx as usize].dev;
+        cx.ops.release(idx);
+        cx.metrics().table_writes.fetch_add(1, Ordering::Relaxed);
         // The device is done reading the page (its claim went with the completion): the
         // entries changed meanwhile go in now.
         let (acks, deferred) = self.pages.written((d, page));
@@ -174,13 +174,13 @@ impl SlabLayout {
                     s.entry = EntryState::Durable;
                 } else {
                     // The data is written (the slot may have been evicted since).
-                    core.store_succeeded(&a.job, a.item, core.block_bytes());
+                    cx.store_succeeded(&a.job, a.item, cx.block_bytes());
                 }
             }
         } else {
             // The entries of this page may not survive a restart: their stores fail (the data
             // is still served until then, and a later write of the page may save them).
-            core.metrics()
+            cx.metrics()
                 .dev(d as usize)
                 .count_result(result, TABLE_PAGE_BYTES as u64);
             let (reason, why) = if result < 0 {
@@ -197,7 +197,7 @@ impl SlabLayout {
             };
             let name = &self.devs[d as usize].name;
             let detail = format!("{name}: slot table write (page {page}) failed: {why}");
-            core.device_error(d as usize, &detail);
+            cx.device_error(d as usize, &detail);
             for a in &acks {
                 if self.devs[d as usize].slots[a.local as usize].written_by(a.seq)
                     && !a.job.is_resolved(a.item)
@@ -205,7 +205,7 @@ impl SlabLayout {
                     // Its data write is still in flight, reading the caller's block: the job's
                     // lease stays until that write completes (it then drops the slot).
                     let local = a.local;
-                    let writing = core.ops.find_live(|op| {
+                    let writing = cx.ops.find_live(|op| {
                         matches!(op.kind, OpKind::Store)
                             && op.dev == d
                             && op.slot == local
@@ -213,10 +213,10 @@ impl SlabLayout {
                             && op.job.as_ref().is_some_and(|j| Arc::ptr_eq(j, &a.job))
                     });
                     if let Some(w) = writing {
-                        core.ops.hold(w, &a.job);
+                        cx.ops.hold(w, &a.job);
                     }
                 }
-                core.store_failed(&a.job, a.item, reason, detail.clone());
+                cx.store_failed(&a.job, a.item, reason, detail.clone());
             }
         }
     }
@@ -226,7 +226,7 @@ impl SlabLayout {
 
     /// Reads this worker's slot table ranges and rebuilds the index from them; returns how many
     /// blocks it holds.
-    pub fn recover(&mut self, core: &mut Core<Op>, devices: &[SlabDevice]) -> Result<u64, String> {
+    pub fn recover(&mut self, cx: &mut Context<Op>, devices: &[SlabDevice]) -> Result<u64, String> {
         let mut pending = 0usize;
         for (d, spec) in devices.iter().enumerate() {
             if spec.fresh || self.devs[d].slots.is_empty() {
@@ -239,12 +239,12 @@ impl SlabLayout {
             let mut done = 0usize;
             while done < total {
                 let len = (total - done).min(RECOVER_READ_BYTES);
-                let idx = core
+                let idx = cx
                     .ops
                     .alloc(Op::new(OpKind::Recover))
                     .ok_or("op table exhausted")?;
-                core.ops[idx as usize].dev = d as u16;
-                let user_data = core.ops.user_data(idx, 0);
+                cx.ops[idx as usize].dev = d as u16;
+                let user_data = cx.ops.user_data(idx, 0);
                 let request = || IoRequest {
                     user_data,
                     kind: IoKind::Read,
@@ -257,47 +257,46 @@ impl SlabLayout {
                         .expect("the table pages are read once each, at recovery"),
                     class: IoClass::Meta,
                 };
-                while !core.backend().block_queue().push(request()) {
-                    core.backend().submit(true).map_err(|e| e.to_string())?;
-                    pending -= reap_recover(core)?;
+                while !cx.backend().block_queue().push(request()) {
+                    cx.backend().submit(true).map_err(|e| e.to_string())?;
+                    pending -= reap_recover(cx)?;
                 }
                 pending += 1;
                 done += len;
             }
         }
         while pending > 0 {
-            core.backend().submit(true).map_err(|e| e.to_string())?;
-            pending -= reap_recover(core)?;
+            cx.backend().submit(true).map_err(|e| e.to_string())?;
+            pending -= reap_recover(cx)?;
         }
         let mut recovered = 0u64;
         for d in 0..self.devs.len() {
             if !devices[d].fresh {
-                let n = self.rebuild_device(core, d, devices.len());
-                core.metrics()
+                let n = self.rebuild_device(cx, d, devices.len());
+                cx.metrics()
                     .dev(d)
                     .blocks_stored
                     .store(n, Ordering::Relaxed);
                 recovered += n;
             }
         }
-        core.metrics()
+        cx.metrics()
             .recovered_blocks
             .store(recovered, Ordering::Relaxed);
         Ok(recovered)
     }
 
-    fn rebuild_device(&mut self, core: &mut Core<Op>, d: usize, devices: usize) -> u64 {
+    fn rebuild_device(&mut self, cx: &mut Context<Op>, d: usize, devices: usize) -> u64 {
         let mut recovered = 0;
         let mut raw = [0u8; ENTRY_BYTES];
         let n = self.devs[d].slots.len();
         let mut keep: Vec<(Key, u32, u64)> = Vec::new();
-        let me = core.worker_shared();
+        let me = cx.worker_shared();
         let m = &me.metrics;
         for local in 0..n {
             let off = self.devs[d].meta_offset + local * ENTRY_BYTES;
             self.meta.read(off, &mut raw);
-            match super::recover_entry(&raw, d, devices, self.id, self.workers, core.block_bytes())
-            {
+            match super::recover_entry(&raw, d, devices, self.id, self.workers, cx.block_bytes()) {
                 Recovered::Empty => {}
                 Recovered::Torn => {
                     m.torn_entries.fetch_add(1, Ordering::Relaxed);
@@ -340,7 +339,7 @@ impl SlabLayout {
         self.devs[d].slots.rebuild_free_list();
         for (key, _, _) in &keep {
             if self.index.contains_key(key) {
-                core.publish_key(key);
+                cx.publish_key(key);
             }
         }
         recovered
@@ -352,21 +351,21 @@ impl SlabLayout {
     }
 }
 
-fn reap_recover(core: &mut Core<Op>) -> Result<usize, String> {
+fn reap_recover(cx: &mut Context<Op>) -> Result<usize, String> {
     let mut out = Vec::new();
-    core.backend().complete(&mut out);
+    cx.backend().complete(&mut out);
     let mut n = 0;
     let mut err = None;
     for c in &out {
-        let (idx, _) = core.ops.decode(c.user_data);
+        let (idx, _) = cx.ops.decode(c.user_data);
         if c.result < 0 {
             err = Some(format!(
                 "reading the slot table of device {}: {}",
-                core.ops[idx as usize].dev,
+                cx.ops[idx as usize].dev,
                 Errno::from_raw(-c.result).desc()
             ));
         }
-        core.ops.release(idx);
+        cx.ops.release(idx);
         n += 1;
     }
     err.map_or(Ok(n), Err)

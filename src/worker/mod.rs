@@ -1,4 +1,4 @@
-//! One worker: a thread pinned to one core, owning one I/O queue (ring), the index entries of
+//! One worker: a thread pinned to one CPU core, owning one I/O queue (ring), the index entries of
 //! the keys that hash to it and its share of every device. [`Worker`] holds everything the
 //! layouts have in common — the run loop, intake, the queues, the [`Scheduler`], store chunking,
 //! load and store reporting — and a [`Layout`] (the slab, or the files directory) decides what
@@ -18,7 +18,7 @@
 //! before its completion is reaped; the worker exits only when no op is in flight; every key of
 //! every part it took is reported exactly once.
 
-mod core;
+mod context;
 pub(crate) mod demote;
 pub(crate) mod ops;
 pub(crate) mod published;
@@ -39,8 +39,8 @@ use crate::job::{JobKind, JobState, KeyFailure, Shared};
 use crate::key::Key;
 use crate::Errno;
 
-pub(crate) use self::core::{io_outcome, Core};
-use self::core::{FAILURE_WINDOW_DEADLINES, FAIL_AFTER_TIMEOUTS};
+pub(crate) use self::context::{io_outcome, Context};
+use self::context::{FAILURE_WINDOW_DEADLINES, FAIL_AFTER_TIMEOUTS};
 pub(crate) use demote::{Demote, DemoteSink, Demotion};
 pub(crate) use ops::{OpTable, TableOp};
 pub(crate) use published::Publisher;
@@ -95,7 +95,7 @@ pub(crate) enum Start {
     /// I/O was queued for a store's key.
     Started,
     /// I/O was queued for a load's key as op `idx`: the worker counts one more load in flight
-    /// until the op is released ([`Core::release`]) or its load ended ([`Core::end_load`]).
+    /// until the op is released ([`Context::release`]) or its load ended ([`Context::end_load`]).
     Loading(u32),
     /// The key was answered without I/O (a miss, already stored, a clear failure).
     Resolved,
@@ -113,18 +113,19 @@ pub(crate) trait LayoutOp: TableOp {
 }
 
 /// What a device layout does; the worker does the rest. Every method runs on the worker thread
-/// and must not block (I/O goes through `core.backend`).
+/// and must not block (I/O goes through `cx.backend()`).
 pub(crate) trait Layout {
     type Op: LayoutOp;
 
     /// Starts loading `item` of `job` into its region block.
-    fn start_load(&mut self, core: &mut Core<Self::Op>, job: &Arc<JobState>, item: usize) -> Start;
+    fn start_load(&mut self, cx: &mut Context<Self::Op>, job: &Arc<JobState>, item: usize)
+        -> Start;
 
     /// Starts storing `item` of `job`; `retried`: a second try after evicting (ENOSPC). A store
-    /// that is ready to write its data calls [`Core::begin_writing`].
+    /// that is ready to write its data calls [`Context::begin_writing`].
     fn start_store(
         &mut self,
-        core: &mut Core<Self::Op>,
+        cx: &mut Context<Self::Op>,
         job: &Arc<JobState>,
         item: usize,
         retried: bool,
@@ -134,7 +135,7 @@ pub(crate) trait Layout {
     /// false if the submission queue is full.
     fn push_chunk(
         &mut self,
-        core: &mut Core<Self::Op>,
+        cx: &mut Context<Self::Op>,
         idx: u32,
         chunk: u16,
         start: u64,
@@ -144,13 +145,13 @@ pub(crate) trait Layout {
     /// Every chunk of store `idx` completed (`failure`: the first that failed, or the stop).
     fn on_written(
         &mut self,
-        core: &mut Core<Self::Op>,
+        cx: &mut Context<Self::Op>,
         idx: u32,
         failure: Option<(KeyFailure, String)>,
     );
 
     /// A completion of any op that is not a store's data write.
-    fn on_complete(&mut self, core: &mut Core<Self::Op>, idx: u32, result: i32);
+    fn on_complete(&mut self, cx: &mut Context<Self::Op>, idx: u32, result: i32);
 
     /// The caller used `key`: keep it longer.
     fn touch(&mut self, key: Key);
@@ -161,42 +162,42 @@ pub(crate) trait Layout {
     /// Removes `key` if it is stored and no I/O is reading it: unpublished and its slot or
     /// file freed as an eviction frees it (without demotion to the cold tier), a removed event
     /// sent. False when it is not stored here or busy.
-    fn remove(&mut self, core: &mut Core<Self::Op>, key: Key) -> bool;
+    fn remove(&mut self, cx: &mut Context<Self::Op>, key: Key) -> bool;
 
     /// Finds out whether `keys` (not indexed here) are on the devices, and answers in
-    /// `core.unindexed` (each with its question's generation); a key found is indexed and
+    /// `cx.unindexed` (each with its question's generation); a key found is indexed and
     /// published. Only the files layout is asked; by default every key is absent.
-    fn probe(&mut self, core: &mut Core<Self::Op>, keys: Vec<(Key, u64)>) {
+    fn probe(&mut self, cx: &mut Context<Self::Op>, keys: Vec<(Key, u64)>) {
         for (key, generation) in keys {
-            core.unindexed
+            cx.unindexed
                 .answer(key, generation, crate::verdicts::Verdict::Absent);
-            core.me.probes_outstanding.fetch_sub(1, Ordering::AcqRel);
+            cx.me.probes_outstanding.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
     /// Pushes what earlier found the submission queue full; true if anything moved.
-    fn unstall(&mut self, core: &mut Core<Self::Op>) -> bool {
-        let _ = core;
+    fn unstall(&mut self, cx: &mut Context<Self::Op>) -> bool {
+        let _ = cx;
         false
     }
 
     /// The layout's own work after loads and stores were issued (table pages); true if any.
-    fn background(&mut self, core: &mut Core<Self::Op>) -> bool {
-        let _ = core;
+    fn background(&mut self, cx: &mut Context<Self::Op>) -> bool {
+        let _ = cx;
         false
     }
 
     /// Runs after each submit: work that must not delay the next I/O (checksums of finished
     /// stores).
-    fn after_submit(&mut self, core: &mut Core<Self::Op>) {
-        let _ = core;
+    fn after_submit(&mut self, cx: &mut Context<Self::Op>) {
+        let _ = cx;
     }
 
     /// Whether the layout has nothing left to do (the worker may exit when stopping).
     fn idle(&self) -> bool;
 
     /// Names op `idx` for an error message: the device (path) and the operation.
-    fn describe_op(&self, core: &Core<Self::Op>, idx: u32) -> String;
+    fn describe_op(&self, cx: &Context<Self::Op>, idx: u32) -> String;
 
     /// Names device `d` for a log line (`devices[d]` and its path).
     fn device_name(&self, d: usize) -> String;
@@ -204,23 +205,28 @@ pub(crate) trait Layout {
     /// The callers' keys that op `idx`, past its deadline, keeps waiting: each with whether the
     /// op may still move bytes of its region block (then the job's lease is held until the op
     /// completes). Empty for the layout's own I/O that no key waits on.
-    fn overdue_keys(&self, core: &Core<Self::Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)>;
+    fn overdue_keys(&self, cx: &Context<Self::Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)>;
 
     /// Fails (`KeyFailure::Timeout`) what waited longer than `limit` with no op of its own to
     /// carry a deadline (the slab's stores whose table page write could not be queued); true
     /// if any key failed. Nothing by default.
-    fn expire_waiting(&mut self, core: &mut Core<Self::Op>, now: Instant, limit: Duration) -> bool {
-        let _ = (core, now, limit);
+    fn expire_waiting(
+        &mut self,
+        cx: &mut Context<Self::Op>,
+        now: Instant,
+        limit: Duration,
+    ) -> bool {
+        let _ = (cx, now, limit);
         false
     }
 
-    /// Device `d` was marked failed (`core.device_failed(d)` is true from now on): its keys
+    /// Device `d` was marked failed (`cx.device_failed(d)` is true from now on): its keys
     /// become misses; new stores go elsewhere or fail.
-    fn device_failed(&mut self, core: &mut Core<Self::Op>, d: usize);
+    fn device_failed(&mut self, cx: &mut Context<Self::Op>, d: usize);
 
     /// For the simulator, once the worker is idle: what the layout would have leaked.
     #[cfg(any(test, feature = "sim"))]
-    fn check_quiet(&self, core: &Core<Self::Op>) -> Result<(), String>;
+    fn check_quiet(&self, cx: &Context<Self::Op>) -> Result<(), String>;
 }
 
 /// Everything a worker is built from.
@@ -241,7 +247,7 @@ pub(crate) struct WorkerParams {
 }
 
 pub(crate) struct Worker<L: Layout> {
-    core: Core<L::Op>,
+    cx: Context<L::Op>,
     layout: L,
     rx: Receiver<Msg>,
     completions: Vec<Completion>,
@@ -309,7 +315,7 @@ impl<L: Layout> Worker<L> {
         let unindexed = Unindexed::new(&p.me.unindexed);
         let now = p.clock.now();
         Worker {
-            core: Core {
+            cx: Context {
                 id: p.id,
                 backend: p.backend,
                 regions: p.regions,
@@ -346,13 +352,13 @@ impl<L: Layout> Worker<L> {
         }
     }
 
-    /// The layout and the core together (recovery runs on them before the loop starts).
-    pub fn parts(&mut self) -> (&mut L, &mut Core<L::Op>) {
-        (&mut self.layout, &mut self.core)
+    /// The layout and its context together (recovery runs on them before the loop starts).
+    pub fn parts(&mut self) -> (&mut L, &mut Context<L::Op>) {
+        (&mut self.layout, &mut self.cx)
     }
 
     pub fn describe(&self) -> String {
-        self.core.backend.describe()
+        self.cx.backend.describe()
     }
 
     /// Runs until stopped and idle, or stopped with only I/O that outlived its deadline left
@@ -369,30 +375,30 @@ impl<L: Layout> Worker<L> {
                     return;
                 }
                 Pass::Submit { wait } => {
-                    let r = self.core.backend.submit(wait);
+                    let r = self.cx.backend.submit(wait);
                     self.finish_pass(wait, r);
                 }
             }
         }
-        self.core.update_gauges();
+        self.cx.update_gauges();
     }
 
     /// One pass of the loop up to its submit: a turn, then the stop's checks, then whether
     /// to sleep in the submit (the sleeping flag set when it does).
     fn pass(&mut self) -> Pass {
         let progress = self.turn();
-        self.core.update_gauges();
-        if self.core.stopping && self.core.idle() && self.layout.idle() {
+        self.cx.update_gauges();
+        if self.cx.stopping && self.cx.idle() && self.layout.idle() {
             return Pass::Exit;
         }
-        if self.hung_at_stop() && !self.fenced && self.core.backend.fence() {
+        if self.hung_at_stop() && !self.fenced && self.cx.backend.fence() {
             // A device driven from user space can be stopped for good: its requests in
             // flight then fail, their memory goes back, and the worker ends normally.
             self.fenced = true;
             tracing::error!(
-                worker = self.core.id,
-                in_flight = self.core.backend.in_flight(),
-                deadline_ms = self.core.io_timeout.as_millis() as u64,
+                worker = self.cx.id,
+                in_flight = self.cx.backend.in_flight(),
+                deadline_ms = self.cx.io_timeout.as_millis() as u64,
                 "shutdown: I/O still in flight past its deadline; the device was fenced \
                  (controller disabled, DMA off) and that I/O fails"
             );
@@ -401,8 +407,8 @@ impl<L: Layout> Worker<L> {
         if self.hung_at_stop() {
             return Pass::GiveUp;
         }
-        let returned = self.core.demote.as_ref().map(Demote::returned);
-        let wait = ready_to_sleep(&self.core.me, &self.rx, progress, || {
+        let returned = self.cx.demote.as_ref().map(Demote::returned);
+        let wait = ready_to_sleep(&self.cx.me, &self.rx, progress, || {
             returned.is_some_and(|r| !r.is_empty())
         });
         Pass::Submit { wait }
@@ -410,12 +416,12 @@ impl<L: Layout> Worker<L> {
 
     /// After the pass's submit (and its sleep, when it slept).
     fn finish_pass(&mut self, waited: bool, r: std::io::Result<()>) {
-        awake(self.core.backend.as_ref(), &self.core.me, waited);
-        self.layout.after_submit(&mut self.core);
+        awake(self.cx.backend.as_ref(), &self.cx.me, waited);
+        self.layout.after_submit(&mut self.cx);
         if let Err(e) = r {
             // The ring itself failed (not one I/O): nothing can be completed any more
             // without it, so log and keep reaping; a persistent failure is a bug.
-            self.core.log_error(&format!("submit failed: {e}"));
+            self.cx.log_error(&format!("submit failed: {e}"));
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
@@ -423,14 +429,14 @@ impl<L: Layout> Worker<L> {
     /// The stop gave up on I/O past its deadline: say so and count it (the shutdown report).
     fn give_up(&self) {
         tracing::error!(
-            worker = self.core.id,
-            in_flight = self.core.backend.in_flight(),
-            deadline_ms = self.core.io_timeout.as_millis() as u64,
+            worker = self.cx.id,
+            in_flight = self.cx.backend.in_flight(),
+            deadline_ms = self.cx.io_timeout.as_millis() as u64,
             "shutdown: I/O still in flight past its deadline; this worker's ring and the \
              region stay allocated (leaked) so the device can never write freed memory. \
              Check the device (dmesg) before reusing it"
         );
-        self.core.give_up();
+        self.cx.give_up();
     }
 
     /// For the simulator, which steps every worker from one thread: one pass of [`Worker::run`]
@@ -446,9 +452,9 @@ impl<L: Layout> Worker<L> {
             return false;
         }
         if let Some(at) = self.sim.parked_at {
-            let in_flight = self.core.backend.in_flight() > 0;
-            let limit = in_flight && self.core.ops.now().duration_since(at) >= self.sim.wait_limit;
-            if !self.core.backend.sim_wake() && !limit {
+            let in_flight = self.cx.backend.in_flight() > 0;
+            let limit = in_flight && self.cx.ops.now().duration_since(at) >= self.sim.wait_limit;
+            if !self.cx.backend.sim_wake() && !limit {
                 return in_flight;
             }
             self.sim.parked_at = None;
@@ -460,7 +466,7 @@ impl<L: Layout> Worker<L> {
             Pass::Again => return true,
             Pass::Exit => {
                 self.sim.outcome = Some(Stopped::Exited);
-                self.core.update_gauges();
+                self.cx.update_gauges();
                 return false;
             }
             Pass::GiveUp => {
@@ -472,11 +478,11 @@ impl<L: Layout> Worker<L> {
             }
             Pass::Submit { wait } => wait,
         };
-        let r = self.core.backend.submit(false);
+        let r = self.cx.backend.submit(false);
         assert!(r.is_ok(), "the simulated backend cannot fail a submit");
         if wait {
-            self.sim.parked_at = Some(self.core.ops.now());
-            return self.core.backend.in_flight() > 0;
+            self.sim.parked_at = Some(self.cx.ops.now());
+            return self.cx.backend.in_flight() > 0;
         }
         self.finish_pass(false, r);
         true
@@ -493,7 +499,7 @@ impl<L: Layout> Worker<L> {
     /// what the layout holds).
     #[cfg(any(test, feature = "sim"))]
     pub fn check_quiet(&self) -> Result<(), String> {
-        let c = &self.core;
+        let c = &self.cx;
         let live = c.ops.live();
         let queued = c.me.queued_blocks.load(Ordering::Acquire);
         let checks = [
@@ -541,30 +547,29 @@ impl<L: Layout> Worker<L> {
     /// started after the stop (the page writes that flush the slot table, say) have deadlines
     /// of their own: the stop waits for those too.
     fn hung_at_stop(&self) -> bool {
-        let now = self.core.ops.now();
+        let now = self.cx.ops.now();
         self.stop_at.is_some_and(|at| {
-            now.duration_since(at)
-                > self.core.io_timeout + overdue_check_interval(self.core.io_timeout)
-        }) && self.core.backend.in_flight() > 0
-            && self.core.ops.all_overdue()
+            now.duration_since(at) > self.cx.io_timeout + overdue_check_interval(self.cx.io_timeout)
+        }) && self.cx.backend.in_flight() > 0
+            && self.cx.ops.all_overdue()
     }
 
     /// Fails the keys of ops past their deadline (`KeyFailure::Timeout`); each such op keeps
     /// its job's lease until it completes. True if any key failed.
     fn expire_overdue(&mut self) -> bool {
-        let now = self.core.ops.now();
+        let now = self.cx.ops.now();
         if now < self.next_overdue_check {
             return false;
         }
-        let limit = self.core.io_timeout;
+        let limit = self.cx.io_timeout;
         self.next_overdue_check = now + overdue_check_interval(limit);
-        let mut any = self.layout.expire_waiting(&mut self.core, now, limit);
-        for idx in self.core.ops.take_overdue(now, limit) {
-            let what = self.layout.describe_op(&self.core, idx);
-            let d = self.core.ops[idx as usize].device();
-            if self.core.count_timeout(d) {
+        let mut any = self.layout.expire_waiting(&mut self.cx, now, limit);
+        for idx in self.cx.ops.take_overdue(now, limit) {
+            let what = self.layout.describe_op(&self.cx, idx);
+            let d = self.cx.ops[idx as usize].device();
+            if self.cx.count_timeout(d) {
                 tracing::error!(
-                    worker = self.core.id,
+                    worker = self.cx.id,
                     device = d,
                     "{what}: the device timed out {FAIL_AFTER_TIMEOUTS} times within {} ms and \
                      is marked failed: its keys are misses (served by the S3 tier when there is \
@@ -572,9 +577,9 @@ impl<L: Layout> Worker<L> {
                      restart kvtier to use it again",
                     (limit * FAILURE_WINDOW_DEADLINES).as_millis()
                 );
-                self.layout.device_failed(&mut self.core, d);
+                self.layout.device_failed(&mut self.cx, d);
             }
-            self.core
+            self.cx
                 .me
                 .metrics
                 .dev(d)
@@ -585,21 +590,21 @@ impl<L: Layout> Worker<L> {
                  and the job's region blocks stay leased until the device answers",
                 limit.as_millis()
             );
-            self.core.log_error(&detail);
+            self.cx.log_error(&detail);
             self.cancel(idx);
-            for (job, item, hold) in self.layout.overdue_keys(&self.core, idx) {
+            for (job, item, hold) in self.layout.overdue_keys(&self.cx, idx) {
                 if job.is_resolved(item) {
                     continue;
                 }
                 if hold {
-                    self.core.ops.hold(idx, &job);
+                    self.cx.ops.hold(idx, &job);
                 }
-                let m = &self.core.me.metrics;
+                let m = &self.cx.me.metrics;
                 match job.kind {
                     JobKind::Load => m.loads_failed.fetch_add(1, Ordering::Relaxed),
                     JobKind::Store => m.stores_failed.fetch_add(1, Ordering::Relaxed),
                 };
-                job.fail(&self.core.shared, item, KeyFailure::Timeout, detail.clone());
+                job.fail(&self.cx.shared, item, KeyFailure::Timeout, detail.clone());
                 any = true;
             }
         }
@@ -610,26 +615,24 @@ impl<L: Layout> Worker<L> {
     /// the op's one request. What a hung file system blocks in io_uring's kernel workers then
     /// completes early and gives its blocks back; I/O already on a device runs on.
     fn cancel(&mut self, idx: u32) {
-        let chunks = self.core.ops[idx as usize]
-            .writing()
-            .map_or(1, |c| c.issued);
+        let chunks = self.cx.ops[idx as usize].writing().map_or(1, |c| c.issued);
         for chunk in 0..chunks {
-            let user_data = self.core.ops.user_data(idx, chunk);
+            let user_data = self.cx.ops.user_data(idx, chunk);
             // No room in the queue: the op runs on to its own completion, as without a cancel.
-            let _ = self.core.backend.cancel(user_data);
+            let _ = self.cx.backend.cancel(user_data);
         }
     }
 
     /// One turn of the loop without submitting or sleeping; true if anything moved.
     fn turn(&mut self) -> bool {
         let mut progress = self.intake();
-        progress |= self.core.demote.as_mut().is_some_and(Demote::reclaim);
+        progress |= self.cx.demote.as_mut().is_some_and(Demote::reclaim);
         progress |= self.reap();
         progress |= self.expire_overdue();
-        progress |= self.layout.unstall(&mut self.core);
+        progress |= self.layout.unstall(&mut self.cx);
         progress |= self.issue_loads();
         progress |= self.issue_stores();
-        progress |= self.layout.background(&mut self.core);
+        progress |= self.layout.background(&mut self.cx);
         progress
     }
 
@@ -639,13 +642,13 @@ impl<L: Layout> Worker<L> {
             any = true;
             match msg {
                 Msg::Work(part) => {
-                    if self.core.stopping {
-                        self.core.cancel_part(&part);
+                    if self.cx.stopping {
+                        self.cx.cancel_part(&part);
                         continue;
                     }
                     match part.job.kind {
-                        JobKind::Load => self.core.loads.push(part),
-                        JobKind::Store => self.core.stores.push(part),
+                        JobKind::Load => self.cx.loads.push(part),
+                        JobKind::Store => self.cx.stores.push(part),
                     }
                 }
                 Msg::Touch(keys) => {
@@ -659,13 +662,13 @@ impl<L: Layout> Worker<L> {
                 Msg::Remove(keys, reply) => {
                     let removed = keys
                         .into_iter()
-                        .map(|(i, key)| (i, self.layout.remove(&mut self.core, key)))
+                        .map(|(i, key)| (i, self.layout.remove(&mut self.cx, key)))
                         .collect();
                     let _ = reply.send(removed);
                 }
                 Msg::Probe(keys, first) => {
-                    let questions = self.core.questions(keys, first);
-                    self.layout.probe(&mut self.core, questions);
+                    let questions = self.cx.questions(keys, first);
+                    self.layout.probe(&mut self.cx, questions);
                 }
                 Msg::Stop => self.stop(),
             }
@@ -676,17 +679,17 @@ impl<L: Layout> Worker<L> {
     /// Fails everything queued and not yet started; stores stop issuing chunks (and fail once
     /// the issued ones complete); I/O in flight runs to completion.
     fn stop(&mut self) {
-        self.stop_at.get_or_insert_with(|| self.core.ops.now());
-        let issuing = self.core.cancel_queued();
+        self.stop_at.get_or_insert_with(|| self.cx.ops.now());
+        let issuing = self.cx.cancel_queued();
         for idx in issuing {
-            let chunks = self.core.ops[idx as usize]
+            let chunks = self.cx.ops[idx as usize]
                 .writing()
                 .expect("an issuing store is writing");
             chunks.fail(KeyFailure::Shutdown, String::new());
             chunks.cut();
             if chunks.finished() {
                 let failure = chunks.failure.take();
-                self.layout.on_written(&mut self.core, idx, failure);
+                self.layout.on_written(&mut self.cx, idx, failure);
             }
         }
     }
@@ -694,14 +697,14 @@ impl<L: Layout> Worker<L> {
     fn reap(&mut self) -> bool {
         let mut out = std::mem::take(&mut self.completions);
         out.clear();
-        self.core.backend.complete(&mut out);
+        self.cx.backend.complete(&mut out);
         let any = !out.is_empty();
         for c in &out {
-            let (idx, chunk) = self.core.ops.decode(c.user_data);
-            if self.core.ops[idx as usize].writing().is_some() {
+            let (idx, chunk) = self.cx.ops.decode(c.user_data);
+            if self.cx.ops[idx as usize].writing().is_some() {
                 self.on_chunk_done(idx, chunk, c.result);
             } else {
-                self.layout.on_complete(&mut self.core, idx, c.result);
+                self.layout.on_complete(&mut self.cx, idx, c.result);
             }
         }
         self.completions = out;
@@ -710,18 +713,18 @@ impl<L: Layout> Worker<L> {
 
     fn issue_loads(&mut self) -> bool {
         let mut any = false;
-        while self.core.sched.may_start_load() {
-            let Some((job, item)) = self.core.loads.peek() else {
+        while self.cx.sched.may_start_load() {
+            let Some((job, item)) = self.cx.loads.peek() else {
                 break;
             };
             let job = Arc::clone(job);
-            match self.layout.start_load(&mut self.core, &job, item) {
-                Start::Loading(idx) => self.core.load_started(idx),
+            match self.layout.start_load(&mut self.cx, &job, item) {
+                Start::Loading(idx) => self.cx.load_started(idx),
                 Start::Started => unreachable!("a load started as a store"),
                 Start::Resolved => {}
                 Start::Blocked => break,
             }
-            self.core.loads.take(&self.core.me);
+            self.cx.loads.take(&self.cx.me);
             any = true;
         }
         any
@@ -730,16 +733,13 @@ impl<L: Layout> Worker<L> {
     fn issue_stores(&mut self) -> bool {
         let mut any = false;
         loop {
-            let core = &mut self.core;
-            let front = core.store_issuing.front().copied();
+            let cx = &mut self.cx;
+            let front = cx.store_issuing.front().copied();
             let next_bytes = match front {
-                Some(idx) => core.ops[idx as usize].writing().map_or(0, |c| c.len),
-                None => core.sched.chunk_bytes(),
+                Some(idx) => cx.ops[idx as usize].writing().map_or(0, |c| c.len),
+                None => cx.sched.chunk_bytes(),
             };
-            if !core
-                .sched
-                .may_issue_store(next_bytes, !core.loads.is_empty())
-            {
+            if !cx.sched.may_issue_store(next_bytes, !cx.loads.is_empty()) {
                 break;
             }
             if let Some(idx) = front {
@@ -749,20 +749,20 @@ impl<L: Layout> Worker<L> {
                 any = true;
                 continue;
             }
-            let (job, item, retried) = match core.retry.front() {
+            let (job, item, retried) = match cx.retry.front() {
                 Some((job, item)) => (Arc::clone(job), *item, true),
-                None => match core.stores.peek() {
+                None => match cx.stores.peek() {
                     Some((job, item)) => (Arc::clone(job), item, false),
                     None => break,
                 },
             };
-            match self.layout.start_store(&mut self.core, &job, item, retried) {
+            match self.layout.start_store(&mut self.cx, &job, item, retried) {
                 Start::Loading(_) => unreachable!("a store started as a load"),
                 Start::Started | Start::Resolved => {
                     if retried {
-                        self.core.retry.pop_front();
+                        self.cx.retry.pop_front();
                     } else {
-                        self.core.stores.take(&self.core.me);
+                        self.cx.stores.take(&self.cx.me);
                     }
                     any = true;
                 }
@@ -774,26 +774,23 @@ impl<L: Layout> Worker<L> {
 
     /// Issues the next chunk of store `idx`; false if the ring is full.
     fn issue_chunk(&mut self, idx: u32) -> bool {
-        let block_bytes = self.core.block_bytes;
-        let chunks = self.core.ops[idx as usize]
+        let block_bytes = self.cx.block_bytes;
+        let chunks = self.cx.ops[idx as usize]
             .writing()
             .expect("an issuing store is writing");
         let chunk = chunks.issued;
         let (start, len) = chunks.range(chunk, block_bytes);
-        if !self
-            .layout
-            .push_chunk(&mut self.core, idx, chunk, start, len)
-        {
+        if !self.layout.push_chunk(&mut self.cx, idx, chunk, start, len) {
             return false;
         }
-        let chunks = self.core.ops[idx as usize]
+        let chunks = self.cx.ops[idx as usize]
             .writing()
             .expect("an issuing store is writing");
         chunks.issued += 1;
         let all = chunks.all_issued();
-        self.core.sched.store_issued(len);
+        self.cx.sched.store_issued(len);
         if all {
-            let front = self.core.store_issuing.pop_front();
+            let front = self.cx.store_issuing.pop_front();
             debug_assert_eq!(front, Some(idx));
         }
         true
@@ -805,19 +802,19 @@ impl<L: Layout> Worker<L> {
         let failing = (result < 0
             && crate::metrics::ErrClass::of(Errno::from_raw(-result))
                 != crate::metrics::ErrClass::NoSpace)
-            .then(|| self.layout.describe_op(&self.core, idx));
-        let core = &mut self.core;
-        let block_bytes = core.block_bytes;
-        let d = core.ops[idx as usize].device();
-        let chunks = core.ops[idx as usize].writing().expect("checked by reap");
+            .then(|| self.layout.describe_op(&self.cx, idx));
+        let cx = &mut self.cx;
+        let block_bytes = cx.block_bytes;
+        let d = cx.ops[idx as usize].device();
+        let chunks = cx.ops[idx as usize].writing().expect("checked by reap");
         let (_, len) = chunks.range(chunk, block_bytes);
         chunks.done += 1;
-        let m = core.me.metrics.dev(d);
+        let m = cx.me.metrics.dev(d);
         m.write_ops.fetch_add(1, Ordering::Relaxed);
         match io_outcome(result, len) {
             Ok(()) => {
                 m.bytes_written.fetch_add(len, Ordering::Relaxed);
-                core.device_ok(d, || self.layout.device_name(d));
+                cx.device_ok(d, || self.layout.device_name(d));
             }
             Err(reason) => {
                 m.count_result(result, len);
@@ -829,18 +826,18 @@ impl<L: Layout> Worker<L> {
                 chunks.fail(reason, detail);
                 // Stop issuing the rest of a failed block.
                 if chunks.cut() {
-                    core.store_issuing.retain(|&i| i != idx);
+                    cx.store_issuing.retain(|&i| i != idx);
                 }
                 if let Some(line) = logged {
-                    core.device_error(d, &line);
+                    cx.device_error(d, &line);
                 }
             }
         }
-        core.sched.store_done(len);
-        let chunks = core.ops[idx as usize].writing().expect("checked by reap");
+        cx.sched.store_done(len);
+        let chunks = cx.ops[idx as usize].writing().expect("checked by reap");
         if chunks.finished() {
             let failure = chunks.failure.take();
-            self.layout.on_written(&mut self.core, idx, failure);
+            self.layout.on_written(&mut self.cx, idx, failure);
         }
     }
 }

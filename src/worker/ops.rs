@@ -28,7 +28,7 @@ pub(crate) struct OpTable<T> {
     /// The leases an op holds until it completes (see [`OpTable::hold`]).
     holds: Vec<Vec<LeaseHold>>,
     /// Whether each live op is a load the worker started and counts in flight (until
-    /// [`OpTable::take_load`]; `Core::release` ends it).
+    /// [`OpTable::take_load`]; `Context::release` ends it).
     load: Vec<bool>,
     /// What `born` is read from: the worker's clock (its deadlines and timeout window too).
     clock: Clock,
@@ -78,13 +78,13 @@ impl<T: TableOp> OpTable<T> {
         std::mem::replace(&mut self.load[idx as usize], false)
     }
 
-    /// Frees op `idx`. A load still counted in flight is ended first (`Core::release`).
+    /// Frees op `idx`. A load still counted in flight is ended first (`Context::release`).
     pub fn release(&mut self, idx: u32) {
         let i = idx as usize;
         assert!(self.live[i], "op {idx} released twice");
         debug_assert!(
             !self.load[i],
-            "load op {idx} released while counted in flight: release it with Core::release"
+            "load op {idx} released while counted in flight: release it with Context::release"
         );
         self.live[i] = false;
         self.ops[i].clear();

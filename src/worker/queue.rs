@@ -38,9 +38,9 @@ pub(crate) enum Msg {
     Remove(Vec<(u32, Key)>, crossbeam_channel::Sender<Removed>),
     /// The files layout: lookups asked whether these keys' block files exist (another process
     /// may have published them); the worker puts a question to the device for each not asked
-    /// already, recorded as `FirstLookup` says until its answer ([`Core::questions`]).
+    /// already, recorded as `FirstLookup` says until its answer ([`Context::questions`]).
     ///
-    /// [`Core::questions`]: crate::worker::Core::questions
+    /// [`Context::questions`]: crate::worker::Context::questions
     Probe(Vec<Key>, FirstLookup),
     Stop,
 }

@@ -1,4 +1,4 @@
-//! [`Core`]: the parts of a worker a layout acts through (its ring, op table, scheduler and
+//! [`Context`]: the parts of a worker a layout acts through (its ring, op table, scheduler and
 //! queues), and the reporting every layout shares: load and store outcomes, device errors and
 //! timeouts, the rate-limited error log.
 
@@ -20,7 +20,7 @@ use crate::key::Key;
 
 /// The parts of a worker a layout acts through. Its op table is the layout's own (`O` is the
 /// layout's op type); the rest is the worker's, reached through the methods below.
-pub(crate) struct Core<O> {
+pub(crate) struct Context<O> {
     pub(super) id: usize,
     pub(super) backend: Box<dyn IoBackend>,
     /// The node's regions, by `RegionId`: a job's blocks are in its client's.
@@ -56,7 +56,7 @@ pub(crate) struct Core<O> {
 pub(super) const FAIL_AFTER_TIMEOUTS: usize = 3;
 pub(super) const FAILURE_WINDOW_DEADLINES: u32 = 10;
 
-impl<O: LayoutOp> Core<O> {
+impl<O: LayoutOp> Context<O> {
     /// The questions to put to the devices for `keys` that lookups asked about (each with its
     /// generation): one per key until its answer, however many lookups asked meanwhile. Keys
     /// already asked about leave the callers' count of outstanding questions here.
@@ -93,7 +93,7 @@ impl<O: LayoutOp> Core<O> {
     }
 
     /// What other threads see of the worker (held where its counters are needed across
-    /// changes to the core).
+    /// changes to the context).
     pub fn worker_shared(&self) -> Arc<WorkerShared> {
         Arc::clone(&self.me)
     }
