@@ -216,6 +216,29 @@ impl SimEngine {
     }
 }
 
+/// The time `iters` calls of `mine` take while another thread calls `other` without pause.
+fn beside_another_caller<T, U>(
+    iters: u64,
+    mine: impl Fn() -> T,
+    other: impl Fn() -> U + Sync,
+) -> Duration {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                black_box(other());
+            }
+        });
+        let started = Instant::now();
+        for _ in 0..iters {
+            black_box(mine());
+        }
+        let took = started.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        took
+    })
+}
+
 /// Lookups of stored keys: 1000 a call, one a call, and one a call beside a second caller.
 fn lookups(g: &mut BenchmarkGroup<'_, WallTime>) {
     let mut e = SimEngine::new((LOOKUP_KEYS + 64) * BLOCK + (8 << 20));
@@ -235,21 +258,11 @@ fn lookups(g: &mut BenchmarkGroup<'_, WallTime>) {
     // The same while another thread looks up without pause (two callers: what they share).
     g.bench_function("lookup_1_hit_beside_another_caller", |b| {
         b.iter_custom(|iters| {
-            let stop = std::sync::atomic::AtomicBool::new(false);
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        black_box(e.engine.lookup(black_box(&keys[1..2])));
-                    }
-                });
-                let started = Instant::now();
-                for _ in 0..iters {
-                    black_box(e.engine.lookup(black_box(&keys[..1])));
-                }
-                let took = started.elapsed();
-                stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                took
-            })
+            beside_another_caller(
+                iters,
+                || e.engine.lookup(black_box(&keys[..1])),
+                || e.engine.lookup(black_box(&keys[1..2])),
+            )
         });
     });
     drop(e);
@@ -303,21 +316,11 @@ fn lookups_unindexed(g: &mut BenchmarkGroup<'_, WallTime>) {
     });
     g.bench_function("lookup_1000_unindexed_absent_beside_another_caller", |b| {
         b.iter_custom(|iters| {
-            let stop = std::sync::atomic::AtomicBool::new(false);
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        black_box(engine.lookup(black_box(other)));
-                    }
-                });
-                let started = Instant::now();
-                for _ in 0..iters {
-                    black_box(engine.lookup(black_box(mine)));
-                }
-                let took = started.elapsed();
-                stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                took
-            })
+            beside_another_caller(
+                iters,
+                || engine.lookup(black_box(mine)),
+                || engine.lookup(black_box(other)),
+            )
         });
     });
     drop(engine);

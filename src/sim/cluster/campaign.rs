@@ -196,6 +196,88 @@ fn content(id: u64) -> Vec<u8> {
         .collect()
 }
 
+/// Two clients of one node, of regions 0 (`r0`, the cluster's own client) and 1 (`r1`, 4
+/// blocks), store two blocks each (keys `first..first + 4`) and each loads what the other stored,
+/// byte-exact, into its own region; a block id past region 1's size is refused naming it. Each
+/// result reaches its own client only; `steps` bounds each settle.
+#[cfg(test)]
+pub(super) fn exchange_between_regions(
+    cluster: &mut Cluster,
+    r0: &Region,
+    r1: &Region,
+    first: u64,
+    steps: usize,
+) {
+    use crate::job::sink::ChannelSink;
+    let sink = Arc::new(ChannelSink::default());
+    let other = cluster
+        .node
+        .register_client(&(Arc::clone(&sink) as _), 1)
+        .expect("a client of region 1");
+    let keys: Vec<Key> = (first..first + 4).map(key).collect();
+    for (i, k) in (first..first + 2).enumerate() {
+        r1.write(i * BLOCK as usize, &content(k));
+        r0.write(i * BLOCK as usize, &content(k + 2));
+    }
+    cluster
+        .node
+        .submit(
+            other,
+            JobKind::Store,
+            Job::new(1, keys[..2].to_vec(), vec![0, 1]),
+        )
+        .expect("region 1's store");
+    cluster
+        .submit(JobKind::Store, Job::new(2, keys[2..].to_vec(), vec![0, 1]))
+        .expect("region 0's store");
+    cluster
+        .node
+        .submit(other, JobKind::Load, Job::new(3, vec![keys[0]], vec![4]))
+        .expect("a job naming a block past its region is admitted and reported failed");
+    assert!(cluster.settle(steps), "the stores settle");
+    let ids = |r: &[JobResult]| r.iter().map(|r| (r.id, r.success)).collect::<Vec<_>>();
+    let mut mine = Vec::new();
+    cluster.poll(&mut mine);
+    assert_eq!(ids(&mine), vec![(2, true)], "{mine:?}");
+    let mut theirs: Vec<JobResult> = sink.results().try_iter().collect();
+    theirs.sort_by_key(|r| r.id);
+    assert_eq!(ids(&theirs), vec![(1, true), (3, false)], "{theirs:?}");
+    let refused = theirs[1].failure().expect("a failure");
+    assert!(
+        refused
+            .detail
+            .contains("out of range: the region has 4 blocks"),
+        "{refused:?}"
+    );
+    // Each loads what the other stored, into its own region.
+    r0.fill(8 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
+    r1.fill(2 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
+    cluster
+        .submit(JobKind::Load, Job::new(4, keys[..2].to_vec(), vec![8, 9]))
+        .expect("region 0 loads region 1's");
+    cluster
+        .node
+        .submit(
+            other,
+            JobKind::Load,
+            Job::new(5, keys[2..].to_vec(), vec![2, 3]),
+        )
+        .expect("region 1 loads region 0's");
+    assert!(cluster.settle(steps), "the loads settle");
+    mine.clear();
+    cluster.poll(&mut mine);
+    assert_eq!(ids(&mine), vec![(4, true)], "{mine:?}");
+    let theirs: Vec<JobResult> = sink.results().try_iter().collect();
+    assert_eq!(ids(&theirs), vec![(5, true)], "{theirs:?}");
+    let holds = |r: &Region, block: usize, k: u64| {
+        let mut got = vec![0u8; BLOCK as usize];
+        r.read(block * BLOCK as usize, &mut got);
+        got == content(k)
+    };
+    assert!(holds(r0, 8, first) && holds(r0, 9, first + 1));
+    assert!(holds(r1, 2, first + 2) && holds(r1, 3, first + 3));
+}
+
 fn config(rng: &mut Rng, workers: usize, devices: usize) -> Config {
     let mut c = Config {
         block_size: BLOCK,
@@ -1395,72 +1477,7 @@ mod clock_tests {
             matches!(refused, Err(crate::Error::Worker(ref why)) if why.contains("region 2: the node has 2 region(s)")),
             "{refused:?}"
         );
-        let other = cluster
-            .node
-            .register_client(&(Arc::clone(&sink) as _), 1)
-            .expect("a client of region 1");
-        let keys: Vec<Key> = (11..=14).map(key).collect();
-        for (i, k) in (11..=12).enumerate() {
-            r1.write(i * BLOCK as usize, &content(k));
-            r0.write(i * BLOCK as usize, &content(k + 2));
-        }
-        cluster
-            .node
-            .submit(
-                other,
-                JobKind::Store,
-                Job::new(1, keys[..2].to_vec(), vec![0, 1]),
-            )
-            .expect("region 1's store");
-        cluster
-            .submit(JobKind::Store, Job::new(2, keys[2..].to_vec(), vec![0, 1]))
-            .expect("region 0's store");
-        cluster
-            .node
-            .submit(other, JobKind::Load, Job::new(3, vec![keys[0]], vec![4]))
-            .expect("a job naming a block past its region is admitted and reported failed");
-        assert!(cluster.settle(20_000), "the stores settle");
-        let ids = |r: &[JobResult]| r.iter().map(|r| (r.id, r.success)).collect::<Vec<_>>();
-        let mut mine = Vec::new();
-        cluster.poll(&mut mine);
-        assert_eq!(ids(&mine), vec![(2, true)], "{mine:?}");
-        let mut theirs: Vec<JobResult> = sink.results().try_iter().collect();
-        theirs.sort_by_key(|r| r.id);
-        assert_eq!(ids(&theirs), vec![(1, true), (3, false)], "{theirs:?}");
-        let refused = theirs[1].failure().expect("a failure");
-        assert!(
-            refused
-                .detail
-                .contains("out of range: the region has 4 blocks"),
-            "{refused:?}"
-        );
-        // Each loads what the other stored, into its own region.
-        r0.fill(8 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
-        r1.fill(2 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
-        cluster
-            .submit(JobKind::Load, Job::new(4, keys[..2].to_vec(), vec![8, 9]))
-            .expect("region 0 loads region 1's");
-        cluster
-            .node
-            .submit(
-                other,
-                JobKind::Load,
-                Job::new(5, keys[2..].to_vec(), vec![2, 3]),
-            )
-            .expect("region 1 loads region 0's");
-        assert!(cluster.settle(20_000), "the loads settle");
-        mine.clear();
-        cluster.poll(&mut mine);
-        assert_eq!(ids(&mine), vec![(4, true)], "{mine:?}");
-        let theirs: Vec<JobResult> = sink.results().try_iter().collect();
-        assert_eq!(ids(&theirs), vec![(5, true)], "{theirs:?}");
-        let bytes = |r: &Region, block: usize| {
-            let mut got = vec![0u8; BLOCK as usize];
-            r.read(block * BLOCK as usize, &mut got);
-            got
-        };
-        assert!(bytes(&r0, 8) == content(11) && bytes(&r0, 9) == content(12));
-        assert!(bytes(&r1, 2) == content(13) && bytes(&r1, 3) == content(14));
+        exchange_between_regions(&mut cluster, &r0, &r1, 11, 20_000);
         cluster.check_quiet().expect("nothing left behind");
     }
 

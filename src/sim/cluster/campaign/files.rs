@@ -286,9 +286,6 @@ mod tests {
     /// it lands in.
     #[test]
     fn files_clients_in_two_regions_share_one_node() {
-        use super::super::{content, key};
-        use crate::job::sink::ChannelSink;
-        use crate::{Job, JobKind, JobResult, Region};
         use std::sync::Arc;
         let mut rng = Rng::new(19);
         let scratch = Scratch::new(19).expect("a scratch directory");
@@ -303,71 +300,7 @@ mod tests {
         let mut cluster =
             Cluster::open_files_regions(&config, &[Arc::clone(&r0), Arc::clone(&r1)], &files, 19)
                 .expect("opens");
-        let sink = Arc::new(ChannelSink::default());
-        let other = cluster
-            .node
-            .register_client(&(Arc::clone(&sink) as _), 1)
-            .expect("a client of region 1");
-        let keys: Vec<_> = (21..=24).map(key).collect();
-        for (i, k) in (21..=22).enumerate() {
-            r1.write(i * BLOCK as usize, &content(k));
-            r0.write(i * BLOCK as usize, &content(k + 2));
-        }
-        cluster
-            .node
-            .submit(
-                other,
-                JobKind::Store,
-                Job::new(1, keys[..2].to_vec(), vec![0, 1]),
-            )
-            .expect("region 1's store");
-        cluster
-            .submit(JobKind::Store, Job::new(2, keys[2..].to_vec(), vec![0, 1]))
-            .expect("region 0's store");
-        cluster
-            .node
-            .submit(other, JobKind::Load, Job::new(3, vec![keys[0]], vec![4]))
-            .expect("admitted, reported failed");
-        assert!(cluster.settle(50_000), "the stores settle");
-        let ids = |r: &[JobResult]| r.iter().map(|r| (r.id, r.success)).collect::<Vec<_>>();
-        let mut mine = Vec::new();
-        cluster.poll(&mut mine);
-        assert_eq!(ids(&mine), vec![(2, true)], "{mine:?}");
-        let mut theirs: Vec<JobResult> = sink.results().try_iter().collect();
-        theirs.sort_by_key(|r| r.id);
-        assert_eq!(ids(&theirs), vec![(1, true), (3, false)], "{theirs:?}");
-        let refused = theirs[1].failure().expect("a failure");
-        assert!(
-            refused
-                .detail
-                .contains("out of range: the region has 4 blocks"),
-            "{refused:?}"
-        );
-        r0.fill(8 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
-        r1.fill(2 * BLOCK as usize, 2 * BLOCK as usize, 0xEE);
-        cluster
-            .submit(JobKind::Load, Job::new(4, keys[..2].to_vec(), vec![8, 9]))
-            .expect("region 0 loads region 1's");
-        cluster
-            .node
-            .submit(
-                other,
-                JobKind::Load,
-                Job::new(5, keys[2..].to_vec(), vec![2, 3]),
-            )
-            .expect("region 1 loads region 0's");
-        assert!(cluster.settle(50_000), "the loads settle");
-        mine.clear();
-        cluster.poll(&mut mine);
-        assert_eq!(ids(&mine), vec![(4, true)], "{mine:?}");
-        let theirs: Vec<JobResult> = sink.results().try_iter().collect();
-        assert_eq!(ids(&theirs), vec![(5, true)], "{theirs:?}");
-        let holds = |r: &Region, block: usize, k: u64| {
-            let mut got = vec![0u8; BLOCK as usize];
-            r.read(block * BLOCK as usize, &mut got);
-            got == content(k)
-        };
-        assert!(holds(&r0, 8, 21) && holds(&r0, 9, 22) && holds(&r1, 2, 23) && holds(&r1, 3, 24));
+        super::super::exchange_between_regions(&mut cluster, &r0, &r1, 21, 50_000);
         assert_eq!(
             block_files(&scratch.0),
             4,
