@@ -24,8 +24,7 @@ impl SlabLayout {
             op.started,
         );
         let job = op.job.clone().expect("load op has a job");
-        let me = cx.worker_shared();
-        let m = me.metrics.dev(d);
+        let m = cx.metrics().dev(d);
         m.read_ops.fetch_add(1, Ordering::Relaxed);
         let wanted = cx.block_bytes();
         let slot = self.devs[d].slots[local];
