@@ -118,11 +118,6 @@ impl FilesLayout {
         self.push_step(cx, idx);
     }
 
-    /// Whether a demotion will free a staging slot (then a store waiting for space waits).
-    pub(super) fn demotion_pending(cx: &Context<Op>) -> bool {
-        cx.demotion_will_free()
-    }
-
     /// A demotion opened the evicted file: read it (with its crc), or give the staging slot
     /// back and remove it anyway.
     pub(super) fn on_demote_open(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {

@@ -67,7 +67,7 @@ impl FilesLayout {
                 if self.removals_in_flight > 0 {
                     return Err(Start::Blocked);
                 }
-                if self.evict(cx, d, EVICT_BATCH) > 0 || Self::demotion_pending(cx) {
+                if self.evict(cx, d, EVICT_BATCH) > 0 || cx.demotion_will_free() {
                     return Err(Start::Blocked);
                 }
                 let detail = format!(

@@ -16,7 +16,7 @@ impl SlabLayout {
         if let Some(s) = self.devs[d].slots.take_free() {
             return Some(s);
         }
-        if cx.demotes() {
+        if cx.demoting().is_some() {
             return self.demote_for_slot(cx, d);
         }
         let victim = self.clock_victim(d)?;

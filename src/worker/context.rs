@@ -169,11 +169,6 @@ impl<O: LayoutOp> Context<O> {
         self.demote.as_ref()
     }
 
-    /// Whether demotion is configured.
-    pub fn demotes(&self) -> bool {
-        self.demote.is_some()
-    }
-
     /// Whether a demotion in flight will free a staging slot (so waiting for one is worth it).
     pub fn demotion_will_free(&self) -> bool {
         self.demote.as_ref().is_some_and(Demote::will_free)
