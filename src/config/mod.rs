@@ -394,11 +394,6 @@ impl Validated {
     pub fn derived(&self) -> &Derived {
         &self.derived
     }
-
-    /// The config that was checked.
-    pub fn config(&self) -> &Config {
-        &self.config
-    }
 }
 
 impl std::ops::Deref for Validated {
