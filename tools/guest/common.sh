@@ -46,3 +46,23 @@ for line in sys.stdin:
         print(name, exe)
 ' "$@"
 }
+
+# Boots one round: tools/guest/run.sh with the arguments after the round's name and its console
+# log; returns run.sh's status. A round the emulator failed (run.sh's status 123: a guest kernel
+# left without its timer interrupts, or QEMU aborting on its own assertion) is booted again,
+# saying so, up to three boots in all; any other failure is final, a hang at --timeout included.
+# The console log (and so the test lines the suite counts) is the last boot's.
+boot_round() {
+  local name=$1 log=$2
+  shift 2
+  local boot rc
+  for boot in 1 2 3; do
+    rc=0
+    tools/guest/run.sh --log "$log" "$@" >/dev/null 2>&1 || rc=$?
+    [ "$rc" -eq 123 ] && [ "$boot" -lt 3 ] || break
+    say "round $name: boot $boot: the emulator failed (not a test); the console said:"
+    grep -a -m1 -E "timer wakeup didn't happen|^qemu-system-x86_64: .*Assertion" "$log" >&2 || true
+    say "round $name: booting it again"
+  done
+  return "$rc"
+}

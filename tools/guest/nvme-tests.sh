@@ -60,8 +60,8 @@ round() {
       --overwrite --block-size 256KiB --queue-depth 8 --pairs 1 --duration 1 --workload all"
   fi
   # `kvtier bench` uses the namespace after the tests; its figures are emulated, not a drive's.
-  tools/guest/run.sh --kernel "$kernel" --lba-size "$lba" --poll-queues "$poll" --mdts "$mdts" \
-    --disk-mib 512 --mem-mib 2048 --timeout "${KVTIER_GUEST_TIMEOUT:-900}" --log "$log" \
+  boot_round "$name" "$log" --kernel "$kernel" --lba-size "$lba" --poll-queues "$poll" --mdts "$mdts" \
+    --disk-mib 512 --mem-mib 2048 --timeout "${KVTIER_GUEST_TIMEOUT:-900}" \
     --bin "$work/nvme_passthrough" --bin "$work/kvtier" --bin "$fio_bin" --file "$work/bench.toml:/etc/kvtier-bench.toml" -- \
     "export KVTIER_NVME_DEVICE=/dev/ng0n1 KVTIER_NVME_POLLED=$polled KVTIER_NVME_LBA=$lba; \
      nvme_passthrough --include-ignored --test-threads=1 && kvtier probe --dir /tmp && \
@@ -72,7 +72,7 @@ round() {
      quiet kvtier put --config /etc/kvtier-bench.toml --key 6b76746965722d677565737400000000 --in /tmp/block && \
      quiet kvtier get --config /etc/kvtier-bench.toml --key 6b76746965722d677565737400000000 --out /tmp/back && \
      cmp /tmp/block /tmp/back && echo 'kvtier put + get on /dev/ng0n1: byte-exact' && $fio_compare" \
-    >/dev/null 2>&1 || rc=$?
+    || rc=$?
   # The test lines, the probe and the bench report, for the log of the whole suite.
   sed -n '/^running [0-9]* tests/,/^KVTIER_GUEST_EXIT=/p' "$log" | grep -v '^KVTIER_GUEST_EXIT='
   if [ "$rc" -ne 0 ]; then

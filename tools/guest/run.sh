@@ -14,9 +14,18 @@
 # driver can take the controller from the kernel's nvme driver through vfio-pci.
 #
 # The kernel comes from tools/guest/setup.sh (KVTIER_GUEST_KERNEL is used when --kernel is
-# absent). Exit status: the command's; 124 when the guest ran past --timeout; 130 when QEMU was
-# stopped by a signal; 1 when it ended without reporting (kernel panic, QEMU error) or the guest
-# kernel oopsed or warned; 2 for a usage error; 125 when the NVMe devices never appeared.
+# absent). Exit status: the command's; 124 when the guest ran past --timeout; 123 when the
+# emulator failed (below); 130 when QEMU was stopped by a signal; 1 when it ended
+# without reporting (kernel panic, QEMU error) or the guest kernel oopsed or warned; 2 for a
+# usage error; 125 when the NVMe devices never appeared.
+#
+# The emulator fails now and then, not the command: it leaves a halted vCPU without its timer
+# interrupts (the guest kernel says "rcu: rcu_preempt kthread timer wakeup didn't happen" and
+# whatever runs on that vCPU never wakes), or QEMU aborts on one of its own assertions. Both
+# were seen in the VFIO rounds (once each in CI or here). A watcher stops QEMU as soon as the
+# console shows the first; either way the script exits 123, so the caller can boot the guest
+# again instead of waiting for --timeout or failing a test that never ran.
+#
 # The serial console goes to stdout and to --log. KVTIER_GUEST_KEEP=1 keeps the temp directory.
 set -euo pipefail
 
@@ -198,7 +207,11 @@ nvme_dev="nvme,serial=kvtier0,drive=nvm,logical_block_size=$lba,physical_block_s
 # timeout; oops=panic does the same for an oops (the host then sees no exit marker).
 append="console=ttyS0 panic=-1 oops=panic quiet loglevel=5 nvme.poll_queues=$poll"
 machine=()
+accel=tcg
 if "$vfio"; then
+  # One host thread for all vCPUs: with a thread per vCPU (MTTCG), QEMU 10 has aborted in
+  # iotlb_to_section (an assertion) while the guest rebound the controller behind the IOMMU.
+  accel=tcg,thread=single
   # 48-bit IOVAs: QEMU's default (39) cannot map every user virtual address. The IOMMU must come
   # before the devices it translates for on the command line.
   machine=(-M q35 -device intel-iommu,intremap=on,aw-bits=48)
@@ -211,14 +224,28 @@ mkdir -p "$(dirname "$logfile")"
 # KVM is never used: stock kernels do not run under /dev/kvm here, and TCG behaves the same
 # on every host. stdin is /dev/null so QEMU never grabs a terminal. --foreground keeps QEMU in
 # this process group, so Ctrl-C or a CI cancel stops it instead of orphaning it.
+stall_re="^\[ *[0-9.]+\] rcu: .*timer wakeup didn't happen"
+(
+  while [ ! -e "$tmp/qemu.done" ]; do
+    sleep 2
+    if grep -a -q -E "$stall_re" "$logfile" 2>/dev/null; then
+      : >"$tmp/stalled"
+      [ ! -s "$tmp/qemu.pid" ] || kill -TERM "$(cat "$tmp/qemu.pid")" 2>/dev/null || true
+      break
+    fi
+  done
+) &
+watcher=$!
 set +e
 timeout --foreground -k 10 "$secs" qemu-system-x86_64 \
-  -accel tcg -cpu "$cpu_model" -m "$mem_mib" -smp "$cpus" ${machine[@]+"${machine[@]}"} \
-  -nodefaults -nographic -serial mon:stdio -no-reboot -nic none \
+  -accel "$accel" -cpu "$cpu_model" -m "$mem_mib" -smp "$cpus" ${machine[@]+"${machine[@]}"} \
+  -nodefaults -nographic -serial mon:stdio -no-reboot -nic none -pidfile "$tmp/qemu.pid" \
   -kernel "$kernel" -initrd "$initrd" -append "$append" \
   -drive "file=$disk,if=none,id=nvm,format=raw" -device "$nvme_dev" \
   </dev/null 2>&1 | sed -u 's/\r$//' | tee "$logfile"
 statuses=("${PIPESTATUS[@]}")
+: >"$tmp/qemu.done"
+wait "$watcher" 2>/dev/null
 set -e
 qemu_rc="${statuses[0]}"
 t_end="$(now)"
@@ -231,6 +258,16 @@ marker="$(grep -a -o 'KVTIER_GUEST_EXIT=[0-9][0-9]*' "$logfile" | tail -n1 | cut
 trouble="$(grep -a -E '^\[ *[0-9]+\.[0-9]+\] (BUG:|Oops|Kernel panic|general protection fault|WARNING:)' "$logfile" | head -n3 || true)"
 
 if [ -z "$marker" ]; then
+  if [ -e "$tmp/stalled" ]; then
+    log_msg "error: the emulator failed: the guest kernel lost a timer interrupt; QEMU was stopped; see $logfile:"
+    grep -a -E "$stall_re" "$logfile" | head -n1 | sed "s/^/$prog:   /" >&2
+    exit 123
+  fi
+  if grep -a -q -E '^qemu-system-x86_64: .*Assertion .* failed' "$logfile"; then
+    log_msg "error: the emulator failed: QEMU aborted on its own assertion; see $logfile:"
+    grep -a -E '^qemu-system-x86_64: .*Assertion' "$logfile" | head -n1 | sed "s/^/$prog:   /" >&2
+    exit 123
+  fi
   if [ "$qemu_rc" -eq 124 ] || [ "$qemu_rc" -eq 137 ]; then
     log_msg "error: the guest ran past --timeout $secs s without reporting an exit status; see $logfile"
     exit 124

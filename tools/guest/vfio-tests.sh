@@ -59,8 +59,8 @@ round() {
   say "round $name: LBA $lba B, MDTS $mdts, IOMMU on"
   local rc=0
   # `kvtier bench` figures in a TCG guest say nothing about a drive: a check that it runs.
-  tools/guest/run.sh --kernel "$kernel" --vfio --lba-size "$lba" --poll-queues 0 --mdts "$mdts" \
-    --disk-mib "$disk_mib" --mem-mib 1024 --timeout "${KVTIER_GUEST_TIMEOUT:-600}" --log "$log" \
+  boot_round "$name" "$log" --kernel "$kernel" --vfio --lba-size "$lba" --poll-queues 0 --mdts "$mdts" \
+    --disk-mib "$disk_mib" --mem-mib 1024 --timeout "${KVTIER_GUEST_TIMEOUT:-600}" \
     --bin "$work/vfio_nvme" --bin "$work/vfio_engine" --bin "$work/kvtier" \
     --file "$work/vfio.toml:/etc/kvtier-vfio.toml" --file "$work/passthrough.toml:/etc/kvtier-pt.toml" -- \
     "set -e; p=\$KVTIER_GUEST_NVME_PCI; d=/sys/bus/pci/devices/\$p; \
@@ -90,7 +90,7 @@ round() {
      quiet kvtier get --config /etc/kvtier-pt.toml --key $key --out /tmp/back2; \
      cmp /tmp/block /tmp/back2; \
      echo 'kvtier-guest: the slab written through VFIO reads back byte-exact through /dev/ng0n1'" \
-    >/dev/null 2>&1 || rc=$?
+    || rc=$?
   # The test lines and the checks, for the log of the whole suite.
   sed -n '/^running [0-9]* tests/,/^KVTIER_GUEST_EXIT=/p' "$log" \
     | grep -v -e '^KVTIER_GUEST_EXIT=' -e '^\[ *[0-9]'
