@@ -9,7 +9,7 @@
 //! Every loaded block is compared with what was stored. Objects are written under
 //! `<prefix>/kvtier-bench-<run>/...` and deleted at the end.
 
-use crate::jobs::{self, Jobs};
+use crate::jobs::{self, Jobs, KeyResult};
 use crate::rng::Rng;
 use crate::stats::{median, percentile};
 use std::fmt::Write as _;
@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier::config::{S3Write, WriteAck};
-use kvtier::{Config, Engine, JobKind, JobResult, Key, Region};
+use kvtier::{Config, Engine, JobKind, Key, Region};
 use serde_json::json;
 
 use crate::output::{self, CliError, CliResult, Human, Table};
@@ -275,7 +275,8 @@ impl Jobs for LatencyJobs<'_> {
         true
     }
 
-    fn done(&mut self, s: usize, block: u32, r: &JobResult) -> CliResult<()> {
+    fn done(&mut self, s: usize, block: u32, r: KeyResult<'_>) -> CliResult<()> {
+        let r = r.job;
         if !r.success {
             return Err(CliError::runtime(format!(
                 "load {} failed: {:?}",

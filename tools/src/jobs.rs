@@ -1,17 +1,21 @@
-//! The tools' one job driver: streams of one-block jobs kept in flight on an engine, each job
-//! on a region block of its own. `kvtier bench` and `fio-compare` run their phases through it
-//! (a load and a store stream at the queue depth), the cold bench its passes and its latency
-//! phase (an NVMe stream at depth 1 beside an S3 stream), `kvtier get`/`put` one job, and
-//! `kvtier inspect --verify` one load per block ([`run_each`], [`run_one`]).
+//! The tools' one job driver: streams of jobs kept in flight on an engine, each key of a job
+//! on a region block of its own. Jobs are of one block unless the driver is built with more
+//! ([`Driver::with_blocks_per_job`]: `--blocks-per-job` of `kvtier bench` and `fio-compare`, as
+//! vLLM's tier submits one job per transfer). `kvtier bench` and `fio-compare` run their phases
+//! through it (a load and a store stream at the queue depth, counted in blocks), the cold bench
+//! its passes and its latency phase (an NVMe stream at depth 1 beside an S3 stream), `kvtier
+//! get`/`put` one job, and `kvtier inspect --verify` one load per block ([`run_each`],
+//! [`run_one`]).
 //!
 //! Invariant: a region block belongs to at most one job in flight. Blocks come from the
-//! driver's pool and go back to it only when the job's result arrives, so no caller touches
-//! memory the engine may be reading or writing. A full engine queue stops a stream until
-//! results arrive: the driver waits for them, never spins.
+//! driver's pool (in groups of the job size) and go back to it only when the job's result
+//! arrives, so no caller touches memory the engine may be reading or writing. A full engine
+//! queue stops a stream until results arrive: the driver waits for them, never spins; a job of
+//! several keys it could not queue is kept and offered again (its keys are taken).
 
 use std::time::{Duration, Instant};
 
-use kvtier::{Engine, Job, JobKind, JobResult, Key};
+use kvtier::{Engine, Job, JobFailure, JobKind, JobResult, Key};
 
 use crate::interrupt;
 use crate::output::{CliError, CliResult};
@@ -26,15 +30,52 @@ pub(crate) trait Jobs {
     fn next_key(&mut self, s: usize) -> Option<Key>;
     /// Fills (a store) or poisons (a load) `block` for the job about to be submitted.
     fn prepare(&mut self, s: usize, block: u32);
-    /// The job `next_key` offered is queued on `block`; the next offer moves on.
+    /// The key `next_key` offered is taken, on `block`; the next offer moves on. A one-block
+    /// job's key is taken once the engine queued it; a key of a longer job when the job is
+    /// made, before the engine queues it (the driver then retries until it does).
     fn submitted(&mut self, s: usize, block: u32);
     /// Whether stream `s` will offer more jobs: the run ends when none will and no job is in
     /// flight.
     fn has_work(&self, s: usize) -> bool;
-    /// A job of stream `s` on `block` finished; an error stops the run.
-    fn done(&mut self, s: usize, block: u32, r: &JobResult) -> CliResult<()>;
+    /// The key of stream `s` on `block` finished (its share of its job's result); an error
+    /// stops the run.
+    fn done(&mut self, s: usize, block: u32, r: KeyResult<'_>) -> CliResult<()>;
     /// Called after every wait for results (a progress display).
     fn tick(&mut self) {}
+}
+
+/// One key's share of its job's result: the key at `index` of `job`.
+#[derive(Clone, Copy)]
+pub(crate) struct KeyResult<'r> {
+    pub job: &'r JobResult,
+    pub index: usize,
+}
+
+impl KeyResult<'_> {
+    /// Why this key failed, if it did.
+    pub(crate) fn failure(&self) -> Option<&JobFailure> {
+        if self.job.success {
+            return None;
+        }
+        self.job.failures.iter().find(|f| f.key_index == self.index)
+    }
+
+    pub(crate) fn success(&self) -> bool {
+        self.failure().is_none()
+    }
+
+    /// The bytes this key moved: its share of the job's (every key is one block).
+    pub(crate) fn bytes(&self) -> u64 {
+        if !self.success() {
+            return 0;
+        }
+        let ok = self
+            .job
+            .keys_total
+            .saturating_sub(self.job.failures.len())
+            .max(1);
+        self.job.bytes / ok as u64
+    }
 }
 
 /// The longest wait for a result while every stream is full: how late an interrupt or a
@@ -44,10 +85,16 @@ const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// Jobs in flight on one engine over a pool of region blocks.
 pub(crate) struct Driver<'e> {
     engine: &'e Engine,
-    /// Free blocks; the last one freed is used first (it is warm in cache).
+    /// Blocks a job's keys go to: group `g` is `groups[g * per_job..][..per_job]`.
+    groups: Vec<u32>,
+    per_job: usize,
+    /// Free groups; the last one freed is used first (it is warm in cache).
     free: Vec<u32>,
-    /// By block: the stream and sequence number of the job on it.
-    on_block: Vec<Option<(usize, u64)>>,
+    /// By group: the stream, sequence number and key count of the job on it.
+    on_group: Vec<Option<(usize, u64, usize)>>,
+    /// By stream: a job of several keys made and not yet queued (backpressure), its group and
+    /// keys.
+    pending: Vec<Option<(u32, Vec<Key>)>>,
     next_seq: u64,
     results: Vec<JobResult>,
     wait: Duration,
@@ -63,43 +110,67 @@ pub(crate) struct Limits {
 }
 
 impl<'e> Driver<'e> {
-    /// A driver over region blocks `blocks` that waits up to `wait` for results at a time.
+    /// A driver of one-block jobs over region blocks `blocks` that waits up to `wait` for
+    /// results at a time.
     pub(crate) fn new(engine: &'e Engine, blocks: &[u32], wait: Duration) -> Driver<'e> {
-        let len = blocks.iter().max().map_or(0, |&b| b as usize + 1);
+        Driver::with_blocks_per_job(engine, blocks, wait, 1)
+    }
+
+    /// A driver of jobs of up to `per_job` keys (one per block), over groups of that many of
+    /// `blocks` (the blocks left over when `blocks` is not a multiple go unused).
+    pub(crate) fn with_blocks_per_job(
+        engine: &'e Engine,
+        blocks: &[u32],
+        wait: Duration,
+        per_job: usize,
+    ) -> Driver<'e> {
+        assert!(per_job >= 1, "a job has at least one block");
+        let groups: Vec<u32> = blocks[..blocks.len() / per_job * per_job].to_vec();
+        let count = groups.len() / per_job;
         Driver {
             engine,
-            free: blocks.iter().rev().copied().collect(),
-            on_block: vec![None; len],
+            groups,
+            per_job,
+            free: (0..count as u32).rev().collect(),
+            on_group: vec![None; count],
+            pending: Vec::new(),
             next_seq: 0,
-            results: Vec::with_capacity(blocks.len()),
+            results: Vec::with_capacity(count),
             wait,
         }
     }
 
+    fn group(&self, g: u32) -> &[u32] {
+        &self.groups[g as usize * self.per_job..][..self.per_job]
+    }
+
     /// Runs `jobs` until no stream has work (or `limits.until` passes, or an interrupt) and
-    /// every job submitted has finished.
+    /// every job submitted has finished. A stream's depth counts blocks (keys) in flight.
     pub(crate) fn run(&mut self, jobs: &mut dyn Jobs, limits: Limits) -> CliResult<()> {
         let streams = jobs.streams().to_vec();
         let mut in_flight = vec![0usize; streams.len()];
         assert!(
-            streams.iter().map(|&(_, d)| d).sum::<usize>() <= self.free.len(),
-            "the pool has a block for every job the streams may keep in flight"
+            streams
+                .iter()
+                .map(|&(_, d)| d.div_ceil(self.per_job))
+                .sum::<usize>()
+                <= self.free.len(),
+            "the pool has a group of blocks for every job the streams may keep in flight"
         );
+        self.pending = vec![None; streams.len()];
         let mut last_result = Instant::now();
         loop {
             let open = !interrupt::requested() && limits.until.is_none_or(|t| Instant::now() < t);
-            if open {
-                for (s, &(kind, depth)) in streams.iter().enumerate() {
-                    while in_flight[s] < depth {
-                        let Some(key) = jobs.next_key(s) else { break };
-                        if !self.submit(jobs, s, kind, key)? {
-                            break;
-                        }
-                        in_flight[s] += 1;
+            for (s, &(kind, depth)) in streams.iter().enumerate() {
+                // A job already made is queued even once the run closes: its keys are taken.
+                while self.pending[s].is_some() || (open && in_flight[s] < depth) {
+                    match self.submit(jobs, s, kind, depth - in_flight[s].min(depth))? {
+                        Queued::Keys(n) => in_flight[s] += n,
+                        Queued::Nothing => break,
                     }
                 }
             }
-            let busy = in_flight.iter().any(|&n| n > 0);
+            let busy = in_flight.iter().any(|&n| n > 0) || self.pending.iter().any(Option::is_some);
             if !busy && (!open || !(0..streams.len()).any(|s| jobs.has_work(s))) {
                 return Ok(());
             }
@@ -108,8 +179,9 @@ impl<'e> Driver<'e> {
             // submit and could not (backpressure, no key yet) polls at the short wait. A
             // short wait with nothing to do costs CPU per unit of time, not per job, and so
             // more per GiB the slower the device.
-            let stuck =
-                open && (0..streams.len()).any(|s| in_flight[s] < streams[s].1 && jobs.has_work(s));
+            let stuck = self.pending.iter().any(Option::is_some)
+                || (open
+                    && (0..streams.len()).any(|s| in_flight[s] < streams[s].1 && jobs.has_work(s)));
             let wait = if stuck { self.wait } else { IDLE_WAIT };
             self.results.clear();
             if self.engine.wait_finished(&mut self.results, wait) > 0 {
@@ -123,14 +195,20 @@ impl<'e> Driver<'e> {
             }
             let mut results = std::mem::take(&mut self.results);
             for r in &results {
-                let block = (r.id & u64::from(u32::MAX)) as u32;
-                let (s, seq) = self.on_block[block as usize].take().expect(
+                let g = (r.id & u64::from(u32::MAX)) as u32;
+                let (s, seq, keys) = self.on_group[g as usize].take().expect(
                     "each result is for a job this driver submitted and has not seen finish",
                 );
-                assert_eq!(seq, r.id >> 32, "the result is for the job on its block");
-                in_flight[s] -= 1;
-                let outcome = jobs.done(s, block, r);
-                self.free.push(block);
+                assert_eq!(seq, r.id >> 32, "the result is for the job on its blocks");
+                assert_eq!(keys, r.keys_total, "the result covers the job's keys");
+                in_flight[s] -= keys;
+                let mut outcome = Ok(());
+                for index in 0..keys {
+                    let block = self.group(g)[index];
+                    let o = jobs.done(s, block, KeyResult { job: r, index });
+                    outcome = outcome.and(o);
+                }
+                self.free.push(g);
                 outcome?;
             }
             results.clear();
@@ -139,26 +217,32 @@ impl<'e> Driver<'e> {
         }
     }
 
-    /// Submits stream `s`'s next job on a free block; `Ok(false)` on backpressure (nothing
-    /// was queued and the block is free again).
+    /// Queues stream `s`'s pending job, or makes one of up to `room` keys on a free group and
+    /// queues it. `Nothing` when no key was offered or on backpressure (a one-block job then
+    /// leaves its key untaken and its group free; a longer one stays pending).
     fn submit(
         &mut self,
         jobs: &mut dyn Jobs,
         s: usize,
         kind: JobKind,
-        key: Key,
-    ) -> CliResult<bool> {
-        let block = self
-            .free
-            .pop()
-            .expect("the pool has a block for every job in flight");
-        jobs.prepare(s, block);
+        room: usize,
+    ) -> CliResult<Queued> {
+        let made = match self.pending[s].take() {
+            Some(p) => Some(p),
+            None => self.make_job(jobs, s, room),
+        };
+        let Some((g, keys)) = made else {
+            return Ok(Queued::Nothing);
+        };
         let seq = self.next_seq;
         assert!(
             seq < 1 << 32,
             "job sequence numbers fit the id's upper half"
         );
-        let job = Job::new((seq << 32) | u64::from(block), vec![key], vec![block]);
+        let blocks = self.group(g)[..keys.len()].to_vec();
+        let n = keys.len();
+        let first = keys[0];
+        let job = Job::new((seq << 32) | u64::from(g), keys.clone(), blocks);
         let submitted = match kind {
             JobKind::Load => self.engine.submit_load(job),
             JobKind::Store => self.engine.submit_store(job),
@@ -166,21 +250,56 @@ impl<'e> Driver<'e> {
         match submitted {
             Ok(()) => {
                 self.next_seq += 1;
-                self.on_block[block as usize] = Some((s, seq));
-                jobs.submitted(s, block);
-                Ok(true)
+                self.on_group[g as usize] = Some((s, seq, n));
+                if self.per_job == 1 {
+                    jobs.submitted(s, self.group(g)[0]);
+                }
+                Ok(Queued::Keys(n))
             }
             Err(kvtier::Error::Backpressure(why)) => {
                 tracing::debug!(%why, "backpressure: waiting for results before resubmitting");
-                self.free.push(block);
-                Ok(false)
+                if self.per_job == 1 {
+                    self.free.push(g);
+                } else {
+                    self.pending[s] = Some((g, keys));
+                }
+                Ok(Queued::Nothing)
             }
             Err(e) => {
-                self.free.push(block);
-                Err(CliError::from(e).context(format!("key {}", key.to_hex())))
+                self.free.push(g);
+                Err(CliError::from(e).context(format!("key {}", first.to_hex())))
             }
         }
     }
+
+    /// A job of up to `room` (and the job size) of stream `s`'s keys on a free group, each
+    /// key's block prepared; `None` when no group is free or no key is offered. The keys of a
+    /// job of several blocks are taken here ([`Jobs::submitted`]).
+    fn make_job(&mut self, jobs: &mut dyn Jobs, s: usize, room: usize) -> Option<(u32, Vec<Key>)> {
+        let g = self.free.pop()?;
+        let want = room.min(self.per_job);
+        let mut keys = Vec::with_capacity(want);
+        while keys.len() < want {
+            let Some(key) = jobs.next_key(s) else { break };
+            let block = self.group(g)[keys.len()];
+            jobs.prepare(s, block);
+            keys.push(key);
+            if self.per_job > 1 {
+                jobs.submitted(s, block);
+            }
+        }
+        if keys.is_empty() {
+            self.free.push(g);
+            return None;
+        }
+        Some((g, keys))
+    }
+}
+
+/// What [`Driver::submit`] queued.
+enum Queued {
+    Nothing,
+    Keys(usize),
 }
 
 /// One job per key, in key order, through [`run_each`]'s callbacks.
@@ -220,8 +339,8 @@ where
         self.next < self.keys.len()
     }
 
-    fn done(&mut self, _: usize, block: u32, r: &JobResult) -> CliResult<()> {
-        (self.done)(self.holder[block as usize], block, r)
+    fn done(&mut self, _: usize, block: u32, r: KeyResult<'_>) -> CliResult<()> {
+        (self.done)(self.holder[block as usize], block, r.job)
     }
 }
 

@@ -141,6 +141,35 @@ fn bench_all_small_verifies_and_reports_five_workloads() {
     assert!(left.is_empty(), "scratch directory not removed: {left:?}");
 }
 
+// Jobs of several blocks (as vLLM's tier submits): every phase runs and verifies, the store
+// phase's last job is a short one (66 keys in jobs of 4) and still stores every key, and the
+// run says the job size.
+#[test]
+fn bench_in_jobs_of_several_blocks_verifies() {
+    let dir = scratch();
+    let (doc, out) = bench_all(dir.path(), 66, &["--blocks-per-job", "4"]);
+    assert_eq!(doc["run"]["blocks_per_job"], 4, "{doc}");
+    assert_eq!(doc["run"]["queue_depth"], 8, "{doc}");
+    assert!(
+        stderr(&out).contains("queue depth 8, in jobs of 4 blocks"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+// A job size that does not divide the queue depth is refused before anything is opened, naming
+// both values.
+#[test]
+fn bench_refuses_a_job_size_that_does_not_divide_the_queue_depth() {
+    let out = kvtier(&["bench", "--queue-depth", "8", "--blocks-per-job", "3"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("--queue-depth 8 is not a multiple of --blocks-per-job 3"),
+        "{err}"
+    );
+}
+
 // `--keep` leaves the slab and a config beside it; `inspect` on that config must find every
 // stored block and verify all of them without touching anything else.
 #[test]

@@ -184,3 +184,27 @@ fn show_fio_prints_io_uring_jobs() {
     assert!(!text.contains("${"), "unfilled variable:\n{text}");
     assert_left_nothing(&dir);
 }
+
+// kvtier's job size must divide every queue depth measured; the refusal names the depth and the
+// size, before fio or any target is touched.
+#[test]
+fn a_job_size_that_does_not_divide_a_queue_depth_is_refused() {
+    let dir = scratch();
+    let out = kvtier(&[
+        "fio-compare",
+        "--queue-depth",
+        "8",
+        "12",
+        "--blocks-per-job",
+        "8",
+        "--dir",
+        dir.path().to_str().expect("UTF-8 path"),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("--queue-depth 12 is not a multiple of --blocks-per-job 8"),
+        "{err}"
+    );
+    assert_left_nothing(&dir);
+}

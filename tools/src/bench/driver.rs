@@ -2,7 +2,7 @@
 //! kept at the queue depth on one engine, every result checked and tallied.
 
 use super::*;
-use crate::jobs::{self, Driver, Jobs};
+use crate::jobs::{self, Driver, Jobs, KeyResult};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,11 +173,12 @@ impl<'e> Bench<'e> {
         engine: &'e Engine,
         region: &'e Region,
         block_bytes: usize,
-        queue_depth: usize,
+        depth: Depth,
         region_blocks: u32,
         slots_total: usize,
         check: Check,
     ) -> Bench<'e> {
+        let queue_depth = depth.blocks as usize;
         assert!(
             region_blocks as usize >= 2 * queue_depth,
             "the region holds a block for every job of both streams"
@@ -192,7 +193,7 @@ impl<'e> Bench<'e> {
         let blocks: Vec<u32> = (0..region_blocks).collect();
         Bench {
             engine,
-            driver: Driver::new(engine, &blocks, WAIT),
+            driver: Driver::with_blocks_per_job(engine, &blocks, WAIT, depth.per_job as usize),
             state: State {
                 engine,
                 region,
@@ -318,7 +319,7 @@ impl Jobs for PhaseJobs<'_, '_> {
         }
     }
 
-    fn done(&mut self, s: usize, block: u32, r: &JobResult) -> CliResult<()> {
+    fn done(&mut self, s: usize, block: u32, r: KeyResult<'_>) -> CliResult<()> {
         let kind = self.streams[s].0;
         self.state.complete(kind, block, r, &mut self.tallies[s]);
         Ok(())
@@ -357,7 +358,7 @@ impl State<'_> {
         self.pool.back().copied()
     }
 
-    fn complete(&mut self, kind: JobKind, block: u32, r: &JobResult, tally: &mut Tally) {
+    fn complete(&mut self, kind: JobKind, block: u32, r: KeyResult<'_>, tally: &mut Tally) {
         let key = self.key_on_block[block as usize];
         tally.in_flight -= 1;
         if kind == JobKind::Store {
@@ -370,10 +371,10 @@ impl State<'_> {
             self.finished_below.store(below, Ordering::Release);
         }
         let offset = self.offset(block);
-        if r.success {
+        if r.success() {
             tally.ok_blocks += 1;
-            tally.bytes += r.bytes;
-            tally.record_latency(r.elapsed.as_micros() as u64, &mut self.rng);
+            tally.bytes += r.bytes();
+            tally.record_latency(r.job.elapsed.as_micros() as u64, &mut self.rng);
             match kind {
                 JobKind::Load => match self.data.first_mismatch(self.region, offset, key) {
                     None => tally.verified += 1,

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvtier::config::Layout;
-use kvtier::{Config, Engine, JobKind, JobResult, Key, KeyFailure, Lookup, Region};
+use kvtier::{Config, Engine, JobKind, Key, KeyFailure, Lookup, Region};
 use kvtier_sys::affinity::thread_cpu_time;
 use serde::Serialize;
 use serde_json::json;
@@ -138,9 +138,13 @@ pub struct BenchArgs {
     /// Distinct keys the store phase writes [default: 75 % of the devices' slots].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     blocks: Option<u64>,
-    /// Jobs of one block each kept in flight per stream.
+    /// Blocks kept in flight per stream (in jobs of --blocks-per-job blocks).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=8192))]
     queue_depth: u32,
+    /// Blocks (keys) per job: 1 is one job per block, as fio issues one I/O per block; vLLM's
+    /// tier submits one job per transfer, of many blocks. The queue depth must be a multiple.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    blocks_per_job: u32,
     #[arg(
         long,
         default_value_t = 10.0,
@@ -258,6 +262,13 @@ pub(crate) fn parse_seconds(text: &str) -> Result<f64, String> {
 pub fn run(args: &BenchArgs) -> CliResult<ExitCode> {
     interrupt::install();
     let human = Human::for_json(args.json.as_deref())?;
+    Depth::new(args.queue_depth, args.blocks_per_job)?;
+    if args.workload == Workload::Cold && args.blocks_per_job != 1 {
+        return Err(CliError::usage(
+            "--blocks-per-job applies to the device workloads; --workload cold moves one \
+             object per job",
+        ));
+    }
     let scratch = scratch_dir(args)?;
     let config = effective_config(args, scratch.as_ref().map(tempfile::TempDir::path))?;
     if let Some(dir) = &scratch {
@@ -408,7 +419,7 @@ fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCo
         &engine,
         &region,
         block_bytes,
-        args.queue_depth as usize,
+        Depth::new(args.queue_depth, args.blocks_per_job)?,
         region_blocks as u32,
         usize::try_from(slots_total).unwrap_or(usize::MAX),
         Check::Full,
@@ -424,9 +435,10 @@ fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCo
     let mut text = output::engine_text(&info, &cores);
     let _ = writeln!(
         text,
-        "run: {blocks} keys stored of {slots_total} slots, queue depth {}, {} s per timed \
+        "run: {blocks} keys stored of {slots_total} slots, queue depth {}{}, {} s per timed \
          phase; engine totals: {} evictions, {} checksum failures, {} I/O errors\n",
         args.queue_depth,
+        Depth::describe_jobs(args.blocks_per_job),
         args.duration,
         final_stats.evictions,
         final_stats.checksum_failures,
@@ -445,6 +457,7 @@ fn run_with(args: &BenchArgs, config: &Config, human: Human) -> CliResult<ExitCo
                 "blocks": blocks,
                 "slots_total": slots_total,
                 "queue_depth": args.queue_depth,
+                "blocks_per_job": args.blocks_per_job,
                 "block_size": config.block_size,
                 "duration_seconds": args.duration,
                 "interrupted": interrupt::requested(),
@@ -670,6 +683,35 @@ pub(crate) enum EngineWorkload {
     Mixed,
 }
 
+/// Blocks in flight per stream, in jobs of `per_job` blocks (a divisor of `blocks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Depth {
+    pub(crate) blocks: u32,
+    pub(crate) per_job: u32,
+}
+
+impl Depth {
+    /// `--queue-depth` and `--blocks-per-job`, refused unless the second divides the first.
+    pub(crate) fn new(blocks: u32, per_job: u32) -> CliResult<Depth> {
+        if per_job == 0 || !blocks.is_multiple_of(per_job) {
+            return Err(CliError::usage(format!(
+                "--queue-depth {blocks} is not a multiple of --blocks-per-job {per_job}: the \
+                 queue depth counts blocks in flight, in jobs of --blocks-per-job blocks"
+            )));
+        }
+        Ok(Depth { blocks, per_job })
+    }
+
+    /// ", in jobs of N blocks" where jobs are of more than one block, else nothing.
+    pub(crate) fn describe_jobs(per_job: u32) -> String {
+        if per_job > 1 {
+            format!(", in jobs of {per_job} blocks")
+        } else {
+            String::new()
+        }
+    }
+}
+
 /// The outcome of [`run_engine`].
 pub(crate) struct EngineRun {
     /// What backs the region this run allocated (hugetlb, THP, 4 KiB pages).
@@ -684,9 +726,10 @@ pub(crate) struct EngineRun {
 pub(crate) fn run_engine(
     config: &Config,
     workload: EngineWorkload,
-    queue_depth: u32,
+    depth: Depth,
     duration: Duration,
 ) -> CliResult<EngineRun> {
+    let queue_depth = depth.blocks;
     let mut config = config.clone();
     config.region_blocks = (2 * u64::from(queue_depth)).max(REGION_BLOCKS_MIN);
     config.validate()?;
@@ -702,7 +745,7 @@ pub(crate) fn run_engine(
         &engine,
         &region,
         block_bytes,
-        queue_depth as usize,
+        depth,
         region_blocks as u32,
         usize::try_from(slots_total).unwrap_or(usize::MAX),
         Check::Stamps,

@@ -153,9 +153,13 @@ pub struct FioCompareArgs {
         action = ArgAction::Append,
         default_values_t = [8u32, 32],
         value_parser = clap::value_parser!(u32).range(1..=4096),
-        help = "Queue depths to measure: jobs of one block in flight in total (per stream)"
+        help = "Queue depths to measure: blocks in flight in total (per stream); fio's I/Os"
     )]
     queue_depths: Vec<u32>,
+    /// kvtier's blocks per job (a divisor of every queue depth): 1 is a job per block, as fio
+    /// issues an I/O per block; vLLM's tier submits a job per transfer, of many blocks.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    blocks_per_job: u32,
     /// Which workloads to measure.
     #[arg(long, value_enum, default_value = "all")]
     workload: WorkloadArg,
@@ -251,6 +255,9 @@ fn kinds(arg: WorkloadArg) -> Vec<Kind> {
 pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
     interrupt::install();
     let human = Human::for_json(args.json.as_deref())?;
+    for &qd in &args.queue_depths {
+        bench::Depth::new(qd, args.blocks_per_job)?;
+    }
     let fio_version = fio_version()?;
     let target = Target::resolve(args)?;
     let workdir = tempfile::Builder::new()
@@ -447,7 +454,7 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
             let engine = bench::run_engine(
                 &prep.config,
                 cell.plan.kind.engine(),
-                cell.plan.queue_depth,
+                bench::Depth::new(cell.plan.queue_depth, args.blocks_per_job)?,
                 duration,
             )?;
             if interrupt::requested() {
@@ -494,12 +501,13 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
     let mut text = String::new();
     let _ = writeln!(
         text,
-        "\nfio-compare: {} on {} ({}), {} pair(s) of {} s per cell, {:.0} s in all\n",
+        "\nfio-compare: {} on {} ({}), {} pair(s) of {} s per cell{}, {:.0} s in all\n",
         target.path.display(),
         first.info.devices[0].kind,
         output::size(device_bytes),
         args.pairs,
         args.duration,
+        bench::Depth::describe_jobs(args.blocks_per_job).replace(", in jobs", ", kvtier's jobs"),
         started.elapsed().as_secs_f64() + fill_seconds
     );
     let mut shown: Vec<Limit> = Vec::new();
@@ -563,6 +571,7 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
             "config": first.config.to_toml_string(),
             "run": {
                 "pairs": args.pairs,
+                "blocks_per_job": args.blocks_per_job,
                 "duration_seconds": args.duration,
                 "interrupted": interrupt::requested(),
             },
