@@ -399,9 +399,9 @@ impl<O: LayoutOp> Context<O> {
     pub(super) fn update_gauges(&self) {
         let m = &self.me.metrics;
         m.queued_loads
-            .store(self.loads.blocks as u64, Ordering::Relaxed);
+            .store(self.loads.blocks() as u64, Ordering::Relaxed);
         m.queued_stores
-            .store(self.stores.blocks as u64, Ordering::Relaxed);
+            .store(self.stores.blocks() as u64, Ordering::Relaxed);
         m.inflight_ops
             .store(self.backend.in_flight() as u64, Ordering::Relaxed);
     }

@@ -73,20 +73,30 @@ pub(crate) fn fail_left_behind(
 /// it was removed.
 pub(crate) type Removed = Vec<(u32, bool)>;
 
+/// One worker's blocks of one kind (loads or stores) not yet started, in the order their parts
+/// arrived: the front part's items from `cursor` on, then every later part's.
+///
+/// Invariants (checked in debug builds): no part is empty; `cursor` is inside the front part;
+/// `blocks` is the count of items not yet taken.
 #[derive(Default)]
 pub(crate) struct WorkQueue {
-    pub parts: VecDeque<Part>,
-    pub cursor: usize,
+    parts: VecDeque<Part>,
+    cursor: usize,
     /// Blocks not yet taken (mirrors the metrics gauge).
-    pub blocks: usize,
+    blocks: usize,
 }
 
 impl WorkQueue {
+    /// Queues `part` behind the others. A part has at least one item (admission sends no empty
+    /// part).
     pub fn push(&mut self, part: Part) {
+        debug_assert!(!part.items.is_empty(), "an empty part is never queued");
         self.blocks += part.items.len();
         self.parts.push_back(part);
+        self.debug_check();
     }
 
+    /// The next block to start: its job and the key's index in it.
     pub fn peek(&self) -> Option<(&Arc<JobState>, usize)> {
         let part = self.parts.front()?;
         Some((&part.job, part.items[self.cursor] as usize))
@@ -94,6 +104,7 @@ impl WorkQueue {
 
     /// Moves past the peeked item, which the worker has taken up, and gives back its queue room.
     pub fn take(&mut self, me: &WorkerShared) {
+        debug_assert!(!self.parts.is_empty(), "take without a peeked item");
         me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
         self.cursor += 1;
         self.blocks -= 1;
@@ -103,10 +114,16 @@ impl WorkQueue {
                 self.cursor = 0;
             }
         }
+        self.debug_check();
     }
 
     pub fn is_empty(&self) -> bool {
         self.parts.is_empty()
+    }
+
+    /// Blocks not yet taken.
+    pub fn blocks(&self) -> usize {
+        self.blocks
     }
 
     /// Fails every block not yet taken with `KeyFailure::Shutdown`; returns how many.
@@ -120,5 +137,152 @@ impl WorkQueue {
             .enumerate()
             .map(|(i, part)| part.fail_from(if i == 0 { cursor } else { 0 }, shared))
             .sum()
+    }
+
+    fn debug_check(&self) {
+        if cfg!(debug_assertions) {
+            debug_assert!(
+                self.parts
+                    .front()
+                    .is_none_or(|p| self.cursor < p.items.len())
+                    && (!self.parts.is_empty() || self.cursor == 0),
+                "the cursor ({}) is inside the front part",
+                self.cursor
+            );
+            let untaken: usize =
+                self.parts.iter().map(|p| p.items.len()).sum::<usize>() - self.cursor;
+            debug_assert_eq!(self.blocks, untaken, "blocks counts the items not taken");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::EventSink;
+    use crate::job::{Job, JobKind, JobResult};
+    use std::sync::Mutex;
+
+    type Results = Arc<Mutex<Vec<JobResult>>>;
+
+    fn key(i: u32) -> Key {
+        Key::new(format!("k{i}").as_bytes()).expect("a key")
+    }
+
+    /// A load job `id` of `keys` keys whose result lands in `results`.
+    fn job(id: u64, keys: u32, results: &Results) -> Arc<JobState> {
+        let into = Arc::clone(results);
+        let job = Job::new(id, (0..keys).map(key).collect(), (0..keys).collect());
+        Arc::new(JobState::internal(
+            JobKind::Load,
+            job,
+            Box::new(move |r| into.lock().expect("not poisoned").push(r)),
+        ))
+    }
+
+    fn worker(queued: usize) -> WorkerShared {
+        let wake = Arc::new(crate::io::EventFd::new().expect("an eventfd"));
+        let me = WorkerShared::new(wake, 1);
+        me.queued_blocks.store(queued, Ordering::Relaxed);
+        me
+    }
+
+    /// Parts come out item by item in the order they were queued, each take giving back one
+    /// block of queue room; the count of blocks follows.
+    #[test]
+    fn items_come_out_in_order_and_give_their_room_back() {
+        let results = Results::default();
+        let (a, b) = (job(1, 3, &results), job(2, 2, &results));
+        let me = worker(4);
+        let mut q = WorkQueue::default();
+        assert!(q.peek().is_none() && q.is_empty());
+        q.push(Part {
+            job: Arc::clone(&a),
+            items: vec![2, 0],
+        });
+        q.push(Part {
+            job: Arc::clone(&b),
+            items: vec![1, 0],
+        });
+        assert_eq!(q.blocks(), 4);
+        let mut seen = Vec::new();
+        while let Some((job, item)) = q.peek() {
+            seen.push((job.job.id, item));
+            q.take(&me);
+        }
+        assert_eq!(seen, [(1, 2), (1, 0), (2, 1), (2, 0)]);
+        assert_eq!(q.blocks(), 0);
+        assert!(q.is_empty());
+        assert_eq!(me.queued_blocks.load(Ordering::Relaxed), 0);
+        assert!(
+            results.lock().expect("not poisoned").is_empty(),
+            "nothing failed"
+        );
+    }
+
+    /// A cancel fails exactly the items not taken (the front part's from its cursor on, every
+    /// later part's), with `Shutdown`, and leaves the queue empty; the items taken are not
+    /// touched, so a job is reported once its taken items resolve.
+    #[test]
+    fn a_cancel_fails_only_what_was_not_taken() {
+        let results = Results::default();
+        let (a, b) = (job(1, 3, &results), job(2, 2, &results));
+        let shared = Shared::new(EventSink::new(false, 1, None));
+        let me = worker(5);
+        let mut q = WorkQueue::default();
+        q.push(Part {
+            job: Arc::clone(&a),
+            items: vec![0, 1, 2],
+        });
+        q.push(Part {
+            job: Arc::clone(&b),
+            items: vec![0, 1],
+        });
+        q.take(&me); // item 0 of job 1 started
+        assert_eq!(q.cancel(&shared), 4);
+        assert!(q.is_empty() && q.peek().is_none());
+        assert_eq!(q.blocks(), 0);
+        {
+            let got = results.lock().expect("not poisoned");
+            assert_eq!(
+                got.len(),
+                1,
+                "job 2 is resolved whole; job 1 waits for item 0"
+            );
+            assert_eq!(got[0].id, 2);
+            let failed: Vec<(usize, KeyFailure)> = got[0]
+                .failures
+                .iter()
+                .map(|f| (f.key_index, f.reason))
+                .collect();
+            assert_eq!(
+                failed,
+                [(0, KeyFailure::Shutdown), (1, KeyFailure::Shutdown)]
+            );
+        }
+        a.succeed(&shared, 0, 4096);
+        let got = results.lock().expect("not poisoned");
+        assert_eq!(got.len(), 2);
+        let failed: Vec<usize> = got[1].failures.iter().map(|f| f.key_index).collect();
+        assert_eq!(failed, [1, 2], "the taken item is not failed by the cancel");
+        assert_eq!(got[1].succeeded_prefix, 1);
+    }
+
+    /// `fail_from` fails a part's items from an index on and says how many.
+    #[test]
+    fn a_part_fails_from_an_item_on() {
+        let results = Results::default();
+        let a = job(7, 4, &results);
+        let shared = Shared::new(EventSink::new(false, 1, None));
+        let part = Part {
+            job: Arc::clone(&a),
+            items: vec![3, 1, 0, 2],
+        };
+        a.succeed(&shared, 3, 1);
+        a.succeed(&shared, 1, 1);
+        assert_eq!(part.fail_from(2, &shared), 2);
+        let got = results.lock().expect("not poisoned");
+        let failed: Vec<usize> = got[0].failures.iter().map(|f| f.key_index).collect();
+        assert_eq!(failed, [0, 2]);
     }
 }
