@@ -189,3 +189,116 @@ pub(crate) fn decode_user_data(user_data: u64) -> (u32, u16, u32) {
         (user_data >> 32) as u32,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An op that says whether it was cleared.
+    #[derive(Default)]
+    struct Op {
+        tag: u32,
+        cleared: bool,
+    }
+
+    impl TableOp for Op {
+        fn clear(&mut self) {
+            self.cleared = true;
+        }
+    }
+
+    fn op(tag: u32) -> Op {
+        Op {
+            tag,
+            cleared: false,
+        }
+    }
+
+    fn table(n: usize) -> (OpTable<Op>, Clock) {
+        let clock = Clock::manual();
+        (OpTable::new(n, clock.clone(), Op::default), clock)
+    }
+
+    /// The table holds as many ops as it was made for; a released slot is reused with a new
+    /// generation, its op cleared at the release; user_data names the op and its chunk.
+    #[test]
+    fn slots_are_reused_under_a_new_generation() {
+        let (mut t, _) = table(2);
+        let a = t.alloc(op(1)).expect("room");
+        let b = t.alloc(op(2)).expect("room");
+        assert!(t.alloc(op(3)).is_none(), "full");
+        assert_eq!(t.live(), 2);
+        let ud = t.user_data(a, 5);
+        assert_eq!(t.decode(ud), (a, 5));
+        t.release(a);
+        assert!(t[a as usize].cleared, "a released op drops what it held");
+        assert_eq!(t.live_indexes(), [b]);
+        let c = t.alloc(op(4)).expect("the slot is free again");
+        assert_eq!(c, a, "the freed slot is reused");
+        assert_eq!(t[c as usize].tag, 4);
+        assert!(!t[c as usize].cleared);
+        assert_ne!(t.user_data(c, 5), ud, "a new generation");
+        assert_eq!(t.decode(t.user_data(c, 0)), (c, 0));
+    }
+
+    /// A completion that names an op released since (an old generation) is a bug: decode
+    /// refuses it.
+    #[test]
+    #[should_panic(expected = "completion for a stale op")]
+    fn a_completion_for_a_reused_slot_is_refused() {
+        let (mut t, _) = table(1);
+        let a = t.alloc(op(1)).expect("room");
+        let stale = t.user_data(a, 0);
+        t.release(a);
+        t.alloc(op(2)).expect("room");
+        let _ = t.decode(stale);
+    }
+
+    /// A load counts in flight from `mark_load` until `take_load`, once.
+    #[test]
+    fn a_load_is_taken_once() {
+        let (mut t, _) = table(1);
+        let a = t.alloc(op(1)).expect("room");
+        assert!(!t.take_load(a), "not a load until marked");
+        t.mark_load(a);
+        assert!(t.take_load(a));
+        assert!(!t.take_load(a), "taken once");
+        t.release(a);
+    }
+
+    /// Ops past their deadline are reported once each, by age on the table's clock; the table
+    /// is all overdue only when every live op is.
+    #[test]
+    fn overdue_ops_are_reported_once() {
+        let (mut t, clock) = table(3);
+        let old = t.alloc(op(1)).expect("room");
+        clock.advance(Duration::from_millis(10));
+        let young = t.alloc(op(2)).expect("room");
+        let limit = Duration::from_millis(5);
+        assert_eq!(t.take_overdue(t.now(), limit), [old]);
+        assert!(!t.all_overdue(), "the young op is not overdue");
+        assert!(t.take_overdue(t.now(), limit).is_empty(), "reported once");
+        clock.advance(Duration::from_millis(6));
+        assert_eq!(t.take_overdue(t.now(), limit), [young]);
+        assert!(t.all_overdue());
+        t.release(old);
+        let fresh = t.alloc(op(3)).expect("room");
+        assert!(
+            !t.all_overdue(),
+            "a new op in a reused slot starts its own deadline"
+        );
+        assert!(t.take_overdue(t.now(), limit).is_empty());
+        assert_eq!(t.find_live(|o| o.tag == 3), Some(fresh));
+        assert_eq!(t.find_live(|o| o.tag == 9), None);
+    }
+
+    #[test]
+    fn user_data_round_trips_at_the_field_limits() {
+        for (idx, gen, chunk) in [(0, 0, 0), ((1 << 24) - 1, u32::MAX, 255), (12345, 7, 3)] {
+            assert_eq!(
+                decode_user_data(encode_user_data(idx, gen, chunk)),
+                (idx, chunk, gen)
+            );
+        }
+    }
+}
