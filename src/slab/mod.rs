@@ -21,6 +21,8 @@ pub(crate) mod layout;
 mod outcome;
 mod pages;
 pub(crate) mod prepare;
+#[cfg(all(test, feature = "sim"))]
+mod scenarios;
 mod slots;
 pub(crate) mod table;
 
