@@ -210,8 +210,8 @@ impl Engine {
         if unroutable > 0 {
             tracing::warn!(
                 blocks = unroutable,
-                "dropped stored blocks whose keys now route to another worker or device \
-                 (cores or devices changed since they were written)"
+                "dropped stored blocks whose keys now route to another worker (cores \
+                 changed since they were written)"
             );
         }
         for (i, d) in self.info.devices.iter().enumerate() {

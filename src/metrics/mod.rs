@@ -572,7 +572,7 @@ pub struct Stats {
     pub recovered_blocks: u64,
     pub torn_entries: u64,
     /// Recovered entries dropped because `cores` or the device list changed since they were
-    /// written (their keys now route to another worker or device).
+    /// written (their keys now route to another worker).
     pub unroutable_entries: u64,
     /// Evicted blocks read and handed to the S3 tier (`write = "on_evict"`).
     pub demotions: u64,

@@ -345,7 +345,7 @@ fn blocks(o: &mut Out, s: &Stats) -> Result<(), std::fmt::Error> {
     o.gauges(
         "kvtier_recovery_dropped_entries",
         "Slot-table entries dropped when the engine opened: torn (a write cut by a crash), or \
-         unroutable (cores or the device list changed).",
+         unroutable (the worker count changed).",
         None,
         vec![
             (l1("reason", "torn"), gauge(s.torn_entries)),

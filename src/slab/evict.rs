@@ -150,8 +150,7 @@ impl SlabLayout {
     /// of device `d`: a key stored again elsewhere after this copy was unindexed (its device
     /// was marked failed) belongs to the new copy.
     pub(super) fn unindex(&mut self, cx: &mut Context<Op>, key: Key, d: usize, local: u32) {
-        if self.index.get(&key) == Some(&(d as u16, local)) {
-            self.index.remove(&key);
+        if self.index.unpoint(&key, (d as u16, local)) {
             cx.withdraw_key(&key);
         }
     }

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use crate::io::{IoClass, IoKind, IoRequest};
 use crate::job::{JobState, KeyFailure};
-use crate::key::{Key, KeyMap};
+use crate::key::Key;
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
 use crate::worker::{
     own_key, region_buffer, Chunks, Context, Layout, LayoutOp, Removal, Start, TableOp, Worker,
@@ -29,6 +29,7 @@ use crate::worker::{
 };
 use crate::Errno;
 
+use super::index::Index;
 use super::pages::TablePages;
 use super::slots::Slots;
 use super::table::Ack;
@@ -199,7 +200,7 @@ pub(crate) struct SlabLayout {
     pub(super) workers: usize,
     pub(super) meta: Arc<crate::io::Region>,
     pub(super) devs: Vec<DevShare>,
-    pub(super) index: KeyMap<(u16, u32)>,
+    pub(super) index: Index,
     /// The table pages' write-back: which changed, which are being written, the stores each
     /// write acknowledges.
     pub(super) pages: TablePages<Ack>,
@@ -247,8 +248,7 @@ impl SlabLayout {
             meta_offset += pages * crate::slab::TABLE_PAGE_BYTES;
             capacity += n;
         }
-        let mut index = KeyMap::default();
-        index.reserve(capacity);
+        let index = Index::with_capacity(capacity);
         SlabLayout {
             verify_always: devices.iter().map(|d| d.verify_always).collect(),
             id,
@@ -287,7 +287,7 @@ impl Layout for SlabLayout {
     fn start_load(&mut self, cx: &mut Context<Op>, job: &Arc<JobState>, item: usize) -> Start {
         let key = job.job.keys[item];
         let block = job.job.blocks[item];
-        let Some(&(d, local)) = self.index.get(&key) else {
+        let Some((d, local)) = self.index.get(&key) else {
             cx.resolve_load(job, item, KeyFailure::Miss);
             return Start::Resolved;
         };
@@ -333,7 +333,7 @@ impl Layout for SlabLayout {
     ) -> Start {
         let key = job.job.keys[item];
         let block = job.job.blocks[item];
-        if self.index.contains_key(&key) {
+        if self.index.contains(&key) {
             // Already stored (or being stored).
             cx.store_present(job, item);
             return Start::Resolved;
@@ -379,7 +379,7 @@ impl Layout for SlabLayout {
         };
         let seq = self.seq;
         self.seq += 1;
-        self.index.insert(key, (d as u16, local));
+        self.index.point(key, (d as u16, local));
         let op = &mut cx.ops[idx as usize];
         op.job = Some(Arc::clone(job));
         op.item = item as u32;
@@ -471,7 +471,7 @@ impl Layout for SlabLayout {
     }
 
     fn touch(&mut self, key: Key) {
-        if let Some(&(d, local)) = self.index.get(&key) {
+        if let Some((d, local)) = self.index.get(&key) {
             self.devs[d as usize].slots[local as usize].referenced = true;
         }
     }
@@ -479,15 +479,15 @@ impl Layout for SlabLayout {
     fn keys(&self) -> Vec<Key> {
         self.index
             .iter()
-            .filter(|(_, &(d, local))| {
+            .filter(|&(_, (d, local))| {
                 self.devs[d as usize].slots[local as usize].state == SlotState::Valid
             })
-            .map(|(k, _)| *k)
+            .map(|(k, _)| k)
             .collect()
     }
 
     fn remove(&mut self, cx: &mut Context<Op>, key: Key) -> bool {
-        let Some(&(d, local)) = self.index.get(&key) else {
+        let Some((d, local)) = self.index.get(&key) else {
             return false;
         };
         let slot = &self.devs[d as usize].slots[local as usize];
@@ -551,8 +551,8 @@ impl Layout for SlabLayout {
         let keys: Vec<(Key, u32)> = self
             .index
             .iter()
-            .filter(|(_, &(dev, _))| dev as usize == d)
-            .map(|(k, &(_, local))| (*k, local))
+            .filter(|&(_, (dev, _))| dev as usize == d)
+            .map(|(k, (_, local))| (k, local))
             .collect();
         for &(key, local) in &keys {
             self.unindex(cx, key, d, local);
@@ -616,12 +616,12 @@ impl Layout for SlabLayout {
             }
             dev.slots.check().map_err(|e| format!("device {d}: {e}"))?;
         }
-        for (key, &(d, local)) in &self.index {
+        for (key, (d, local)) in self.index.iter() {
             let s = &self.devs[d as usize].slots[local as usize];
-            if s.state != SlotState::Valid || s.key != Some(*key) {
+            if s.state != SlotState::Valid || s.key != Some(key) {
                 return Err(format!("index entry {key:?} names a {:?} slot", s.state));
             }
-            if !cx.is_published(key) {
+            if !cx.is_published(&key) {
                 return Err(format!("{key:?} is indexed but not published"));
             }
         }

@@ -17,6 +17,7 @@
 use crate::key::{Key, MAX_KEY_BYTES};
 
 mod evict;
+mod index;
 pub(crate) mod layout;
 mod outcome;
 mod pages;
@@ -126,29 +127,24 @@ pub enum Recovered {
     Empty,
     /// A torn table write: cleared.
     Torn,
-    /// A valid entry this engine can never be asked for: written under another worker or
-    /// device count (its key routes elsewhere) or another block size. Cleared.
+    /// A valid entry this engine can never be asked for: written under another worker count
+    /// (its key routes to another worker) or another block size. Cleared.
     Unroutable(Entry),
     /// A block this engine holds (if no newer entry for its key turns up).
     Kept(Entry),
 }
 
-/// [`Recovered`] for the entry `raw` of a slot that worker `worker` of `workers` owns on device
-/// `device` of `devices`, in a store of `block_bytes` blocks.
-pub fn recover_entry(
-    raw: &[u8],
-    device: usize,
-    devices: usize,
-    worker: usize,
-    workers: usize,
-    block_bytes: u64,
-) -> Recovered {
+/// [`Recovered`] for the entry `raw` of a slot that worker `worker` of `workers` owns, in a
+/// store of `block_bytes` blocks. The device does not matter: a key lives on its home device
+/// unless that one was marked failed when it was stored (then on the next one), and the index
+/// maps each key to its slot wherever it is; two entries for one key are settled by their
+/// sequence numbers.
+pub fn recover_entry(raw: &[u8], worker: usize, workers: usize, block_bytes: u64) -> Recovered {
     match Entry::decode(raw) {
         EntryRead::Empty => Recovered::Empty,
         EntryRead::Torn => Recovered::Torn,
         EntryRead::Valid(e) => {
-            let routed_here = e.key.worker(workers) == worker && e.key.device(devices) == device;
-            if routed_here && u64::from(e.data_len) == block_bytes {
+            if e.key.worker(workers) == worker && u64::from(e.data_len) == block_bytes {
                 Recovered::Kept(e)
             } else {
                 Recovered::Unroutable(e)
@@ -364,7 +360,7 @@ mod tests {
     }
 
     #[test]
-    fn recovery_keeps_only_entries_routed_to_the_reading_worker_and_device() {
+    fn recovery_keeps_only_entries_routed_to_the_reading_worker() {
         let key = Key::new(b"recovered key").expect("key");
         let entry = |data_len| Entry {
             seq: 7,
@@ -373,33 +369,29 @@ mod tests {
             key,
         };
         let mut raw = [0u8; ENTRY_BYTES];
-        assert_eq!(recover_entry(&raw, 0, 1, 0, 1, 4096), Recovered::Empty);
+        assert_eq!(recover_entry(&raw, 0, 1, 4096), Recovered::Empty);
         entry(4096).encode(&mut raw);
         assert_eq!(
-            recover_entry(&raw, 0, 1, 0, 1, 4096),
+            recover_entry(&raw, 0, 1, 4096),
             Recovered::Kept(entry(4096))
         );
-        let (w, d) = (key.worker(3), key.device(2));
+        let w = key.worker(3);
         assert_eq!(
-            recover_entry(&raw, d, 2, w, 3, 4096),
+            recover_entry(&raw, w, 3, 4096),
             Recovered::Kept(entry(4096))
         );
         let other_worker = (w + 1) % 3;
         assert_eq!(
-            recover_entry(&raw, d, 2, other_worker, 3, 4096),
+            recover_entry(&raw, other_worker, 3, 4096),
             Recovered::Unroutable(entry(4096))
         );
         assert_eq!(
-            recover_entry(&raw, 1 - d, 2, w, 3, 4096),
-            Recovered::Unroutable(entry(4096))
-        );
-        assert_eq!(
-            recover_entry(&raw, 0, 1, 0, 1, 8192),
+            recover_entry(&raw, 0, 1, 8192),
             Recovered::Unroutable(entry(4096)),
             "another block size"
         );
         raw[40] ^= 1;
-        assert_eq!(recover_entry(&raw, 0, 1, 0, 1, 4096), Recovered::Torn);
+        assert_eq!(recover_entry(&raw, 0, 1, 4096), Recovered::Torn);
     }
 
     #[test]

@@ -132,9 +132,7 @@ impl SlabLayout {
         let key = s.key.expect("writing slot has a key");
         // Unless the key was stored again elsewhere meanwhile (this store's device was marked
         // failed, which unindexed it, and a later store of the key went to another device).
-        if self.index.get(&key) == Some(&(d as u16, local)) {
-            self.index.remove(&key);
-        }
+        self.index.unpoint(&key, (d as u16, local));
         if s.entry != EntryState::Unwritten {
             self.clear_entry(d, local);
         }

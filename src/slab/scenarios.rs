@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::config::{Config, Cores, DeviceConfig, HugePages};
 use crate::io::{IoClass, IoKind, Region};
-use crate::job::{Job, JobKind, JobResult};
+use crate::job::{Job, JobKind, JobResult, KeyFailure};
 use crate::key::Key;
 use crate::sim::cluster::Cluster;
 use crate::sim::{LogEntry, SimStorage};
@@ -178,4 +178,97 @@ fn entries_changed_while_their_page_is_in_flight_share_its_next_write() {
         "the two entries that waited went out in one write"
     );
     cluster.check_quiet().expect("nothing left in flight");
+}
+
+/// Two entries for one key after a device failure: the key's home device (1) kept timing out,
+/// was marked failed, and the key was stored again on device 0 with other bytes. Both entries
+/// are on the devices when the store is reopened (a failed device's entries are not cleared:
+/// it cannot be written). Recovery must keep the newer entry (the larger sequence number),
+/// whichever device it reads first, and free the older one's slot properly.
+#[test]
+fn recovery_keeps_the_newer_of_two_entries_on_different_devices() {
+    let size = (1 << 20) + 32 * BLOCK;
+    let storage = SimStorage::new(7, &[size, size]);
+    let region =
+        crate::region::allocate_blocks(BLOCK, REGION_BLOCKS, HugePages::Off).expect("region");
+    let mut config = config();
+    config.devices = vec![
+        DeviceConfig::new("sim0".to_string()),
+        DeviceConfig::new("sim1".to_string()),
+    ];
+    config.io_timeout_ms = 200;
+    let on_dev1: Vec<u8> = (0..=255u8)
+        .filter(|&i| key(i).device(2) == 1)
+        .take(3)
+        .collect();
+    assert_eq!(on_dev1.len(), 3);
+    // The key is stored last of the three, so its first entry's sequence number is not 0.
+    let k = on_dev1[2];
+    let settle = |cluster: &mut Cluster| assert!(cluster.settle(100_000), "settles");
+    let mut cluster = Cluster::open(&config, &region, &storage, 7).expect("opens");
+    for (b, &i) in on_dev1.iter().enumerate() {
+        region.write(at(b as u32), &content(i));
+    }
+    cluster
+        .submit(
+            JobKind::Store,
+            Job::new(1, on_dev1.iter().map(|&i| key(i)).collect(), vec![0, 1, 2]),
+        )
+        .expect("admitted");
+    settle(&mut cluster);
+    assert!(results(&cluster)[0].success);
+
+    // Device 1 stops answering: three loads time out, which marks it failed.
+    storage.hang_device(1, true);
+    cluster
+        .submit(
+            JobKind::Load,
+            Job::new(2, on_dev1.iter().map(|&i| key(i)).collect(), vec![3, 4, 5]),
+        )
+        .expect("admitted");
+    let mut done = Vec::new();
+    for _ in 0..100_000 {
+        cluster.step();
+        done.extend(results(&cluster));
+        if !done.is_empty() {
+            break;
+        }
+    }
+    assert!(
+        done[0].failures.len() == 3
+            && done[0]
+                .failures
+                .iter()
+                .all(|f| f.reason == KeyFailure::Timeout),
+        "{done:?}"
+    );
+    // The key again, with other bytes: it goes to device 0 now.
+    let newer: Vec<u8> = content(k).iter().map(|b| !b).collect();
+    region.write(at(6), &newer);
+    cluster
+        .submit(JobKind::Store, Job::new(3, vec![key(k)], vec![6]))
+        .expect("admitted");
+    storage.hang_device(1, false);
+    settle(&mut cluster);
+    let done = results(&cluster);
+    assert!(done.iter().any(|r| r.id == 3 && r.success), "{done:?}");
+    cluster.crash();
+
+    let mut cluster = Cluster::open(&config, &region, &storage, 7).expect("reopens");
+    region.fill(at(7), BLOCK as usize, 0xEE);
+    cluster
+        .submit(JobKind::Load, Job::new(4, vec![key(k)], vec![7]))
+        .expect("admitted");
+    settle(&mut cluster);
+    let done = results(&cluster);
+    assert!(done[0].success, "{done:?}");
+    region.with_bytes(at(7), BLOCK as usize, |b| {
+        assert!(
+            b == newer.as_slice(),
+            "the newer copy is served, not the older"
+        );
+    });
+    cluster
+        .check_quiet()
+        .expect("the older entry's slot is free and on the free list");
 }

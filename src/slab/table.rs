@@ -12,9 +12,7 @@ use crate::slab::{Entry, Recovered, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BY
 use crate::worker::{Context, BUF_META};
 use crate::Errno;
 
-use super::layout::{
-    EntryState, Op, OpKind, SlabDevice, SlabLayout, SlotMeta, SlotState, FREE_SLOT,
-};
+use super::layout::{EntryState, Op, OpKind, SlabDevice, SlabLayout, SlotMeta, SlotState};
 
 /// A store to acknowledge once the table page holding its entry is on the device (and its data
 /// write has completed: the two run side by side).
@@ -270,14 +268,14 @@ impl SlabLayout {
             pending -= reap_recover(cx)?;
         }
         let mut recovered = 0u64;
-        for d in 0..self.devs.len() {
-            if !devices[d].fresh {
-                let n = self.rebuild_device(cx, d, devices.len());
+        for (d, device) in devices.iter().enumerate().take(self.devs.len()) {
+            if !device.fresh {
+                let (n, dropped_before) = self.rebuild_device(cx, d);
                 cx.metrics()
                     .dev(d)
                     .blocks_stored
                     .store(n, Ordering::Relaxed);
-                recovered += n;
+                recovered = recovered + n - dropped_before;
             }
         }
         cx.metrics()
@@ -286,39 +284,54 @@ impl SlabLayout {
         Ok(recovered)
     }
 
-    fn rebuild_device(&mut self, cx: &mut Context<Op>, d: usize, devices: usize) -> u64 {
+    /// Rebuilds device `d`'s slots and index entries from its table; returns the blocks it
+    /// holds, and how many blocks of devices rebuilt before it were dropped for a newer entry
+    /// here (their counts already included them).
+    fn rebuild_device(&mut self, cx: &mut Context<Op>, d: usize) -> (u64, u64) {
         let mut recovered = 0;
+        let mut dropped_before = 0;
         let mut raw = [0u8; ENTRY_BYTES];
         let n = self.devs[d].slots.len();
-        let mut keep: Vec<(Key, u32, u64)> = Vec::new();
+        let mut keep: Vec<Key> = Vec::new();
         let me = cx.worker_shared();
         let m = &me.metrics;
         for local in 0..n {
             let off = self.devs[d].meta_offset + local * ENTRY_BYTES;
             self.meta.read(off, &mut raw);
-            match super::recover_entry(&raw, d, devices, self.id, self.workers, cx.block_bytes()) {
+            match super::recover_entry(&raw, self.id, self.workers, cx.block_bytes()) {
                 Recovered::Empty => {}
                 Recovered::Torn => {
                     m.torn_entries.fetch_add(1, Ordering::Relaxed);
                     self.clear_entry(d, local as u32);
                 }
                 Recovered::Unroutable(_) => {
-                    // Written under another worker or device count: this worker could never
-                    // be asked for it, so the slot is reclaimed.
+                    // Written under another worker count (or block size): this worker could
+                    // never be asked for it, so the slot is reclaimed.
                     m.unroutable_entries.fetch_add(1, Ordering::Relaxed);
                     self.clear_entry(d, local as u32);
                 }
                 Recovered::Kept(e) => {
                     self.seq = self.seq.max(e.seq + 1);
-                    if let Some(&(od, os)) = self.index.get(&e.key) {
-                        // Two entries for one key: keep the newer.
-                        let old_seq = keep.iter().find(|k| k.0 == e.key).map_or(0, |k| k.2);
+                    if let Some((od, os)) = self.index.get(&e.key) {
+                        // Two entries for one key (on this device, or on one read before: a
+                        // device marked failed keeps its entries, and the key was stored
+                        // again elsewhere): keep the newer, by sequence number.
+                        let old_seq = self.devs[od as usize].slots[os as usize].seq;
                         if old_seq >= e.seq {
                             self.clear_entry(d, local as u32);
                             continue;
                         }
+                        self.index.unpoint(&e.key, (od, os));
                         self.drop_recovered(od as usize, os);
-                        recovered -= 1;
+                        if od as usize == d {
+                            recovered -= 1;
+                        } else {
+                            dropped_before += 1;
+                            me.metrics
+                                .dev(od as usize)
+                                .blocks_stored
+                                .fetch_sub(1, Ordering::Relaxed);
+                        }
                     }
                     self.devs[d].slots[local] = SlotMeta {
                         state: SlotState::Valid,
@@ -330,23 +343,25 @@ impl SlabLayout {
                         entry: EntryState::Durable,
                         seq: e.seq,
                     };
-                    self.index.insert(e.key, (d as u16, local as u32));
-                    keep.push((e.key, local as u32, e.seq));
+                    self.index.point(e.key, (d as u16, local as u32));
+                    keep.push(e.key);
                     recovered += 1;
                 }
             }
         }
         self.devs[d].slots.rebuild_free_list();
-        for (key, _, _) in &keep {
-            if self.index.contains_key(key) {
+        for key in &keep {
+            if self.index.get(key).is_some_and(|(kd, _)| kd as usize == d) {
                 cx.publish_key(key);
             }
         }
-        recovered
+        (recovered, dropped_before)
     }
 
+    /// Frees a recovered slot whose entry lost to a newer one: back on its device's free list
+    /// (that device's list may be rebuilt already), its table entry cleared.
     fn drop_recovered(&mut self, d: usize, local: u32) {
-        self.devs[d].slots[local as usize] = FREE_SLOT;
+        self.devs[d].slots.free(local);
         self.clear_entry(d, local);
     }
 }

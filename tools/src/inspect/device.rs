@@ -88,12 +88,9 @@ pub(super) fn run_slab(args: &InspectArgs, mut config: Config) -> CliResult<Exit
 fn scan_devices(config: &Config) -> CliResult<(KeyMap<Stored>, Vec<Scan>)> {
     let mut keys: KeyMap<Stored> = KeyMap::default();
     let mut scans = Vec::with_capacity(config.devices.len());
-    // The engine's own recovery rule decides what is stored: it needs the worker and device
-    // counts this config opens with.
-    let routing = Routing {
-        workers: config.cores.workers().len(),
-        devices: config.devices.len(),
-    };
+    // The engine's own recovery rule decides what is stored: it needs the worker count this
+    // config opens with.
+    let workers = config.cores.workers().len();
     for (i, device) in config.devices.iter().enumerate() {
         if device.kind != DeviceKind::Vfio && !device.path.exists() {
             return Err(CliError::usage(format!(
@@ -101,7 +98,7 @@ fn scan_devices(config: &Config) -> CliResult<(KeyMap<Stored>, Vec<Scan>)> {
                 device.path.display()
             )));
         }
-        let scan = scan_device(device, i, config.block_size, routing, &mut keys)
+        let scan = scan_device(device, i, config.block_size, workers, &mut keys)
             .map_err(|e| e.context(format!("devices[{i}] {}", device.path.display())))?;
         scans.push(scan);
     }
@@ -258,20 +255,13 @@ pub(super) fn read_geometry(
     Ok(geometry)
 }
 
-/// The worker and device counts an engine opened with this config routes keys by.
-#[derive(Clone, Copy)]
-pub(super) struct Routing {
-    pub workers: usize,
-    pub devices: usize,
-}
-
 /// Reads the header and the whole slot table of one device, read-only and buffered, and
 /// classifies each entry by the engine's recovery rule ([`slab::recover_entry`]).
 pub(super) fn scan_device(
     device_cfg: &DeviceConfig,
     device: usize,
     block_bytes: u64,
-    routing: Routing,
+    workers: usize,
     keys: &mut KeyMap<Stored>,
 ) -> CliResult<Scan> {
     let file = open_read_only(device_cfg)?;
@@ -298,15 +288,8 @@ pub(super) fn scan_device(
         let first_slot = at / slab::ENTRY_BYTES as u64;
         buf.with_bytes(0, len, |raw| {
             for (i, entry) in raw.chunks_exact(slab::ENTRY_BYTES).enumerate() {
-                let worker = geometry.worker_of(first_slot + i as u64, routing.workers);
-                let verdict = slab::recover_entry(
-                    entry,
-                    device,
-                    routing.devices,
-                    worker,
-                    routing.workers,
-                    block_bytes,
-                );
+                let worker = geometry.worker_of(first_slot + i as u64, workers);
+                let verdict = slab::recover_entry(entry, worker, workers, block_bytes);
                 match verdict {
                     Recovered::Empty => scan.empty += 1,
                     Recovered::Torn => scan.torn += 1,

@@ -85,7 +85,7 @@ struct DeviceReport {
     valid_entries: u64,
     empty_entries: u64,
     torn_entries: u64,
-    /// Valid entries whose keys this config routes to another worker or device (or that hold
+    /// Valid entries whose keys this config routes to another worker (or that hold
     /// another block size): the engine clears them at open, as it does torn ones.
     unroutable_entries: u64,
     /// Older entries of a key that has a newer one; recovery drops them.
