@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use crate::io::{IoClass, IoKind, IoRequest};
 use crate::job::{JobState, KeyFailure};
-use crate::key::Key;
 use crate::slab::{Entry, Recovered, ENTRIES_PER_PAGE, ENTRY_BYTES, TABLE_PAGE_BYTES};
 use crate::worker::{Context, BUF_META};
 use crate::Errno;
@@ -267,32 +266,36 @@ impl SlabLayout {
             cx.backend().submit(true).map_err(|e| e.to_string())?;
             pending -= reap_recover(cx)?;
         }
-        let mut recovered = 0u64;
         for (d, device) in devices.iter().enumerate().take(self.devs.len()) {
             if !device.fresh {
-                let (n, dropped_before) = self.rebuild_device(cx, d);
-                cx.metrics()
-                    .dev(d)
-                    .blocks_stored
-                    .store(n, Ordering::Relaxed);
-                recovered = recovered + n - dropped_before;
+                self.rebuild_device(cx, d);
             }
         }
+        // What the index holds once every device is read: each key once, the newer of two
+        // entries (which may be on different devices).
+        let mut per_device = vec![0u64; self.devs.len()];
+        for (key, (d, _)) in self.index.iter() {
+            per_device[usize::from(d)] += 1;
+            cx.publish_key(&key);
+        }
+        for (d, &n) in per_device.iter().enumerate() {
+            cx.metrics()
+                .dev(d)
+                .blocks_stored
+                .store(n, Ordering::Relaxed);
+        }
+        let recovered = per_device.iter().sum();
         cx.metrics()
             .recovered_blocks
             .store(recovered, Ordering::Relaxed);
         Ok(recovered)
     }
 
-    /// Rebuilds device `d`'s slots and index entries from its table; returns the blocks it
-    /// holds, and how many blocks of devices rebuilt before it were dropped for a newer entry
-    /// here (their counts already included them).
-    fn rebuild_device(&mut self, cx: &mut Context<Op>, d: usize) -> (u64, u64) {
-        let mut recovered = 0;
-        let mut dropped_before = 0;
+    /// Rebuilds device `d`'s slots and index entries from its table (the keys are published
+    /// once every device is read).
+    fn rebuild_device(&mut self, cx: &Context<Op>, d: usize) {
         let mut raw = [0u8; ENTRY_BYTES];
         let n = self.devs[d].slots.len();
-        let mut keep: Vec<Key> = Vec::new();
         let me = cx.worker_shared();
         let m = &me.metrics;
         for local in 0..n {
@@ -323,15 +326,6 @@ impl SlabLayout {
                         }
                         self.index.unpoint(&e.key, (od, os));
                         self.drop_recovered(od as usize, os);
-                        if od as usize == d {
-                            recovered -= 1;
-                        } else {
-                            dropped_before += 1;
-                            me.metrics
-                                .dev(od as usize)
-                                .blocks_stored
-                                .fetch_sub(1, Ordering::Relaxed);
-                        }
                     }
                     self.devs[d].slots[local] = SlotMeta {
                         state: SlotState::Valid,
@@ -344,18 +338,10 @@ impl SlabLayout {
                         seq: e.seq,
                     };
                     self.index.point(e.key, (d as u16, local as u32));
-                    keep.push(e.key);
-                    recovered += 1;
                 }
             }
         }
         self.devs[d].slots.rebuild_free_list();
-        for key in &keep {
-            if self.index.get(key).is_some_and(|(kd, _)| kd as usize == d) {
-                cx.publish_key(key);
-            }
-        }
-        (recovered, dropped_before)
     }
 
     /// Frees a recovered slot whose entry lost to a newer one: back on its device's free list
