@@ -10,8 +10,8 @@
 //! Invariant: a region block belongs to at most one job in flight. Blocks come from the
 //! driver's pool (in groups of the job size) and go back to it only when the job's result
 //! arrives, so no caller touches memory the engine may be reading or writing. A full engine
-//! queue stops a stream until results arrive: the driver waits for them, never spins; a job of
-//! several keys it could not queue is kept and offered again (its keys are taken).
+//! queue stops a stream until results arrive: the driver waits for them, never spins; a job it
+//! could not queue is kept and offered again (its keys are taken).
 
 use std::time::{Duration, Instant};
 
@@ -30,9 +30,9 @@ pub(crate) trait Jobs {
     fn next_key(&mut self, s: usize) -> Option<Key>;
     /// Fills (a store) or poisons (a load) `block` for the job about to be submitted.
     fn prepare(&mut self, s: usize, block: u32);
-    /// The key `next_key` offered is taken, on `block`; the next offer moves on. A one-block
-    /// job's key is taken once the engine queued it; a key of a longer job when the job is
-    /// made, before the engine queues it (the driver then retries until it does).
+    /// The key `next_key` offered is taken, on `block`; the next offer moves on. A key is
+    /// taken when its job is made, before the engine queues the job (which the driver retries
+    /// after backpressure until it does).
     fn submitted(&mut self, s: usize, block: u32);
     /// Whether stream `s` will offer more jobs: the run ends when none will and no job is in
     /// flight.
@@ -218,8 +218,8 @@ impl<'e> Driver<'e> {
     }
 
     /// Queues stream `s`'s pending job, or makes one of up to `room` keys on a free group and
-    /// queues it. `Nothing` when no key was offered or on backpressure (a one-block job then
-    /// leaves its key untaken and its group free; a longer one stays pending).
+    /// queues it. `Nothing` when no key was offered, or on backpressure (the job then stays
+    /// pending, its keys taken, and is offered again after the next results).
     fn submit(
         &mut self,
         jobs: &mut dyn Jobs,
@@ -251,18 +251,11 @@ impl<'e> Driver<'e> {
             Ok(()) => {
                 self.next_seq += 1;
                 self.on_group[g as usize] = Some((s, seq, n));
-                if self.per_job == 1 {
-                    jobs.submitted(s, self.group(g)[0]);
-                }
                 Ok(Queued::Keys(n))
             }
             Err(kvtier::Error::Backpressure(why)) => {
                 tracing::debug!(%why, "backpressure: waiting for results before resubmitting");
-                if self.per_job == 1 {
-                    self.free.push(g);
-                } else {
-                    self.pending[s] = Some((g, keys));
-                }
+                self.pending[s] = Some((g, keys));
                 Ok(Queued::Nothing)
             }
             Err(e) => {
@@ -273,8 +266,8 @@ impl<'e> Driver<'e> {
     }
 
     /// A job of up to `room` (and the job size) of stream `s`'s keys on a free group, each
-    /// key's block prepared; `None` when no group is free or no key is offered. The keys of a
-    /// job of several blocks are taken here ([`Jobs::submitted`]).
+    /// key's block prepared and the key taken ([`Jobs::submitted`]); `None` when no group is
+    /// free or no key is offered.
     fn make_job(&mut self, jobs: &mut dyn Jobs, s: usize, room: usize) -> Option<(u32, Vec<Key>)> {
         let g = self.free.pop()?;
         let want = room.min(self.per_job);
@@ -284,9 +277,7 @@ impl<'e> Driver<'e> {
             let block = self.group(g)[keys.len()];
             jobs.prepare(s, block);
             keys.push(key);
-            if self.per_job > 1 {
-                jobs.submitted(s, block);
-            }
+            jobs.submitted(s, block);
         }
         if keys.is_empty() {
             self.free.push(g);

@@ -507,7 +507,11 @@ pub fn run(args: &FioCompareArgs) -> CliResult<ExitCode> {
         output::size(device_bytes),
         args.pairs,
         args.duration,
-        bench::Depth::describe_jobs(args.blocks_per_job).replace(", in jobs", ", kvtier's jobs"),
+        if args.blocks_per_job > 1 {
+            format!(", kvtier's jobs of {} blocks", args.blocks_per_job)
+        } else {
+            String::new()
+        },
         started.elapsed().as_secs_f64() + fill_seconds
     );
     let mut shown: Vec<Limit> = Vec::new();
