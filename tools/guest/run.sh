@@ -226,7 +226,8 @@ mkdir -p "$(dirname "$logfile")"
 # this process group, so Ctrl-C or a CI cancel stops it instead of orphaning it.
 stall_re="^\[ *[0-9.]+\] rcu: .*timer wakeup didn't happen"
 (
-  while [ ! -e "$tmp/qemu.done" ]; do
+  # Ends with QEMU, or when the script ends early and its temp directory is gone.
+  while [ -d "$tmp" ] && [ ! -e "$tmp/qemu.done" ]; do
     sleep 2
     if grep -a -q -E "$stall_re" "$logfile" 2>/dev/null; then
       : >"$tmp/stalled"
