@@ -12,17 +12,7 @@ use super::layout::{FilesLayout, Kind, Op, State, Step};
 
 impl FilesLayout {
     pub(super) fn evict(&mut self, cx: &mut Context<Op>, d: usize, n: usize) -> usize {
-        let victims: Vec<Key> = self
-            .lru
-            .values()
-            .filter(|k| {
-                self.index
-                    .get(k)
-                    .is_some_and(|e| e.dev as usize == d && e.state == State::Valid && e.pins == 0)
-            })
-            .take(n)
-            .copied()
-            .collect();
+        let victims = self.index.victims(d, n);
         let mut started = 0;
         for key in victims {
             let Some(dest) = self.devs[d].path_of(&key) else {

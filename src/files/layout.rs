@@ -31,45 +31,27 @@
 //! store's bytes are reserved in the shared usage counter before its temp file exists and
 //! released if it fails; every temp file is closed and removed on every failure path.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::files::device::{FilesDevice, ScannedFile};
 use crate::io::{FileOp, IoClass};
 use crate::job::{JobState, KeyFailure};
-use crate::key::{Key, KeyMap};
+use crate::key::Key;
 use crate::worker::{own_key, region_buffer, Context, Layout, Start};
 
+pub(crate) use super::index::{Entry, Index, State};
 pub(crate) use super::op::{Kind, Op, Step};
 
 pub(super) const RENAME_NOREPLACE: u32 = 1;
 /// Blocks evicted at once when a store finds the device full.
 pub(super) const EVICT_BATCH: usize = 4;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum State {
-    Writing,
-    Valid,
-}
-
-#[derive(Clone, Copy)]
-pub(crate) struct Entry {
-    pub dev: u16,
-    pub state: State,
-    pub pins: u32,
-    pub tick: u64,
-    /// Whether its bytes are in the shared usage counter (written or scanned by kvtier).
-    pub counted: bool,
-}
-
 pub(crate) struct FilesLayout {
     pub(super) id: usize,
     pub(super) devs: Vec<Arc<FilesDevice>>,
-    pub(super) index: KeyMap<Entry>,
-    /// LRU order: tick → key, oldest first.
-    pub(super) lru: BTreeMap<u64, Key>,
-    pub(super) tick: u64,
+    pub(super) index: Index,
     /// Ops whose next step could not be pushed (SQ full).
     pub(super) stalled: VecDeque<u32>,
     pub(super) removals_in_flight: usize,
@@ -107,9 +89,7 @@ impl FilesLayout {
         let mut w = FilesLayout {
             id,
             devs: devices,
-            index: KeyMap::default(),
-            lru: BTreeMap::new(),
-            tick: 0,
+            index: Index::default(),
             stalled: VecDeque::new(),
             removals_in_flight: 0,
             stores_opening: 0,
@@ -128,22 +108,11 @@ impl FilesLayout {
         let devices = w.devs.len();
         for f in scanned {
             let dev = f.key.device(devices) as u16;
-            w.tick += 1;
-            w.index.insert(
-                f.key,
-                Entry {
-                    dev,
-                    state: State::Valid,
-                    pins: 0,
-                    tick: w.tick,
-                    counted: true,
-                },
-            );
-            w.lru.insert(w.tick, f.key);
+            w.index.publish(f.key, dev, true);
         }
         let n = w.index.len() as u64;
         me.metrics.recovered_blocks.store(n, Ordering::Relaxed);
-        for e in w.index.values() {
+        for (_, e) in w.index.valid() {
             me.metrics
                 .dev(e.dev as usize)
                 .blocks_stored
@@ -154,8 +123,8 @@ impl FilesLayout {
 
     /// Publishes every block the scan at open found (before the worker starts).
     pub fn publish_scanned(&self, cx: &mut Context<Op>) {
-        for key in self.index.keys() {
-            cx.publish_key(key);
+        for (key, _) in self.index.valid() {
+            cx.publish_key(&key);
         }
     }
 
@@ -189,18 +158,8 @@ impl FilesLayout {
         }
     }
 
-    fn touch_key(&mut self, key: Key) {
-        if let Some(e) = self.index.get_mut(&key) {
-            self.lru.remove(&e.tick);
-            self.tick += 1;
-            e.tick = self.tick;
-            self.lru.insert(self.tick, key);
-        }
-    }
-
     pub(super) fn unindex(&mut self, cx: &mut Context<Op>, key: &Key) -> Option<Entry> {
         let e = self.index.remove(key)?;
-        self.lru.remove(&e.tick);
         if e.state == State::Valid {
             cx.withdraw_key(key);
             cx.metrics()
@@ -212,20 +171,7 @@ impl FilesLayout {
     }
 
     pub(super) fn publish(&mut self, cx: &mut Context<Op>, key: Key, dev: u16, counted: bool) {
-        self.tick += 1;
-        let tick = self.tick;
-        let prev = self.index.insert(
-            key,
-            Entry {
-                dev,
-                state: State::Valid,
-                pins: 0,
-                tick,
-                counted,
-            },
-        );
-        if let Some(p) = prev {
-            self.lru.remove(&p.tick);
+        if let Some(p) = self.index.publish(key, dev, counted) {
             if p.state == State::Valid {
                 cx.metrics()
                     .dev(p.dev as usize)
@@ -233,7 +179,6 @@ impl FilesLayout {
                     .fetch_sub(1, Ordering::Relaxed);
             }
         }
-        self.lru.insert(tick, key);
         cx.publish_key(&key);
         cx.metrics()
             .dev(dev as usize)
@@ -280,10 +225,8 @@ impl Layout for FilesLayout {
             self.release(cx, idx);
             return Start::Blocked;
         }
-        if let Some(e) = self.index.get_mut(&key) {
-            e.pins += 1;
-        }
-        self.touch_key(key);
+        cx.ops[idx as usize].pin = self.index.pin(&key);
+        self.index.touch(&key);
         Start::Loading(idx)
     }
 
@@ -355,15 +298,11 @@ impl Layout for FilesLayout {
     }
 
     fn touch(&mut self, key: Key) {
-        self.touch_key(key);
+        self.index.touch(&key);
     }
 
     fn keys(&self) -> Vec<Key> {
-        self.index
-            .iter()
-            .filter(|(_, e)| e.state == State::Valid)
-            .map(|(k, _)| *k)
-            .collect()
+        self.index.valid().map(|(k, _)| k).collect()
     }
 
     fn remove(&mut self, cx: &mut Context<Op>, key: Key) -> bool {
@@ -402,12 +341,7 @@ impl Layout for FilesLayout {
     }
 
     fn device_failed(&mut self, cx: &mut Context<Op>, d: usize) {
-        let keys: Vec<Key> = self
-            .index
-            .iter()
-            .filter(|(_, e)| e.dev as usize == d && e.state == State::Valid && e.pins == 0)
-            .map(|(k, _)| *k)
-            .collect();
+        let keys = self.index.idle_on(d);
         for key in &keys {
             self.unindex(cx, key);
         }
@@ -439,10 +373,8 @@ impl Layout for FilesLayout {
 
     #[cfg(any(test, feature = "sim"))]
     fn check_quiet(&self, _core: &Context<Op>) -> Result<(), String> {
-        if self.removals_in_flight != 0
-            || self.index.values().any(|e| e.pins != 0)
-            || !self.probes_idle()
-        {
+        self.index.check()?;
+        if self.removals_in_flight != 0 || self.index.any_pinned() || !self.probes_idle() {
             return Err(format!(
                 "{} removals in flight, pins left, or {} probes queued and {} in flight",
                 self.removals_in_flight,

@@ -17,7 +17,6 @@ use kvtier_sys::dir::{self as confined, NodeKind};
 
 use crate::files::device::FilesDevice;
 use crate::job::KeyFailure;
-use crate::key::Key;
 use crate::metrics::ErrClass;
 use crate::worker::shared::block_crc;
 use crate::worker::{io_outcome, Context, Layout};
@@ -43,19 +42,17 @@ impl FilesLayout {
                 .files_refused
                 .fetch_add(1, Ordering::Relaxed);
             cx.log_error(&why);
-            let key = cx.ops[idx as usize].key.expect("load has a key");
-            self.forget(cx, &key);
+            self.forget(cx, idx);
             Self::finish_load(cx, idx, Err((KeyFailure::Refused, why)));
             self.end_load(cx, idx);
             return;
         }
         if result < 0 {
             let e = Errno::from_raw(-result);
-            let key = cx.ops[idx as usize].key.expect("load has a key");
             if e == Errno::ENOENT {
                 // Gone (evicted by another process, or never stored): a miss, and forget it.
                 cx.metrics().load_misses.fetch_add(1, Ordering::Relaxed);
-                self.forget(cx, &key);
+                self.forget(cx, idx);
                 Self::finish_load(cx, idx, Err((KeyFailure::Miss, String::new())));
             } else {
                 let d = cx.ops[idx as usize].dev as usize;
@@ -107,10 +104,17 @@ impl FilesLayout {
         self.push_step(cx, idx);
     }
 
-    /// Unindexes `key` (its file is gone or refused) unless other loads still read it.
-    pub(super) fn forget(&mut self, cx: &mut Context<Op>, key: &Key) {
-        if self.index.get(key).is_some_and(|e| e.pins <= 1) && self.unindex(cx, key).is_some() {
-            cx.announce_removed(vec![*key]);
+    /// Load `idx` found its file gone or refused: unindexes the entry it pinned unless other
+    /// loads still read it (they opened the file before it went). An entry that is not the one
+    /// it pinned (a store of the key begun or finished since) is left alone, as is a key it
+    /// did not find indexed.
+    pub(super) fn forget(&mut self, cx: &mut Context<Op>, idx: u32) {
+        let op = &cx.ops[idx as usize];
+        let Some((key, pin)) = op.key.zip(op.pin) else {
+            return;
+        };
+        if self.index.pinned_only_by(&key, pin) && self.unindex(cx, &key).is_some() {
+            cx.announce_removed(vec![key]);
         }
     }
 
@@ -218,13 +222,11 @@ impl FilesLayout {
             outcome,
             Err((KeyFailure::ShortIo { .. } | KeyFailure::Checksum, _))
         );
-        if outcome.is_ok() && !self.index.contains_key(&key) {
-            // Published by another process since our scan: index it now.
+        if outcome.is_ok() && !self.index.contains(&key) {
+            // Published by another process since our scan: index it now, pinned by this load.
             let dev = cx.ops[idx as usize].dev;
             self.publish(cx, key, dev, false);
-            if let Some(e) = self.index.get_mut(&key) {
-                e.pins = 1;
-            }
+            cx.ops[idx as usize].pin = self.index.pin(&key);
         }
         if bad {
             // Reported once the file is gone (`on_unlink`); the index forgets it now.
@@ -234,10 +236,12 @@ impl FilesLayout {
         }
         if bad {
             // Remove the file after closing it; the removal is this op's trailing step.
+            // Whatever entry the key has: the file at its path is the one being removed.
             let entry = self.unindex(cx, &key);
             cx.announce_removed(vec![key]);
             let block_bytes = cx.block_bytes();
             let op = &mut cx.ops[idx as usize];
+            op.pin = None;
             op.bytes = if entry.is_some_and(|e| e.counted) {
                 block_bytes
             } else {
@@ -278,9 +282,9 @@ impl FilesLayout {
 
     /// Unpins and frees a finished load op.
     pub(super) fn end_load(&mut self, cx: &mut Context<Op>, idx: u32) {
-        let key = cx.ops[idx as usize].key;
-        if let Some(e) = key.and_then(|k| self.index.get_mut(&k)) {
-            e.pins = e.pins.saturating_sub(1);
+        let op = &mut cx.ops[idx as usize];
+        if let Some((key, pin)) = op.key.zip(op.pin.take()) {
+            self.index.unpin(&key, pin);
         }
         self.release(cx, idx);
     }

@@ -4,6 +4,7 @@
 
 pub mod device;
 mod evict;
+mod index;
 pub(crate) mod layout;
 mod load;
 pub mod mapper;

@@ -10,6 +10,8 @@ use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
 use crate::worker::{Chunks, LayoutOp, TableOp};
 
+use super::index::Pin;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Step {
     Open,
@@ -151,6 +153,9 @@ pub(crate) struct Op {
     pub started: Instant,
     /// A probe: the generation of its question in `WorkerShared::unindexed`.
     pub generation: u64,
+    /// A load's pin on the index entry whose file it reads (none for a key not indexed when
+    /// it started, until it finds the file).
+    pub pin: Option<Pin>,
 }
 
 impl Op {
@@ -235,6 +240,7 @@ impl Op {
             staging: None,
             started: Instant::now(),
             generation: 0,
+            pin: None,
         }
     }
 }

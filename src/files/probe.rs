@@ -51,7 +51,7 @@ impl FilesLayout {
                 }
             };
             if let Some(dest) = start {
-                if self.index.contains_key(&key) {
+                if self.index.contains(&key) {
                     // Indexed since the question (stored or loaded here): published already.
                     cx.unindexed().forget(key, generation);
                 } else {
@@ -103,7 +103,7 @@ impl FilesLayout {
         }
         .fetch_add(1, Ordering::Relaxed);
         if found {
-            if !self.index.contains_key(&key) {
+            if !self.index.contains(&key) {
                 // Published by another process: index it, as a load that finds it does.
                 self.publish(cx, key, dev, false);
             }

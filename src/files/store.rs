@@ -31,7 +31,7 @@ use crate::worker::shared::block_crc;
 use crate::worker::{Context, Layout, Start};
 use crate::Errno;
 
-use super::layout::{Entry, FilesLayout, Kind, Op, State, Step, EVICT_BATCH};
+use super::layout::{FilesLayout, Kind, Op, Step, EVICT_BATCH};
 
 impl FilesLayout {
     /// Reserves a block's bytes in device `d`'s shared usage counter (with a capacity bound;
@@ -95,7 +95,7 @@ impl FilesLayout {
             return Start::Blocked;
         }
         let key = job.job.keys[item];
-        if self.index.contains_key(&key) {
+        if self.index.contains(&key) {
             cx.store_present(job, item);
             return Start::Resolved;
         }
@@ -153,17 +153,7 @@ impl FilesLayout {
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
         let tmp = FileMapper::temp_path(&dest, self.rng >> 1);
-        self.tick += 1;
-        self.index.insert(
-            key,
-            Entry {
-                dev: d as u16,
-                state: State::Writing,
-                pins: 0,
-                tick: self.tick,
-                counted: reserved > 0,
-            },
-        );
+        self.index.writing(key, d as u16, reserved > 0);
         let op = &mut cx.ops[idx as usize];
         op.begin(Step::OpenTmp);
         op.job = Some(Arc::clone(job));
@@ -510,13 +500,7 @@ impl FilesLayout {
             }
         }
         self.devs[d].unreserve(cx, reserved);
-        if self
-            .index
-            .get(&key)
-            .is_some_and(|e| e.state == State::Writing)
-        {
-            self.index.remove(&key);
-        }
+        self.index.abandon(&key);
         // Not a key its deadline failed already: its outcome is out, its blocks may be the
         // caller's again. Not after a stop either: the stop failed what was queued, and a
         // retry queued now would wait for removals a hung file system may never finish, its

@@ -364,6 +364,11 @@ impl Cluster {
         self.node.lookup(keys)
     }
 
+    /// Marks `keys` used, as `Engine::touch` does (the workers take it on their next turns).
+    pub fn touch(&self, keys: &[crate::key::Key]) {
+        self.node.touch(keys);
+    }
+
     /// Asks the workers to remove `keys`, as `Engine::remove` does; their answers
     /// (`(index in keys, removed)`) arrive on the receiver as the workers take their turns.
     pub fn remove(

@@ -810,7 +810,9 @@ impl Run {
         Ok(())
     }
 
-    /// A lookup of a few keys: hits name a tier that holds (or held) the key.
+    /// A lookup of a few keys: hits name a tier that holds (or held) the key. The keys are
+    /// then touched, hits or not, as vLLM 0.33's scheduler touches what it looked up (a touch
+    /// may meet a key whose store is still running, or one that is gone).
     fn lookup(&mut self, cluster: &Cluster) -> Result<(), String> {
         let ids: Vec<u64> = (0..=self.rng.below(4))
             .map(|_| self.rng.below(KEYS))
@@ -833,6 +835,7 @@ impl Run {
                 _ => {}
             }
         }
+        cluster.touch(&keys);
         Ok(())
     }
 }
