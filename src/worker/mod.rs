@@ -2,14 +2,17 @@
 //! the keys that hash to it and its share of every device. [`Worker`] holds everything the
 //! layouts have in common — the run loop, intake, the queues, the [`Scheduler`], store chunking,
 //! load and store reporting — and a [`Layout`] (the slab, or the files directory) decides what
-//! a load or a store is on the device.
+//! a load or a store is on the device ([`layout`]: the seam).
+//!
+//! This file is the loop; each phase of a turn has its own file, in the order a turn runs them:
 //!
 //! ```text
-//! engine ──Msg──► intake ─► loads / stores queues
-//!                  turn:  reap CQEs ─► layout.on_complete, or the chunk accounting of a store
+//! engine ──Msg──► intake.rs  ─► loads / stores queues (queue.rs)
+//!                  turn:  reap.rs    CQEs ─► layout.on_complete, or the chunk accounting of a store
+//!                         expire.rs  ops past io_timeout: keys failed, requests cancelled
 //!                         layout.unstall (ops that found the SQ full)
-//!                         issue loads   ─► layout.start_load   (while the scheduler allows)
-//!                         issue stores  ─► layout.start_store  ─► chunks ─► layout.push_chunk
+//!                         issue.rs   loads  ─► layout.start_load   (while the scheduler allows)
+//!                                    stores ─► layout.start_store  ─► chunks ─► layout.push_chunk
 //!                         layout.background (slot table pages)
 //!                  submit, or sleep in the ring until a CQE or a nudge; layout.after_submit
 //! ```
@@ -20,9 +23,14 @@
 
 mod context;
 pub(crate) mod demote;
+mod expire;
+mod intake;
+mod issue;
+mod layout;
 pub(crate) mod ops;
 pub(crate) mod published;
 pub(crate) mod queue;
+mod reap;
 pub(crate) mod sched;
 pub(crate) mod shared;
 pub(crate) mod unindexed;
@@ -35,13 +43,11 @@ use crossbeam_channel::Receiver;
 
 use crate::clock::Clock;
 use crate::io::{Completion, IoBackend, Region};
-use crate::job::{JobKind, JobState, KeyFailure, Shared};
-use crate::key::Key;
-use crate::Errno;
+use crate::job::{JobState, Shared};
 
 pub(crate) use self::context::{io_outcome, Context};
-use self::context::{FAILURE_WINDOW_DEADLINES, FAIL_AFTER_TIMEOUTS};
 pub(crate) use demote::{Demote, DemoteSink, Demotion};
+pub(crate) use layout::{Layout, LayoutOp, Removal, Start};
 pub(crate) use ops::{OpTable, TableOp};
 pub(crate) use published::Publisher;
 pub(crate) use queue::{fail_left_behind, Msg, Part, Removed, WorkQueue};
@@ -67,166 +73,6 @@ pub(crate) fn region_buffer(region: crate::job::RegionId) -> u16 {
     } else {
         BUF_STAGING + region
     }
-}
-
-/// Why a layout frees a stored key (slab slot, or file): for the metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Removal {
-    /// To make room.
-    Evicted,
-    /// The caller asked ([`crate::Engine::remove`]).
-    Asked,
-}
-
-impl Removal {
-    /// Counts one on device metrics `m` (`evictions` or `removals`).
-    pub(crate) fn count(self, m: &crate::metrics::DeviceMetrics) {
-        match self {
-            Removal::Evicted => &m.evictions,
-            Removal::Asked => &m.removals,
-        }
-        .fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// What starting a load or a store did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Start {
-    /// I/O was queued for a store's key.
-    Started,
-    /// I/O was queued for a load's key as op `idx`: the worker counts one more load in flight
-    /// until the op is released ([`Context::release`]) or its load ended ([`Context::end_load`]).
-    Loading(u32),
-    /// The key was answered without I/O (a miss, already stored, a clear failure).
-    Resolved,
-    /// No room now (ring, op table, space being freed): try again next turn.
-    Blocked,
-}
-
-/// What a layout's op offers the worker.
-pub(crate) trait LayoutOp: TableOp {
-    /// The chunk plan of a store whose data write is under way; `None` for any other op or step.
-    fn writing(&mut self) -> Option<&mut Chunks>;
-
-    /// The device the op runs on.
-    fn device(&self) -> usize;
-}
-
-/// What a device layout does; the worker does the rest. Every method runs on the worker thread
-/// and must not block (I/O goes through `cx.backend()`).
-pub(crate) trait Layout {
-    type Op: LayoutOp;
-
-    /// Starts loading `item` of `job` into its region block.
-    fn start_load(&mut self, cx: &mut Context<Self::Op>, job: &Arc<JobState>, item: usize)
-        -> Start;
-
-    /// Starts storing `item` of `job`; `retried`: a second try after evicting (ENOSPC). A store
-    /// that is ready to write its data calls [`Context::begin_writing`].
-    fn start_store(
-        &mut self,
-        cx: &mut Context<Self::Op>,
-        job: &Arc<JobState>,
-        item: usize,
-        retried: bool,
-    ) -> Start;
-
-    /// Pushes the write of bytes `start..start + len` of store `idx`'s block (chunk `chunk`);
-    /// false if the submission queue is full.
-    fn push_chunk(
-        &mut self,
-        cx: &mut Context<Self::Op>,
-        idx: u32,
-        chunk: u16,
-        start: u64,
-        len: u64,
-    ) -> bool;
-
-    /// Every chunk of store `idx` completed (`failure`: the first that failed, or the stop).
-    fn on_written(
-        &mut self,
-        cx: &mut Context<Self::Op>,
-        idx: u32,
-        failure: Option<(KeyFailure, String)>,
-    );
-
-    /// A completion of any op that is not a store's data write.
-    fn on_complete(&mut self, cx: &mut Context<Self::Op>, idx: u32, result: i32);
-
-    /// The caller used `key`: keep it longer.
-    fn touch(&mut self, key: Key);
-
-    /// Every key stored (published) now.
-    fn keys(&self) -> Vec<Key>;
-
-    /// Removes `key` if it is stored and no I/O is reading it: unpublished and its slot or
-    /// file freed as an eviction frees it (without demotion to the cold tier), a removed event
-    /// sent. False when it is not stored here or busy.
-    fn remove(&mut self, cx: &mut Context<Self::Op>, key: Key) -> bool;
-
-    /// Finds out whether `keys` (not indexed here) are on the devices, and answers in
-    /// `cx.unindexed` (each with its question's generation); a key found is indexed and
-    /// published. Only the files layout is asked; by default every key is absent.
-    fn probe(&mut self, cx: &mut Context<Self::Op>, keys: Vec<(Key, u64)>) {
-        for (key, generation) in keys {
-            cx.unindexed
-                .answer(key, generation, crate::verdicts::Verdict::Absent);
-            cx.me.probes_outstanding.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-
-    /// Pushes what earlier found the submission queue full; true if anything moved.
-    fn unstall(&mut self, cx: &mut Context<Self::Op>) -> bool {
-        let _ = cx;
-        false
-    }
-
-    /// The layout's own work after loads and stores were issued (table pages); true if any.
-    fn background(&mut self, cx: &mut Context<Self::Op>) -> bool {
-        let _ = cx;
-        false
-    }
-
-    /// Runs after each submit: work that must not delay the next I/O (checksums of finished
-    /// stores).
-    fn after_submit(&mut self, cx: &mut Context<Self::Op>) {
-        let _ = cx;
-    }
-
-    /// Whether the layout has nothing left to do (the worker may exit when stopping).
-    fn idle(&self) -> bool;
-
-    /// Names op `idx` for an error message: the device (path) and the operation.
-    fn describe_op(&self, cx: &Context<Self::Op>, idx: u32) -> String;
-
-    /// Names device `d` for a log line (`devices[d]` and its path).
-    fn device_name(&self, d: usize) -> String;
-
-    /// The callers' keys that op `idx`, past its deadline, keeps waiting: each with whether the
-    /// op may still move bytes of its region block (then the job's lease is held until the op
-    /// completes). Empty for the layout's own I/O that no key waits on.
-    fn overdue_keys(&self, cx: &Context<Self::Op>, idx: u32) -> Vec<(Arc<JobState>, usize, bool)>;
-
-    /// Fails (`KeyFailure::Timeout`) what waited longer than `limit` with no op of its own to
-    /// carry a deadline (the slab's stores whose table page write could not be queued); true
-    /// if any key failed. Nothing by default.
-    fn expire_waiting(
-        &mut self,
-        cx: &mut Context<Self::Op>,
-        now: Instant,
-        limit: Duration,
-    ) -> bool {
-        let _ = (cx, now, limit);
-        false
-    }
-
-    /// Device `d` was marked failed (`cx.device_failed(d)` is true from now on): its keys
-    /// become misses; new stores go elsewhere or fail.
-    fn device_failed(&mut self, cx: &mut Context<Self::Op>, d: usize);
-
-    /// For the simulator, once the worker is idle: what the layout would have leaked.
-    #[cfg(any(test, feature = "sim"))]
-    fn check_quiet(&self, cx: &Context<Self::Op>) -> Result<(), String>;
 }
 
 /// Everything a worker is built from.
@@ -542,87 +388,6 @@ impl<L: Layout> Worker<L> {
         self.layout.check_quiet(c)
     }
 
-    /// Stopping for longer than the deadline with I/O still in flight, and every op of it past
-    /// its deadline, so the keys it served have been failed and their jobs reported. Ops
-    /// started after the stop (the page writes that flush the slot table, say) have deadlines
-    /// of their own: the stop waits for those too.
-    fn hung_at_stop(&self) -> bool {
-        let now = self.cx.ops.now();
-        self.stop_at.is_some_and(|at| {
-            now.duration_since(at) > self.cx.io_timeout + overdue_check_interval(self.cx.io_timeout)
-        }) && self.cx.backend.in_flight() > 0
-            && self.cx.ops.all_overdue()
-    }
-
-    /// Fails the keys of ops past their deadline (`KeyFailure::Timeout`); each such op keeps
-    /// its job's lease until it completes. True if any key failed.
-    fn expire_overdue(&mut self) -> bool {
-        let now = self.cx.ops.now();
-        if now < self.next_overdue_check {
-            return false;
-        }
-        let limit = self.cx.io_timeout;
-        self.next_overdue_check = now + overdue_check_interval(limit);
-        let mut any = self.layout.expire_waiting(&mut self.cx, now, limit);
-        for idx in self.cx.ops.take_overdue(now, limit) {
-            let what = self.layout.describe_op(&self.cx, idx);
-            let d = self.cx.ops[idx as usize].device();
-            if self.cx.count_timeout(d) {
-                tracing::error!(
-                    worker = self.cx.id,
-                    device = d,
-                    "{what}: the device timed out {FAIL_AFTER_TIMEOUTS} times within {} ms and \
-                     is marked failed: its keys are misses (served by the S3 tier when there is \
-                     one) and new stores go to the other devices. Check it (dmesg, smartctl) and \
-                     restart kvtier to use it again",
-                    (limit * FAILURE_WINDOW_DEADLINES).as_millis()
-                );
-                self.layout.device_failed(&mut self.cx, d);
-            }
-            self.cx
-                .me
-                .metrics
-                .dev(d)
-                .io_timeouts
-                .fetch_add(1, Ordering::Relaxed);
-            let detail = format!(
-                "{what}: no completion within io_timeout_ms = {}; the I/O is still in flight \
-                 and the job's region blocks stay leased until the device answers",
-                limit.as_millis()
-            );
-            self.cx.log_error(&detail);
-            self.cancel(idx);
-            for (job, item, hold) in self.layout.overdue_keys(&self.cx, idx) {
-                if job.is_resolved(item) {
-                    continue;
-                }
-                if hold {
-                    self.cx.ops.hold(idx, &job);
-                }
-                let m = &self.cx.me.metrics;
-                match job.kind {
-                    JobKind::Load => m.loads_failed.fetch_add(1, Ordering::Relaxed),
-                    JobKind::Store => m.stores_failed.fetch_add(1, Ordering::Relaxed),
-                };
-                job.fail(&self.cx.shared, item, KeyFailure::Timeout, detail.clone());
-                any = true;
-            }
-        }
-        any
-    }
-
-    /// Asks the device to cancel op `idx` (past its deadline): every chunk a store issued, or
-    /// the op's one request. What a hung file system blocks in io_uring's kernel workers then
-    /// completes early and gives its blocks back; I/O already on a device runs on.
-    fn cancel(&mut self, idx: u32) {
-        let chunks = self.cx.ops[idx as usize].writing().map_or(1, |c| c.issued);
-        for chunk in 0..chunks {
-            let user_data = self.cx.ops.user_data(idx, chunk);
-            // No room in the queue: the op runs on to its own completion, as without a cancel.
-            let _ = self.cx.backend.cancel(user_data);
-        }
-    }
-
     /// One turn of the loop without submitting or sleeping; true if anything moved.
     fn turn(&mut self) -> bool {
         let mut progress = self.intake();
@@ -634,210 +399,5 @@ impl<L: Layout> Worker<L> {
         progress |= self.issue_stores();
         progress |= self.layout.background(&mut self.cx);
         progress
-    }
-
-    fn intake(&mut self) -> bool {
-        let mut any = false;
-        while let Ok(msg) = self.rx.try_recv() {
-            any = true;
-            match msg {
-                Msg::Work(part) => {
-                    if self.cx.stopping {
-                        self.cx.cancel_part(&part);
-                        continue;
-                    }
-                    match part.job.kind {
-                        JobKind::Load => self.cx.loads.push(part),
-                        JobKind::Store => self.cx.stores.push(part),
-                    }
-                }
-                Msg::Touch(keys) => {
-                    for key in keys {
-                        self.layout.touch(key);
-                    }
-                }
-                Msg::Keys(reply) => {
-                    let _ = reply.send(self.layout.keys());
-                }
-                Msg::Remove(keys, reply) => {
-                    let removed = keys
-                        .into_iter()
-                        .map(|(i, key)| (i, self.layout.remove(&mut self.cx, key)))
-                        .collect();
-                    let _ = reply.send(removed);
-                }
-                Msg::Probe(keys, first) => {
-                    let questions = self.cx.questions(keys, first);
-                    self.layout.probe(&mut self.cx, questions);
-                }
-                Msg::Stop => self.stop(),
-            }
-        }
-        any
-    }
-
-    /// Fails everything queued and not yet started; stores stop issuing chunks (and fail once
-    /// the issued ones complete); I/O in flight runs to completion.
-    fn stop(&mut self) {
-        self.stop_at.get_or_insert_with(|| self.cx.ops.now());
-        let issuing = self.cx.cancel_queued();
-        for idx in issuing {
-            let chunks = self.cx.ops[idx as usize]
-                .writing()
-                .expect("an issuing store is writing");
-            chunks.fail(KeyFailure::Shutdown, String::new());
-            chunks.cut();
-            if chunks.finished() {
-                let failure = chunks.failure.take();
-                self.layout.on_written(&mut self.cx, idx, failure);
-            }
-        }
-    }
-
-    fn reap(&mut self) -> bool {
-        let mut out = std::mem::take(&mut self.completions);
-        out.clear();
-        self.cx.backend.complete(&mut out);
-        let any = !out.is_empty();
-        for c in &out {
-            let (idx, chunk) = self.cx.ops.decode(c.user_data);
-            if self.cx.ops[idx as usize].writing().is_some() {
-                self.on_chunk_done(idx, chunk, c.result);
-            } else {
-                self.layout.on_complete(&mut self.cx, idx, c.result);
-            }
-        }
-        self.completions = out;
-        any
-    }
-
-    fn issue_loads(&mut self) -> bool {
-        let mut any = false;
-        while self.cx.sched.may_start_load() {
-            let Some((job, item)) = self.cx.loads.peek() else {
-                break;
-            };
-            let job = Arc::clone(job);
-            match self.layout.start_load(&mut self.cx, &job, item) {
-                Start::Loading(idx) => self.cx.load_started(idx),
-                Start::Started => unreachable!("a load started as a store"),
-                Start::Resolved => {}
-                Start::Blocked => break,
-            }
-            self.cx.loads.take(&self.cx.me);
-            any = true;
-        }
-        any
-    }
-
-    fn issue_stores(&mut self) -> bool {
-        let mut any = false;
-        loop {
-            let cx = &mut self.cx;
-            let front = cx.store_issuing.front().copied();
-            let next_bytes = match front {
-                Some(idx) => cx.ops[idx as usize].writing().map_or(0, |c| c.len),
-                None => cx.sched.chunk_bytes(),
-            };
-            if !cx.sched.may_issue_store(next_bytes, !cx.loads.is_empty()) {
-                break;
-            }
-            if let Some(idx) = front {
-                if !self.issue_chunk(idx) {
-                    break;
-                }
-                any = true;
-                continue;
-            }
-            let (job, item, retried) = match cx.retry.front() {
-                Some((job, item)) => (Arc::clone(job), *item, true),
-                None => match cx.stores.peek() {
-                    Some((job, item)) => (Arc::clone(job), item, false),
-                    None => break,
-                },
-            };
-            match self.layout.start_store(&mut self.cx, &job, item, retried) {
-                Start::Loading(_) => unreachable!("a store started as a load"),
-                Start::Started | Start::Resolved => {
-                    if retried {
-                        self.cx.retry.pop_front();
-                    } else {
-                        self.cx.stores.take(&self.cx.me);
-                    }
-                    any = true;
-                }
-                Start::Blocked => break,
-            }
-        }
-        any
-    }
-
-    /// Issues the next chunk of store `idx`; false if the ring is full.
-    fn issue_chunk(&mut self, idx: u32) -> bool {
-        let block_bytes = self.cx.block_bytes;
-        let chunks = self.cx.ops[idx as usize]
-            .writing()
-            .expect("an issuing store is writing");
-        let chunk = chunks.issued;
-        let (start, len) = chunks.range(chunk, block_bytes);
-        if !self.layout.push_chunk(&mut self.cx, idx, chunk, start, len) {
-            return false;
-        }
-        let chunks = self.cx.ops[idx as usize]
-            .writing()
-            .expect("an issuing store is writing");
-        chunks.issued += 1;
-        let all = chunks.all_issued();
-        self.cx.sched.store_issued(len);
-        if all {
-            let front = self.cx.store_issuing.pop_front();
-            debug_assert_eq!(front, Some(idx));
-        }
-        true
-    }
-
-    fn on_chunk_done(&mut self, idx: u32, chunk: u16, result: i32) {
-        // A device error names the op (a full file system is not one: the store evicts or
-        // says so).
-        let failing = (result < 0
-            && crate::metrics::ErrClass::of(Errno::from_raw(-result))
-                != crate::metrics::ErrClass::NoSpace)
-            .then(|| self.layout.describe_op(&self.cx, idx));
-        let cx = &mut self.cx;
-        let block_bytes = cx.block_bytes;
-        let d = cx.ops[idx as usize].device();
-        let chunks = cx.ops[idx as usize].writing().expect("checked by reap");
-        let (_, len) = chunks.range(chunk, block_bytes);
-        chunks.done += 1;
-        let m = cx.me.metrics.dev(d);
-        m.write_ops.fetch_add(1, Ordering::Relaxed);
-        match io_outcome(result, len) {
-            Ok(()) => {
-                m.bytes_written.fetch_add(len, Ordering::Relaxed);
-                cx.device_ok(d, || self.layout.device_name(d));
-            }
-            Err(reason) => {
-                m.count_result(result, len);
-                let detail = match reason {
-                    KeyFailure::Io(e) => format!("write: {}", e.desc()),
-                    _ => "short write".to_owned(),
-                };
-                let logged = failing.map(|what| format!("{what}: {detail}"));
-                chunks.fail(reason, detail);
-                // Stop issuing the rest of a failed block.
-                if chunks.cut() {
-                    cx.store_issuing.retain(|&i| i != idx);
-                }
-                if let Some(line) = logged {
-                    cx.device_error(d, &line);
-                }
-            }
-        }
-        cx.sched.store_done(len);
-        let chunks = cx.ops[idx as usize].writing().expect("checked by reap");
-        if chunks.finished() {
-            let failure = chunks.failure.take();
-            self.layout.on_written(&mut self.cx, idx, failure);
-        }
     }
 }

@@ -1,0 +1,94 @@
+//! Starting I/O on the worker thread: queued loads first (while the scheduler allows), then
+//! stores (retries ahead of new ones) and the chunks of stores already writing, each through
+//! the layout; a key a layout answers without I/O leaves its queue here too.
+
+use std::sync::Arc;
+
+use super::{Layout, LayoutOp, Start, Worker};
+
+impl<L: Layout> Worker<L> {
+    pub(super) fn issue_loads(&mut self) -> bool {
+        let mut any = false;
+        while self.cx.sched.may_start_load() {
+            let Some((job, item)) = self.cx.loads.peek() else {
+                break;
+            };
+            let job = Arc::clone(job);
+            match self.layout.start_load(&mut self.cx, &job, item) {
+                Start::Loading(idx) => self.cx.load_started(idx),
+                Start::Started => unreachable!("a load started as a store"),
+                Start::Resolved => {}
+                Start::Blocked => break,
+            }
+            self.cx.loads.take(&self.cx.me);
+            any = true;
+        }
+        any
+    }
+
+    pub(super) fn issue_stores(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let cx = &mut self.cx;
+            let front = cx.store_issuing.front().copied();
+            let next_bytes = match front {
+                Some(idx) => cx.ops[idx as usize].writing().map_or(0, |c| c.len),
+                None => cx.sched.chunk_bytes(),
+            };
+            if !cx.sched.may_issue_store(next_bytes, !cx.loads.is_empty()) {
+                break;
+            }
+            if let Some(idx) = front {
+                if !self.issue_chunk(idx) {
+                    break;
+                }
+                any = true;
+                continue;
+            }
+            let (job, item, retried) = match cx.retry.front() {
+                Some((job, item)) => (Arc::clone(job), *item, true),
+                None => match cx.stores.peek() {
+                    Some((job, item)) => (Arc::clone(job), item, false),
+                    None => break,
+                },
+            };
+            match self.layout.start_store(&mut self.cx, &job, item, retried) {
+                Start::Loading(_) => unreachable!("a store started as a load"),
+                Start::Started | Start::Resolved => {
+                    if retried {
+                        self.cx.retry.pop_front();
+                    } else {
+                        self.cx.stores.take(&self.cx.me);
+                    }
+                    any = true;
+                }
+                Start::Blocked => break,
+            }
+        }
+        any
+    }
+
+    /// Issues the next chunk of store `idx`; false if the ring is full.
+    fn issue_chunk(&mut self, idx: u32) -> bool {
+        let block_bytes = self.cx.block_bytes;
+        let chunks = self.cx.ops[idx as usize]
+            .writing()
+            .expect("an issuing store is writing");
+        let chunk = chunks.issued;
+        let (start, len) = chunks.range(chunk, block_bytes);
+        if !self.layout.push_chunk(&mut self.cx, idx, chunk, start, len) {
+            return false;
+        }
+        let chunks = self.cx.ops[idx as usize]
+            .writing()
+            .expect("an issuing store is writing");
+        chunks.issued += 1;
+        let all = chunks.all_issued();
+        self.cx.sched.store_issued(len);
+        if all {
+            let front = self.cx.store_issuing.pop_front();
+            debug_assert_eq!(front, Some(idx));
+        }
+        true
+    }
+}
