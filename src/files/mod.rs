@@ -10,5 +10,7 @@ mod load;
 pub mod mapper;
 mod op;
 mod probe;
+#[cfg(all(test, feature = "sim"))]
+mod scenarios;
 mod steps;
 mod store;
