@@ -116,13 +116,12 @@ impl Engine {
         &mut self,
         tier: Arc<dyn ColdTier>,
         demote: Option<&worker::DemoteSink>,
-    ) -> Result<()> {
-        self.node.attach_cold(Arc::clone(&tier))?;
+    ) {
+        self.node.attach_cold(Arc::clone(&tier));
         if let (Some(sink), Some(f)) = (demote, tier.demote_sink()) {
             let _ = sink.set(f);
         }
         let _ = self.stats.cold.set(tier);
-        Ok(())
     }
 
     pub fn info(&self) -> &EngineInfo {

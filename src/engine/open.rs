@@ -137,7 +137,7 @@ impl Engine {
             engine.shutdown();
             return Err(e);
         }
-        if let Err(e) = engine.open_cold(&config, &cores, &region, shared, router, demote_sink) {
+        if let Err(e) = engine.open_cold(&config, &cores, shared, router, demote_sink) {
             engine.shutdown();
             return Err(e);
         }
@@ -162,7 +162,6 @@ impl Engine {
         &mut self,
         config: &Config,
         cores: &[Option<usize>],
-        region: &Arc<Region>,
         shared: Arc<Shared>,
         router: Arc<Router>,
         demote_sink: Option<worker::DemoteSink>,
@@ -173,20 +172,15 @@ impl Engine {
         #[cfg(feature = "s3")]
         {
             let worker_cores: Vec<usize> = cores.iter().flatten().copied().collect();
-            let tier = crate::s3::S3Tier::open(
-                s3,
-                self.block_bytes,
-                Arc::clone(region),
-                shared,
-                router,
-                &worker_cores,
-            )?;
+            let tier =
+                crate::s3::S3Tier::open(s3, self.block_bytes, shared, router, &worker_cores)?;
             self.info.s3 = Some(tier.summary().clone());
-            self.attach_cold(Arc::new(tier), demote_sink.as_ref())
+            self.attach_cold(Arc::new(tier), demote_sink.as_ref());
+            Ok(())
         }
         #[cfg(not(feature = "s3"))]
         {
-            let _ = (s3, cores, region, shared, router, demote_sink);
+            let _ = (s3, cores, shared, router, demote_sink);
             Err(Error::S3(
                 "this kvtier was built without the `s3` feature; rebuild with it or remove the [s3] section".into(),
             ))

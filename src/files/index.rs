@@ -198,6 +198,7 @@ impl Index {
             .collect()
     }
 
+    #[cfg(any(test, feature = "sim"))]
     pub fn any_pinned(&self) -> bool {
         self.map.values().any(|e| e.pins != 0)
     }

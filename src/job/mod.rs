@@ -448,6 +448,14 @@ impl JobState {
         self
     }
 
+    /// Works in `region`: an internal job serving a caller's job works in that job's region
+    /// (its blocks are there, and so is the lease it borrows).
+    #[cfg_attr(not(any(feature = "s3", feature = "sim")), allow(dead_code))]
+    pub fn in_region(mut self, region: RegionId) -> JobState {
+        self.region = region;
+        self
+    }
+
     /// Works under the lease of the caller's job it serves (released by that job).
     pub fn borrowing_lease(mut self, lease: Option<Arc<Lease>>) -> JobState {
         self.lease = lease;

@@ -84,20 +84,12 @@ impl Node {
         }
     }
 
-    /// Connects the cold tier: loads of keys no worker holds go to it, and lookups ask it.
-    /// Connects `cold` as the node's cold tier. Refused on a node of more than one region:
-    /// the cold tier lands and copies blocks in region 0 only, so a client of another region
-    /// (registered before or after) could not be served.
-    pub fn attach_cold(&mut self, cold: Arc<dyn ColdTier>) -> Result<()> {
-        if self.regions.len() > 1 {
-            return Err(Error::Worker(format!(
-                "a cold tier moves blocks of region 0 only; this node has {} regions",
-                self.regions.len()
-            )));
-        }
+    /// Connects `cold` as the node's cold tier: loads of keys no worker holds go to it, and
+    /// lookups ask it. It serves every region: it lands and copies a job's blocks through the
+    /// job's lease, in the job's client's region.
+    pub fn attach_cold(&mut self, cold: Arc<dyn ColdTier>) {
         let _ = self.shared.miss_fallback.set(cold.miss_fallback());
         self.cold = Some(cold);
-        Ok(())
     }
 
     pub fn cold(&self) -> Option<&Arc<dyn ColdTier>> {
@@ -117,18 +109,12 @@ impl Node {
     }
 
     /// Adds a client whose blocks are in node region `region`: the results of the jobs it
-    /// submits go to `sink`. Refused for a region the node does not have, and for a region
-    /// other than 0 on a node with a cold tier (it lands and copies blocks in region 0 only).
+    /// submits go to `sink`. Refused for a region the node does not have.
     pub fn register_client(&self, sink: &Arc<dyn ResultSink>, region: RegionId) -> Result<Client> {
         if usize::from(region) >= self.regions.len() {
             return Err(Error::Worker(format!(
                 "region {region}: the node has {} region(s)",
                 self.regions.len()
-            )));
-        }
-        if region != 0 && self.cold.is_some() {
-            return Err(Error::Worker(format!(
-                "region {region}: the cold tier moves blocks of region 0 only"
             )));
         }
         let id = self.shared.sinks.register(sink);

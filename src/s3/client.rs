@@ -14,24 +14,10 @@ use bytes::Bytes;
 
 use crate::config::S3Config;
 use crate::metrics::{S3Metrics, S3OpMetrics};
-use crate::Region;
 
-/// Where a GET's bytes land: the load job's leased block, or the region itself when the job
-/// holds no lease.
-#[derive(Clone, Copy)]
-pub(crate) enum Landing<'a> {
-    Lease(&'a kvtier_sys::blocks::Lease),
-    Region(&'a Region),
-}
-
-impl Landing<'_> {
-    fn write(&self, offset: usize, data: &[u8]) {
-        match self {
-            Landing::Lease(l) => l.write(offset, data),
-            Landing::Region(r) => r.write(offset, data),
-        }
-    }
-}
+/// Where a GET's bytes land: the load job's leased block, in whichever of the node's regions
+/// the job's client works.
+pub(crate) type Landing<'a> = &'a kvtier_sys::blocks::Lease;
 
 /// User metadata holding the block's crc32c (lowercase hex), written by kvtier's uploads and
 /// verified by its GETs when present; vLLM's objects have none and are accepted without.

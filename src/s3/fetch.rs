@@ -1,7 +1,7 @@
 //! The tier's reads on the reactor: batched HEADs for lookups, GETs for loads (checked
 //! against the object's crc32c), and the promotion of a loaded block into NVMe.
 
-use super::{client, failure_of, Class, Failure, Inner, LOOKUP_WARNINGS};
+use super::{failure_of, Class, Failure, Inner, LOOKUP_WARNINGS};
 use crate::job::{Job, JobKind, JobResult, JobState, KeyFailure};
 use crate::key::Key;
 use crate::verdicts::Verdict;
@@ -57,15 +57,22 @@ impl Inner {
             );
             return;
         };
+        let Some(lease) = job.lease() else {
+            // Every admitted job leases its blocks: a load without a lease has nowhere safe to
+            // land its bytes.
+            job.fail(
+                shared,
+                index,
+                KeyFailure::InvalidJob,
+                "a load from the object store needs the job's lease on its blocks".into(),
+            );
+            return;
+        };
         let outcome = match self.permits.acquire(Class::Read).await {
             None => Err(Failure::Closed),
             Some(_permit) => {
-                let into = match job.lease() {
-                    Some(lease) => client::Landing::Lease(lease),
-                    None => client::Landing::Region(&self.region),
-                };
                 self.client
-                    .get_into(&name, into, block * self.block_bytes, self.block_bytes)
+                    .get_into(&name, lease, block * self.block_bytes, self.block_bytes)
                     .await
             }
         };
@@ -109,10 +116,11 @@ impl Inner {
             waiting.succeed(&me.shared, index, bytes);
         });
         // The promotion reads the block under the load's lease (released when the load
-        // reports, after the promotion).
+        // reports, after the promotion), in the load's region.
         let state = Arc::new(
             JobState::internal(JobKind::Store, Job::new(0, vec![key], vec![block]), then)
-                .borrowing_lease(parent.lease().cloned()),
+                .borrowing_lease(parent.lease().cloned())
+                .in_region(parent.region),
         );
         if !self.router.try_dispatch(&state) {
             // The workers' queues are full: serve the load from the object store alone rather

@@ -43,7 +43,6 @@ use crate::metrics::S3Stats;
 use crate::route::Router;
 use crate::tier::{Lookup, Tier};
 use crate::verdicts::{Verdict, Verdicts};
-use crate::Region;
 
 use client::{build_client, Failure, ObjectClient};
 use permits::{Class, Permits};
@@ -100,7 +99,6 @@ struct Inner {
     mapper: FileMapper,
     cfg: S3Config,
     block_bytes: usize,
-    region: Arc<Region>,
     shared: Arc<Shared>,
     router: Arc<Router>,
     metrics: Arc<S3Metrics>,
@@ -126,7 +124,6 @@ impl S3Tier {
     pub fn open(
         cfg: &S3Config,
         block_bytes: u64,
-        region: Arc<Region>,
         shared: Arc<Shared>,
         router: Arc<Router>,
         worker_cores: &[usize],
@@ -192,7 +189,6 @@ impl S3Tier {
             mapper,
             cfg: cfg.clone(),
             block_bytes: block_bytes as usize,
-            region,
             shared,
             router,
             metrics,

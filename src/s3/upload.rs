@@ -14,11 +14,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 impl Inner {
-    pub(super) fn copy_block(&self, block: u32) -> Bytes {
-        let mut buf = vec![0u8; self.block_bytes];
-        self.region
-            .read(block as usize * self.block_bytes, &mut buf);
-        Bytes::from(buf)
+    /// A copy of block `block` of the store job holding `lease` (in its client's region).
+    pub(super) fn copy_block(&self, lease: &Lease, block: u32) -> Bytes {
+        lease.with_bytes(
+            block as usize * self.block_bytes,
+            self.block_bytes,
+            Bytes::copy_from_slice,
+        )
     }
 
     /// Uploads one block copy (a background upload: takes its own upload slot).
@@ -52,7 +54,7 @@ impl Inner {
                     continue;
                 };
                 permit.forget();
-                copies.push((*key, self.copy_block(*block)));
+                copies.push((*key, self.copy_block(&lease, *block)));
             }
             let n_copied = copies.len();
             self.shared.release_then_deliver(&lease, nvme, None);
@@ -80,6 +82,7 @@ impl Inner {
         let mut set = tokio::task::JoinSet::new();
         for (i, (key, block)) in keys.iter().copied().zip(blocks.iter().copied()).enumerate() {
             let me = Arc::clone(&self);
+            let lease = Arc::clone(&lease);
             set.spawn(async move {
                 if me.lock_cache().get(&key) == Some(Verdict::Present) {
                     return (i, Ok(0));
@@ -88,7 +91,7 @@ impl Inner {
                 let Some(permit) = me.permits.acquire(Class::Write).await else {
                     return (i, Err((KeyFailure::Shutdown, String::new())));
                 };
-                let body = me.copy_block(block);
+                let body = me.copy_block(&lease, block);
                 (i, me.upload_with(permit, key, body).await)
             });
         }

@@ -154,6 +154,17 @@ impl Cluster {
         Cluster::open_slab(config, regions, storage, seed, None)
     }
 
+    /// [`Cluster::open_regions`] with `cold` as the cold tier, which serves every region.
+    pub fn open_regions_with(
+        config: &Config,
+        regions: &[Arc<Region>],
+        storage: &Arc<SimStorage>,
+        seed: u64,
+        cold: Arc<SimObjectStore>,
+    ) -> Result<Cluster> {
+        Cluster::open_slab(config, regions, storage, seed, Some(cold))
+    }
+
     /// [`Cluster::open`] with `cold` as the cold tier (connected to this cluster: a store
     /// reopened after a power loss is connected again).
     pub fn open_with(
@@ -334,7 +345,7 @@ impl Cluster {
             first_lookup,
         );
         if let Some(c) = &cold {
-            node.attach_cold(Arc::clone(c) as Arc<dyn ColdTier>)?;
+            node.attach_cold(Arc::clone(c) as Arc<dyn ColdTier>);
         }
         let caller = Arc::new(ChannelSink::default());
         let client = node.register_client(&(Arc::clone(&caller) as _), 0)?;

@@ -56,8 +56,6 @@ pub(crate) use shared::WorkerShared;
 use shared::{awake, ready_to_sleep};
 use unindexed::Unindexed;
 
-use std::sync::atomic::Ordering;
-
 /// Buffer indexes in every backend: the primary region and this worker's table copy.
 pub(crate) const BUF_REGION: u16 = 0;
 pub(crate) const BUF_META: u16 = 1;
@@ -347,7 +345,9 @@ impl<L: Layout> Worker<L> {
     pub fn check_quiet(&self) -> Result<(), String> {
         let c = &self.cx;
         let live = c.ops.live();
-        let queued = c.me.queued_blocks.load(Ordering::Acquire);
+        let queued =
+            c.me.queued_blocks
+                .load(std::sync::atomic::Ordering::Acquire);
         let checks = [
             (
                 live == 0,

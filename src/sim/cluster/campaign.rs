@@ -879,7 +879,7 @@ fn run_with(seed: u64, steps: u64, removals: bool) -> Result<Report, String> {
     .map_err(|e| e.to_string())?;
     // Half the runs have a cold tier: a simulated object store with faults of its own.
     let cold = (rng.below(2) == 1)
-        .then(|| SimObjectStore::new(seed, object_settings(&mut rng), &region, BLOCK as usize));
+        .then(|| SimObjectStore::new(seed, object_settings(&mut rng), BLOCK as usize));
     if let Some(c) = &cold {
         c.set_faults(object_faults(&mut rng));
     }
@@ -1451,6 +1451,7 @@ mod clock_tests {
     /// region 0 loads what it stored byte-exact and the other way round, a block id is checked
     /// against the client's own region, and a region the node does not have is refused. The
     /// simulated device checks every transfer against the leases of the region it lands in.
+    /// (The cold tier across regions: `the_cold_tier_serves_a_client_of_another_region`.)
     #[test]
     fn clients_in_two_regions_share_one_node() {
         use crate::job::sink::ChannelSink;
@@ -1465,15 +1466,6 @@ mod clock_tests {
         let mut cluster =
             Cluster::open_regions(&config, &[Arc::clone(&r0), Arc::clone(&r1)], &storage, 9)
                 .expect("opens");
-        let store = SimObjectStore::new(9, object_settings(&mut rng), &r0, BLOCK as usize);
-        let no_cold = cluster
-            .node
-            .attach_cold(store as Arc<dyn crate::cold::ColdTier>);
-        assert!(
-            matches!(no_cold, Err(crate::Error::Worker(ref why)) if why.contains("region 0 only; this node has 2 regions")),
-            "{no_cold:?}"
-        );
-        assert!(cluster.node.cold().is_none());
         let sink = Arc::new(ChannelSink::default());
         let refused = cluster.node.register_client(&(Arc::clone(&sink) as _), 2);
         assert!(
@@ -1481,6 +1473,99 @@ mod clock_tests {
             "{refused:?}"
         );
         exchange_between_regions(&mut cluster, &r0, &r1, 11, 20_000);
+        cluster.check_quiet().expect("nothing left behind");
+    }
+
+    /// The cold tier serves a client of region 1 as it serves region 0: a write-through store
+    /// uploads the client's own block, a load of a key dropped from NVMe lands the object in
+    /// the client's block, and the promotion that follows stores that block (region 1's, under
+    /// the load's lease) to NVMe, where the region-0 client then loads it byte-exact. Before
+    /// the cold tier moved blocks through the job's lease, it read and wrote region 0's blocks
+    /// of the same ids.
+    #[test]
+    fn the_cold_tier_serves_a_client_of_another_region() {
+        use crate::job::sink::ChannelSink;
+        let mut rng = Rng::new(12);
+        let config = config(&mut rng, 1, 1);
+        let storage = SimStorage::new(12, &[(1 << 20) + 32 * BLOCK]);
+        let region = |blocks: u32| {
+            crate::region::allocate_blocks(BLOCK, u64::from(blocks), crate::config::HugePages::Off)
+                .expect("region")
+        };
+        let (r0, r1) = (region(REGION_BLOCKS), region(4));
+        let store = SimObjectStore::new(
+            12,
+            ObjectSettings {
+                write: S3Write::Through,
+                write_ack: WriteAck::Both,
+                promote_on_load: true,
+            },
+            BLOCK as usize,
+        );
+        let mut cluster = Cluster::open_regions_with(
+            &config,
+            &[Arc::clone(&r0), Arc::clone(&r1)],
+            &storage,
+            12,
+            Arc::clone(&store),
+        )
+        .expect("opens");
+        let sink = Arc::new(ChannelSink::default());
+        let one = cluster
+            .node
+            .register_client(&(Arc::clone(&sink) as _), 1)
+            .expect("a client of region 1 beside the cold tier");
+        let results = |cluster: &mut Cluster| -> Vec<JobResult> {
+            assert!(cluster.settle(50_000), "settles");
+            sink.results().try_iter().collect()
+        };
+        let k = key(7);
+        // Region 0's blocks of the same ids hold other bytes: a copy from the wrong region
+        // would show.
+        r0.fill(0, 4 * BLOCK as usize, 0x5A);
+        r1.write(0, &content(7));
+        cluster
+            .node
+            .submit(one, JobKind::Store, Job::new(1, vec![k], vec![0]))
+            .expect("store admitted");
+        let done = results(&mut cluster);
+        assert!(done.len() == 1 && done[0].success, "{done:?}");
+        let object = store.take_landed();
+        assert_eq!(object.len(), 1, "one upload");
+        assert!(object[0].1 == content(7), "the upload is region 1's block");
+
+        // Dropped from NVMe: the next load goes to the object store.
+        let removed = cluster.remove(&[k]);
+        assert!(cluster.settle(50_000));
+        assert_eq!(
+            removed.try_iter().flatten().collect::<Vec<_>>(),
+            [(0, true)]
+        );
+        r1.fill(2 * BLOCK as usize, BLOCK as usize, 0xEE);
+        cluster
+            .node
+            .submit(one, JobKind::Load, Job::new(2, vec![k], vec![2]))
+            .expect("load admitted");
+        let done = results(&mut cluster);
+        assert!(done.len() == 1 && done[0].success, "{done:?}");
+        let mut got = vec![0u8; BLOCK as usize];
+        r1.read(2 * BLOCK as usize, &mut got);
+        assert!(got == content(7), "the object landed in region 1's block");
+        assert_eq!(store.counts().promotions, 1, "{:?}", store.counts());
+
+        // The promotion stored region 1's block: region 0's client loads it from NVMe.
+        assert_eq!(cluster.lookup(&[k]), [Lookup::Hit(Tier::Nvme)]);
+        r0.fill(5 * BLOCK as usize, BLOCK as usize, 0xEE);
+        cluster
+            .submit(JobKind::Load, Job::new(3, vec![k], vec![5]))
+            .expect("load admitted");
+        assert!(cluster.settle(50_000));
+        let mut mine = Vec::new();
+        cluster.poll(&mut mine);
+        assert!(mine.len() == 1 && mine[0].success, "{mine:?}");
+        r0.read(5 * BLOCK as usize, &mut got);
+        assert!(got == content(7), "the promoted block is region 1's bytes");
+        assert_eq!(store.counts().gets_served, 1, "{:?}", store.counts());
         cluster.check_quiet().expect("nothing left behind");
     }
 

@@ -30,7 +30,6 @@ use std::time::Duration;
 use kvtier_sys::blocks::Lease;
 
 use crate::config::{S3Write, WriteAck};
-use crate::io::Region;
 use crate::job::{JobResult, JobState, Shared};
 use crate::key::Key;
 use crate::route::Router;
@@ -137,7 +136,6 @@ struct State {
 pub struct SimObjectStore {
     me: Weak<SimObjectStore>,
     settings: ObjectSettings,
-    region: Arc<Region>,
     block_bytes: usize,
     state: Mutex<State>,
     conn: Mutex<Option<Arc<Conn>>>,
@@ -152,16 +150,10 @@ enum Draw {
 }
 
 impl SimObjectStore {
-    pub fn new(
-        seed: u64,
-        settings: ObjectSettings,
-        region: &Arc<Region>,
-        block_bytes: usize,
-    ) -> Arc<SimObjectStore> {
+    pub fn new(seed: u64, settings: ObjectSettings, block_bytes: usize) -> Arc<SimObjectStore> {
         Arc::new_cyclic(|me| SimObjectStore {
             me: me.clone(),
             settings,
-            region: Arc::clone(region),
             block_bytes,
             state: Mutex::new(State {
                 rng: Rng::new(seed ^ 0x000B_1EC7),
@@ -278,7 +270,7 @@ impl SimObjectStore {
                 Request::UploadJob(u) => {
                     for (key, block) in u.keys.iter().zip(&u.blocks) {
                         if self.lock().rng.below(2) == 1 {
-                            let body = self.read_block(*block);
+                            let body = self.read_block(&u.lease, *block);
                             self.land(*key, &body);
                         }
                     }
@@ -332,12 +324,10 @@ impl SimObjectStore {
         self.lock().counts
     }
 
-    fn read_block(&self, block: u32) -> Vec<u8> {
-        let mut body = vec![0u8; self.block_bytes];
+    /// A copy of block `block` of the store job holding `lease` (in its client's region).
+    fn read_block(&self, lease: &Lease, block: u32) -> Vec<u8> {
         let at = block as usize * self.block_bytes;
-        self.region
-            .with_bytes(at, self.block_bytes, |b| body.copy_from_slice(b));
-        body
+        lease.with_bytes(at, self.block_bytes, <[u8]>::to_vec)
     }
 
     /// A PUT reached the store: the object is replaced.

@@ -73,10 +73,15 @@ impl SimObjectStore {
             (Draw::Ok, Some(body)) => {
                 let at = block as usize * self.block_bytes;
                 match job.lease() {
-                    Some(lease) => lease.write(at, &body),
-                    None => self.region.write(at, &body),
+                    Some(lease) => {
+                        lease.write(at, &body);
+                        None
+                    }
+                    None => Some((
+                        KeyFailure::InvalidJob,
+                        "a load from the object store needs the job's lease on its blocks",
+                    )),
                 }
-                None
             }
         };
         if let Some((reason, detail)) = failure {
@@ -116,7 +121,8 @@ impl SimObjectStore {
         });
         let state = Arc::new(
             JobState::internal(JobKind::Store, Job::new(0, vec![key], vec![block]), then)
-                .borrowing_lease(parent.lease().cloned()),
+                .borrowing_lease(parent.lease().cloned())
+                .in_region(parent.region),
         );
         let sent = conn.router.try_dispatch(&state);
         let mut s = self.lock();
@@ -143,7 +149,7 @@ impl SimObjectStore {
             .enumerate()
             .map(|(i, (key, block))| {
                 let draw = self.lock().draw();
-                let body = self.read_block(*block);
+                let body = self.read_block(&lease, *block);
                 (i, self.put(*key, &body, draw))
             })
             .collect();
@@ -240,7 +246,7 @@ impl ColdTier for SimObjectStore {
                         me.lock().counts.copies_dropped += 1;
                         continue;
                     }
-                    let body = me.read_block(*block);
+                    let body = me.read_block(&lease, *block);
                     me.push(Request::Put { key: *key, body });
                 }
                 me.conn().shared.release_then_deliver(&lease, nvme, None);

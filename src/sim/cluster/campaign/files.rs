@@ -101,7 +101,7 @@ fn files_run_with(seed: u64, steps: u64, removals: bool) -> Result<Report, Strin
     )
     .map_err(|e| e.to_string())?;
     let cold = (rng.below(2) == 1)
-        .then(|| SimObjectStore::new(seed, object_settings(&mut rng), &region, BLOCK as usize));
+        .then(|| SimObjectStore::new(seed, object_settings(&mut rng), BLOCK as usize));
     if let Some(c) = &cold {
         c.set_faults(object_faults(&mut rng));
     }
