@@ -218,6 +218,9 @@ impl PublishedKeys {
 pub(crate) struct Snapshot(Guard<Arc<Tables>>);
 
 impl Snapshot {
+    /// Inlined into a lookup's loop over its keys (a call per key costs a lookup of 1000 hits
+    /// about a tenth of its time).
+    #[inline]
     pub fn contains(&self, key: &Key) -> bool {
         self.0.contains(fingerprint(key))
     }
