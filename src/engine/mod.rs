@@ -112,11 +112,7 @@ impl Engine {
 
     /// Connects the cold tier: workers hand it their misses and (with `on_evict`) demotions.
     #[cfg_attr(not(feature = "s3"), allow(dead_code))]
-    fn attach_cold(
-        &mut self,
-        tier: Arc<dyn ColdTier>,
-        demote: Option<&worker::DemoteSink>,
-    ) {
+    fn attach_cold(&mut self, tier: Arc<dyn ColdTier>, demote: Option<&worker::DemoteSink>) {
         self.node.attach_cold(Arc::clone(&tier));
         if let (Some(sink), Some(f)) = (demote, tier.demote_sink()) {
             let _ = sink.set(f);

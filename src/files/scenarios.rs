@@ -14,8 +14,8 @@ use crate::job::{Job, JobKind, JobResult, KeyFailure};
 use crate::key::Key;
 use crate::sim::cluster::Cluster;
 use crate::sim::files::SimFiles;
+use crate::sim::scenario::{at, content, results, BLOCK};
 
-const BLOCK: u64 = 8 << 10;
 const REGION_BLOCKS: u64 = 16;
 
 /// A scratch directory, removed when dropped.
@@ -59,28 +59,30 @@ fn config(dir: &std::path::Path, capacity: u64) -> Config {
     }
 }
 
-fn open(config: &Config, region: &Arc<Region>, files: &Arc<SimFiles>) -> Cluster {
-    Cluster::open_files(config, region, files, 11, None).expect("opens")
+/// A one-worker node over a fresh scratch directory of 8 blocks: the directory (removed when
+/// dropped), its simulated file system, the region and the node.
+fn node(name: &str) -> (Scratch, Arc<SimFiles>, Arc<Region>, Cluster) {
+    let scratch = Scratch::new(name);
+    let files = SimFiles::new(11);
+    let region =
+        crate::region::allocate_blocks(BLOCK, REGION_BLOCKS, HugePages::Off).expect("region");
+    let cluster =
+        Cluster::open_files(&config(&scratch.0, 8), &region, &files, 11, None).expect("opens");
+    (scratch, files, region, cluster)
+}
+
+/// Submits a store of key 1 (job 1, from block 1) with the file system hung, so that it stays
+/// in flight.
+fn store_on_a_hung_file_system(cluster: &mut Cluster, region: &Region, files: &SimFiles) {
+    region.write(at(1), &content(1));
+    files.hang(true);
+    cluster
+        .submit(JobKind::Store, Job::new(1, vec![key(1)], vec![1]))
+        .expect("admitted");
 }
 
 fn key(i: u8) -> Key {
     Key::vllm(&[i; 32], 0).expect("a 32-byte hash")
-}
-
-fn content(i: u8) -> Vec<u8> {
-    (0..BLOCK as usize)
-        .map(|b| (b as u8).wrapping_mul(29) ^ i)
-        .collect()
-}
-
-fn at(block: u32) -> usize {
-    block as usize * BLOCK as usize
-}
-
-fn results(cluster: &Cluster) -> Vec<JobResult> {
-    let mut out = Vec::new();
-    cluster.poll(&mut out);
-    out
 }
 
 /// Stores key `i` from region block `block` as job `i` and waits for its result.
@@ -122,12 +124,7 @@ fn load(cluster: &mut Cluster, region: &Region, id: u64, i: u8, block: u32) -> O
 /// blocks stored after it and outlives them.
 #[test]
 fn eviction_takes_the_least_recently_used_touches_and_loads_counted() {
-    let scratch = Scratch::new("lru");
-    let config = config(&scratch.0, 8);
-    let files = SimFiles::new(11);
-    let region =
-        crate::region::allocate_blocks(BLOCK, REGION_BLOCKS, HugePages::Off).expect("region");
-    let mut cluster = open(&config, &region, &files);
+    let (_scratch, _files, region, mut cluster) = node("lru");
     for i in 1..=8 {
         assert!(store(&mut cluster, &region, i, u32::from(i)).success);
     }
@@ -160,17 +157,8 @@ fn eviction_takes_the_least_recently_used_touches_and_loads_counted() {
 /// is done the key loads its bytes.
 #[test]
 fn a_block_being_stored_is_not_ready_until_its_rename() {
-    let scratch = Scratch::new("writing");
-    let config = config(&scratch.0, 8);
-    let files = SimFiles::new(11);
-    let region =
-        crate::region::allocate_blocks(BLOCK, REGION_BLOCKS, HugePages::Off).expect("region");
-    let mut cluster = open(&config, &region, &files);
-    region.write(at(1), &content(1));
-    files.hang(true);
-    cluster
-        .submit(JobKind::Store, Job::new(1, vec![key(1)], vec![1]))
-        .expect("admitted");
+    let (_scratch, files, region, mut cluster) = node("writing");
+    store_on_a_hung_file_system(&mut cluster, &region, &files);
     assert!(
         !cluster.settle(50),
         "the store waits on the hung file system"
@@ -209,17 +197,8 @@ fn a_block_being_stored_is_not_ready_until_its_rename() {
 /// can be stored again.
 #[test]
 fn a_store_touched_and_then_failed_leaves_nothing_behind() {
-    let scratch = Scratch::new("failed");
-    let config = config(&scratch.0, 8);
-    let files = SimFiles::new(11);
-    let region =
-        crate::region::allocate_blocks(BLOCK, REGION_BLOCKS, HugePages::Off).expect("region");
-    let mut cluster = open(&config, &region, &files);
-    region.write(at(1), &content(1));
-    files.hang(true);
-    cluster
-        .submit(JobKind::Store, Job::new(1, vec![key(1)], vec![1]))
-        .expect("admitted");
+    let (_scratch, files, region, mut cluster) = node("failed");
+    store_on_a_hung_file_system(&mut cluster, &region, &files);
     assert!(!cluster.settle(50));
     cluster.touch(&[key(1)]);
     assert!(!cluster.settle(50));

@@ -26,6 +26,8 @@ mod backend;
 pub mod cluster;
 pub mod files;
 pub mod object_store;
+#[cfg(test)]
+pub(crate) mod scenario;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

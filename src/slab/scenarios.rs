@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use crate::config::{Config, Cores, DeviceConfig, HugePages};
 use crate::io::{IoClass, IoKind, Region};
-use crate::job::{Job, JobKind, JobResult, KeyFailure};
+use crate::job::{Job, JobKind, KeyFailure};
 use crate::key::Key;
 use crate::sim::cluster::Cluster;
+use crate::sim::scenario::{at, content, results, BLOCK};
 use crate::sim::{LogEntry, SimStorage};
 
-const BLOCK: u64 = 8 << 10;
 const REGION_BLOCKS: u64 = 8;
 
 fn config() -> Config {
@@ -32,27 +32,11 @@ fn key(i: u8) -> Key {
     Key::new(&[b'k', i]).expect("a key")
 }
 
-fn content(i: u8) -> Vec<u8> {
-    (0..BLOCK as usize)
-        .map(|b| (b as u8).wrapping_mul(31) ^ i)
-        .collect()
-}
-
-fn at(block: u32) -> usize {
-    block as usize * BLOCK as usize
-}
-
 /// Writes of `class` in `log`.
 fn writes(log: &[LogEntry], class: IoClass) -> usize {
     log.iter()
         .filter(|e| e.kind == IoKind::Write && e.class == class)
         .count()
-}
-
-fn results(cluster: &Cluster) -> Vec<JobResult> {
-    let mut out = Vec::new();
-    cluster.poll(&mut out);
-    out
 }
 
 /// A store's data on the device is not enough: it is acknowledged only once the table page
