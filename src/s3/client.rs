@@ -15,10 +15,6 @@ use bytes::Bytes;
 use crate::config::S3Config;
 use crate::metrics::{S3Metrics, S3OpMetrics};
 
-/// Where a GET's bytes land: the load job's leased block, in whichever of the node's regions
-/// the job's client works.
-pub(crate) type Landing<'a> = &'a kvtier_sys::blocks::Lease;
-
 /// User metadata holding the block's crc32c (lowercase hex), written by kvtier's uploads and
 /// verified by its GETs when present; vLLM's objects have none and are accepted without.
 pub(crate) const CRC_METADATA: &str = "kvtier-crc32c";
@@ -217,13 +213,14 @@ impl ObjectClient {
         }
     }
 
-    /// GETs the object straight into `region[offset..offset + len]`, chunk by chunk as the body
-    /// arrives (no staging copy of the block). Fails unless the object is exactly `len` bytes and,
+    /// GETs the object straight into `offset..offset + len` of the load's leased blocks (in
+    /// whichever of the node's regions its client works), chunk by chunk as the body arrives
+    /// (no staging copy of the block). Fails unless the object is exactly `len` bytes and,
     /// when it carries kvtier's crc32c, matches it.
     pub async fn get_into(
         &self,
         name: &str,
-        into: Landing<'_>,
+        into: &kvtier_sys::blocks::Lease,
         offset: usize,
         len: usize,
     ) -> Result<u64, Failure> {
