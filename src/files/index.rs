@@ -142,23 +142,27 @@ impl Index {
 
     /// Makes valid `key` the newest use; a key being written or not indexed is left alone.
     pub fn touch(&mut self, key: &Key) {
+        self.use_valid(key);
+    }
+
+    /// Pins valid `key` for a load that reads its file (a use: it becomes the newest);
+    /// `None` when it is not indexed or being written.
+    pub fn pin(&mut self, key: &Key) -> Option<Pin> {
+        let e = self.use_valid(key)?;
+        e.pins += 1;
+        Some(Pin(e.born))
+    }
+
+    /// Valid `key`'s entry, moved to the newest place in the LRU.
+    fn use_valid(&mut self, key: &Key) -> Option<&mut Entry> {
         let tick = self.tick + 1;
-        let Some(e) = self.map.get_mut(key).filter(|e| e.state == State::Valid) else {
-            return;
-        };
+        let e = self.map.get_mut(key).filter(|e| e.state == State::Valid)?;
         let old = std::mem::replace(&mut e.tick, tick);
         self.tick = tick;
         let at = self.lru.remove(&old);
         debug_assert_eq!(at.as_ref(), Some(key), "a valid entry is in the LRU");
         self.lru.insert(tick, *key);
-    }
-
-    /// Pins valid `key` for a load that reads its file; `None` when it is not indexed or being
-    /// written.
-    pub fn pin(&mut self, key: &Key) -> Option<Pin> {
-        let e = self.map.get_mut(key).filter(|e| e.state == State::Valid)?;
-        e.pins += 1;
-        Some(Pin(e.born))
+        Some(e)
     }
 
     /// Lets go of `pin` on `key`; false when the entry it named is gone (replaced or removed).

@@ -226,7 +226,6 @@ impl Layout for FilesLayout {
             return Start::Blocked;
         }
         cx.ops[idx as usize].pin = self.index.pin(&key);
-        self.index.touch(&key);
         Start::Loading(idx)
     }
 
