@@ -448,12 +448,15 @@ impl JobState {
         self
     }
 
-    /// Works in `region`: an internal job serving a caller's job works in that job's region
-    /// (its blocks are there, and so is the lease it borrows).
+    /// An internal job (its result goes to `then`) working on blocks of the caller's job
+    /// `parent` (a promotion storing the block a load just landed): under `parent`'s lease
+    /// (released by `parent`) and in `parent`'s region, where those blocks are.
     #[cfg_attr(not(any(feature = "s3", feature = "sim")), allow(dead_code))]
-    pub fn in_region(mut self, region: RegionId) -> JobState {
-        self.region = region;
-        self
+    pub fn serving(parent: &JobState, kind: JobKind, job: Job, then: Then) -> JobState {
+        let mut state =
+            JobState::internal(kind, job, then).borrowing_lease(parent.lease().cloned());
+        state.region = parent.region;
+        state
     }
 
     /// Works under the lease of the caller's job it serves (released by that job).

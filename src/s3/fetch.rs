@@ -117,11 +117,12 @@ impl Inner {
         });
         // The promotion reads the block under the load's lease (released when the load
         // reports, after the promotion), in the load's region.
-        let state = Arc::new(
-            JobState::internal(JobKind::Store, Job::new(0, vec![key], vec![block]), then)
-                .borrowing_lease(parent.lease().cloned())
-                .in_region(parent.region),
-        );
+        let state = Arc::new(JobState::serving(
+            parent,
+            JobKind::Store,
+            Job::new(0, vec![key], vec![block]),
+            then,
+        ));
         if !self.router.try_dispatch(&state) {
             // The workers' queues are full: serve the load from the object store alone rather
             // than queue past `queue_blocks_max`.

@@ -119,11 +119,12 @@ impl SimObjectStore {
         let then: crate::job::Then = Box::new(move |_: JobResult| {
             waiting.succeed(&shared, index, bytes);
         });
-        let state = Arc::new(
-            JobState::internal(JobKind::Store, Job::new(0, vec![key], vec![block]), then)
-                .borrowing_lease(parent.lease().cloned())
-                .in_region(parent.region),
-        );
+        let state = Arc::new(JobState::serving(
+            parent,
+            JobKind::Store,
+            Job::new(0, vec![key], vec![block]),
+            then,
+        ));
         let sent = conn.router.try_dispatch(&state);
         let mut s = self.lock();
         if sent {
