@@ -1446,6 +1446,16 @@ mod clock_tests {
         }
     }
 
+    /// The regions of the two-region tests: region 0 as the campaigns' (`REGION_BLOCKS`
+    /// blocks), region 1 of 4 blocks.
+    fn two_regions() -> (Arc<Region>, Arc<Region>) {
+        let region = |blocks: u32| {
+            crate::region::allocate_blocks(BLOCK, u64::from(blocks), crate::config::HugePages::Off)
+                .expect("region")
+        };
+        (region(REGION_BLOCKS), region(4))
+    }
+
     /// A node over two regions (as a daemon serving a second process in that process's own
     /// memory): a client of region 1 stores from its blocks and loads into them, the client of
     /// region 0 loads what it stored byte-exact and the other way round, a block id is checked
@@ -1458,11 +1468,7 @@ mod clock_tests {
         let mut rng = Rng::new(9);
         let config = config(&mut rng, 1, 1);
         let storage = SimStorage::new(9, &[(1 << 20) + 32 * BLOCK]);
-        let region = |blocks: u32| {
-            crate::region::allocate_blocks(BLOCK, u64::from(blocks), crate::config::HugePages::Off)
-                .expect("region")
-        };
-        let (r0, r1) = (region(REGION_BLOCKS), region(4));
+        let (r0, r1) = two_regions();
         let mut cluster =
             Cluster::open_regions(&config, &[Arc::clone(&r0), Arc::clone(&r1)], &storage, 9)
                 .expect("opens");
@@ -1488,11 +1494,7 @@ mod clock_tests {
         let mut rng = Rng::new(12);
         let config = config(&mut rng, 1, 1);
         let storage = SimStorage::new(12, &[(1 << 20) + 32 * BLOCK]);
-        let region = |blocks: u32| {
-            crate::region::allocate_blocks(BLOCK, u64::from(blocks), crate::config::HugePages::Off)
-                .expect("region")
-        };
-        let (r0, r1) = (region(REGION_BLOCKS), region(4));
+        let (r0, r1) = two_regions();
         let store = SimObjectStore::new(
             12,
             ObjectSettings {
