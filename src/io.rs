@@ -236,3 +236,21 @@ pub trait Storage: Send + Sync {
         settings: &BackendSettings,
     ) -> Result<Box<dyn IoBackend>>;
 }
+
+/// The outcome of an I/O that should have moved `wanted` bytes: a negative result is an errno,
+/// a shorter one a short transfer.
+pub(crate) fn io_outcome(
+    result: i32,
+    wanted: u64,
+) -> std::result::Result<(), crate::job::KeyFailure> {
+    if result < 0 {
+        Err(crate::job::KeyFailure::Io(crate::Errno::from_raw(-result)))
+    } else if (result as u64) < wanted {
+        Err(crate::job::KeyFailure::ShortIo {
+            done: result as u32,
+            wanted: wanted as u32,
+        })
+    } else {
+        Ok(())
+    }
+}

@@ -22,14 +22,18 @@ pub(crate) struct Router {
 impl Router {
     /// Sends `items` of `job` to worker `w` (their queue room is already reserved).
     pub fn send(&self, w: usize, job: &Arc<JobState>, items: Vec<u32>) {
-        let (tx, me) = &self.workers[w];
-        // Cannot fail: the engine holds a receiver of every channel until it is dropped, and
-        // shutdown fails whatever is left in them.
-        let _ = tx.send(Msg::Work(Part {
+        Part {
             job: Arc::clone(job),
             items,
-        }));
-        me.nudge();
+        }
+        .send(&self.workers[w]);
+    }
+
+    /// The positions of `keys` by the worker each routes to, with queue room reserved for
+    /// them on every worker, all or nothing (see [`Router::reserve_or`]).
+    pub fn reserve(&self, keys: &[Key]) -> Result<Vec<Vec<u32>>, (usize, usize, usize)> {
+        let parts = items_by_worker(keys, self.workers.len());
+        self.reserve_or(&parts).map(|()| parts)
     }
 
     /// Tells every worker to stop, waking it whether it sleeps or is about to (`Engine::shutdown`

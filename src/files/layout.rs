@@ -210,23 +210,27 @@ impl Layout for FilesLayout {
             cx.fail_item(job, item, reason);
             return Start::Resolved;
         };
-        let Some(idx) = Self::alloc(cx, Kind::Load) else {
+        let mut op = Op {
+            kind: Kind::Load,
+            job: Some(Arc::clone(job)),
+            item: item as u32,
+            key: Some(key),
+            dev: d as u16,
+            block: job.job.blocks[item],
+            dest,
+            ..Op::empty()
+        };
+        op.begin(Step::Open);
+        // A files load goes through several steps: its op lives until the last one.
+        let Some((idx, _)) = cx.ops.alloc_load(op, false) else {
             return Start::Blocked;
         };
-        let op = &mut cx.ops[idx as usize];
-        op.begin(Step::Open);
-        op.job = Some(Arc::clone(job));
-        op.item = item as u32;
-        op.key = Some(key);
-        op.dev = d as u16;
-        op.block = job.job.blocks[item];
-        op.dest = dest;
         if !self.try_push_step(cx, idx) {
-            self.release(cx, idx);
+            cx.ops.abandon(idx);
             return Start::Blocked;
         }
         cx.ops[idx as usize].pin = self.index.pin(&key);
-        Start::Loading(idx)
+        Start::Loading
     }
 
     fn start_store(
@@ -273,6 +277,10 @@ impl Layout for FilesLayout {
         failure: Option<(KeyFailure, String)>,
     ) {
         self.data_written(cx, idx, failure);
+    }
+
+    fn on_ended(&mut self, _: &mut Context<Op>, _: Op, _: i32) {
+        unreachable!("every files-layout op goes on after a completion (alloc_load: once false)")
     }
 
     fn on_complete(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {

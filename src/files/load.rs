@@ -16,10 +16,11 @@ use std::sync::Arc;
 use kvtier_sys::dir::{self as confined, NodeKind};
 
 use crate::files::device::FilesDevice;
+use crate::io::io_outcome;
 use crate::job::KeyFailure;
 use crate::metrics::ErrClass;
 use crate::worker::shared::block_crc;
-use crate::worker::{io_outcome, Context, Layout};
+use crate::worker::{Context, Layout};
 use crate::Errno;
 
 use super::layout::{FilesLayout, Kind, Op, Step};

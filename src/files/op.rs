@@ -213,6 +213,13 @@ impl LayoutOp for Op {
     }
 }
 
+impl Default for Op {
+    /// A free slot of the op table.
+    fn default() -> Op {
+        Op::empty()
+    }
+}
+
 impl Op {
     pub fn empty() -> Op {
         Op {

@@ -9,8 +9,8 @@ use crate::error::{Error, Result};
 use crate::job::RegionId;
 use crate::job::{Job, JobKind, JobState, KeyFailure};
 use crate::key::Key;
-use crate::route::items_by_worker;
 use crate::verdicts::Verdict;
+use crate::worker::Part;
 use kvtier_sys::blocks::Lease;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -44,26 +44,11 @@ impl Node {
         let Some((lease, job)) = self.lease(client, kind, job) else {
             return Ok(());
         };
-        let workers = self.router.workers.len();
-        let mut parts = items_by_worker(&job.keys, workers);
         // Reserve queue room on every worker first, so a job is queued whole or not at all.
-        if let Err((s, before, n)) = self.router.reserve_or(&parts) {
-            self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
-            if kind == JobKind::Store {
-                self.shared
-                    .store_jobs_in_flight
-                    .fetch_sub(1, Ordering::Relaxed);
-            }
-            self.shared
-                .metrics
-                .refused_queue_blocks
-                .fetch_add(1, Ordering::Relaxed);
-            self.notify_if_idle();
-            return Err(Error::Backpressure(format!(
-                "worker {s} has {before} blocks queued, this job adds {n} (queue_blocks_max = {})",
-                self.router.queue_blocks_max
-            )));
-        }
+        let mut parts = match self.router.reserve(&job.keys) {
+            Ok(parts) => parts,
+            Err(full) => return Err(self.refuse_full(kind, full)),
+        };
         let state = Arc::new(
             cold::admitted(self.cold.as_deref(), kind, job, lease)
                 .for_client(client.id, client.region),
@@ -76,12 +61,33 @@ impl Node {
             // Keys not held locally are loaded from the bucket; their queue room is returned.
             cold::load_remote(cold, &self.router, &state, &mut parts, |k| self.is_local(k));
         }
-        for (s, items) in parts.into_iter().enumerate() {
+        for (items, worker) in parts.into_iter().zip(&self.router.workers) {
             if !items.is_empty() {
-                self.router.send(s, &state, items);
+                let job = Arc::clone(&state);
+                Part { job, items }.send(worker);
             }
         }
         Ok(())
+    }
+
+    /// Undoes the counts of a job refused because worker `s`'s queue was full (`before` blocks
+    /// queued, the job adding `n`): the `Backpressure` error that says so.
+    fn refuse_full(&self, kind: JobKind, (s, before, n): (usize, usize, usize)) -> Error {
+        self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
+        if kind == JobKind::Store {
+            self.shared
+                .store_jobs_in_flight
+                .fetch_sub(1, Ordering::Relaxed);
+        }
+        self.shared
+            .metrics
+            .refused_queue_blocks
+            .fetch_add(1, Ordering::Relaxed);
+        self.notify_if_idle();
+        Error::Backpressure(format!(
+            "worker {s} has {before} blocks queued, this job adds {n} (queue_blocks_max = {})",
+            self.router.queue_blocks_max
+        ))
     }
 
     /// Leases the job's blocks: shared for a store (the device reads them), exclusive for a

@@ -151,6 +151,13 @@ impl Op {
     }
 }
 
+impl Default for Op {
+    /// A free slot of the op table.
+    fn default() -> Op {
+        Op::new(OpKind::Load)
+    }
+}
+
 impl TableOp for Op {
     fn clear(&mut self) {
         self.job = None;
@@ -291,37 +298,40 @@ impl Layout for SlabLayout {
             cx.resolve_load(job, item, KeyFailure::Miss);
             return Start::Resolved;
         };
-        let slot = self.devs[d as usize].slots[local as usize];
-        if slot.state != SlotState::Valid {
+        let dev = &mut self.devs[d as usize];
+        // Pinned from here until the read completes (or does not start).
+        if !dev.slots.pin_valid(local) {
             cx.resolve_load(job, item, KeyFailure::NotReady);
             return Start::Resolved;
         }
-        let Some(idx) = cx.ops.alloc(Op::new(OpKind::Load)) else {
+        let offset = dev.slot_offset(local);
+        let op = Op {
+            job: Some(Arc::clone(job)),
+            item: item as u32,
+            dev: d,
+            slot: local,
+            block,
+            ..Op::new(OpKind::Load)
+        };
+        let Some((idx, user_data)) = cx.ops.alloc_load(op, true) else {
+            self.devs[d as usize].slots.unpin(local);
             return Start::Blocked;
         };
         let req = IoRequest {
-            user_data: cx.ops.user_data(idx, 0),
+            user_data,
             kind: IoKind::Read,
             device: d,
-            offset: self.devs[d as usize].slot_offset(local),
+            offset,
             region: region_buffer(job.region),
             buf: cx.claim_block(job, block, true),
             class: IoClass::Load,
         };
         if !cx.backend().block_queue().push(req) {
-            cx.ops.release(idx);
+            cx.ops.abandon(idx);
+            self.devs[d as usize].slots.unpin(local);
             return Start::Blocked;
         }
-        let op = &mut cx.ops[idx as usize];
-        op.job = Some(Arc::clone(job));
-        op.item = item as u32;
-        op.dev = d;
-        op.slot = local;
-        op.block = block;
-        let slots = &mut self.devs[d as usize].slots;
-        slots.pin(local);
-        slots[local as usize].referenced = true;
-        Start::Loading(idx)
+        Start::Loading
     }
 
     fn start_store(
@@ -462,12 +472,21 @@ impl Layout for SlabLayout {
 
     fn on_complete(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
         match cx.ops[idx as usize].kind {
-            OpKind::Load => self.on_load_done(cx, idx, result),
+            OpKind::Load => unreachable!("a load ends with its completion (on_ended)"),
             OpKind::Table { page } => self.on_table_done(cx, idx, page, result),
             OpKind::Demote { staging } => self.on_demote_done(cx, idx, staging, result),
             OpKind::Recover => unreachable!("recovery ops are reaped before the loop starts"),
             OpKind::Store => unreachable!("store writes are the worker's (LayoutOp::writing)"),
         }
+    }
+
+    fn on_ended(&mut self, cx: &mut Context<Op>, op: Op, result: i32) {
+        debug_assert_eq!(
+            op.kind,
+            OpKind::Load,
+            "only loads end with their completion"
+        );
+        self.on_load_done(cx, op, result);
     }
 
     fn touch(&mut self, key: Key) {

@@ -3,10 +3,11 @@
 //! computed once its data write is submitted (so they never delay I/O) and written beside it.
 
 use super::table::Ack;
+use crate::io::io_outcome;
 use crate::job::{JobState, KeyFailure};
 use crate::slab::ENTRIES_PER_PAGE;
 use crate::worker::shared::block_crc;
-use crate::worker::{io_outcome, Context};
+use crate::worker::Context;
 use crate::Errno;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -14,62 +15,68 @@ use std::sync::Arc;
 use super::layout::{EntryState, Finished, Op, SlabLayout, SlotState};
 
 impl SlabLayout {
-    pub(super) fn on_load_done(&mut self, cx: &mut Context<Op>, idx: u32, result: i32) {
-        let op = &cx.ops[idx as usize];
-        let (d, local, block, item, started) = (
-            op.dev as usize,
-            op.slot as usize,
-            op.block,
-            op.item as usize,
-            op.started,
-        );
-        let job = op.job.clone().expect("load op has a job");
-        let m = cx.metrics().dev(d);
-        m.read_ops.fetch_add(1, Ordering::Relaxed);
+    /// Load `op` completed with `result`: its block checked where it must be (the first read
+    /// after a restart, or `verify = "always"`), its slot unpinned, the key reported.
+    pub(super) fn on_load_done(&mut self, cx: &mut Context<Op>, op: Op, result: i32) {
+        let (d, local) = (op.dev as usize, op.slot);
+        let job = op.job.expect("a load op has a job");
         let wanted = cx.block_bytes();
-        let slot = self.devs[d].slots[local];
-        let outcome = if let Err(reason) = io_outcome(result, wanted) {
-            m.count_result(result, wanted);
-            let detail = format!(
-                "{}: load (read of slot {local}): {}",
-                self.devs[d].name,
-                match reason {
-                    KeyFailure::Io(e) => e.desc().to_owned(),
-                    _ => format!("short read ({result} of {wanted} bytes)"),
-                }
-            );
-            cx.device_error(d, &detail);
-            Err((reason, detail))
-        } else {
-            m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
-            cx.device_ok(d, || self.devs[d].name.clone());
-            let crc = (!slot.verified || self.verify_always[d]).then(|| {
-                block_crc(
-                    &job,
-                    cx.region_of(&job),
-                    block as usize * wanted as usize,
-                    wanted as usize,
-                )
-            });
-            match crc {
-                Some(crc) if crc != slot.crc => {
-                    m.checksum_failures.fetch_add(1, Ordering::Relaxed);
-                    self.doom_slot(cx, d, local as u32);
-                    Err((
-                        KeyFailure::Checksum,
-                        format!("stored crc {:08x}, read {crc:08x}", slot.crc),
-                    ))
-                }
-                Some(_) => {
-                    self.devs[d].slots[local].verified = true;
-                    Ok(())
-                }
-                None => Ok(()),
-            }
+        let outcome = match io_outcome(result, wanted) {
+            Err(reason) => Err((
+                reason,
+                format!(
+                    "{}: load (read of slot {local}): {}",
+                    self.devs[d].name,
+                    match reason {
+                        KeyFailure::Io(e) => e.desc().to_owned(),
+                        _ => format!("short read ({result} of {wanted} bytes)"),
+                    }
+                ),
+            )),
+            Ok(()) => self.check_read(cx, d, local, &job, op.block),
         };
-        self.devs[d].slots.unpin(local as u32);
-        cx.release(idx);
-        cx.report_load(&job, item, d, started, outcome);
+        self.devs[d].slots.unpin(local);
+        let name = &self.devs[d].name;
+        cx.load_done(
+            &job,
+            op.item as usize,
+            d,
+            op.started,
+            (result, wanted),
+            outcome,
+            name,
+        );
+    }
+
+    /// The checksum of a block just read into `job`'s `block` from slot `local`, where it must
+    /// be checked: a block that does not match is doomed (its slot freed at the last unpin).
+    fn check_read(
+        &mut self,
+        cx: &mut Context<Op>,
+        d: usize,
+        local: u32,
+        job: &Arc<JobState>,
+        block: u32,
+    ) -> Result<(), (KeyFailure, String)> {
+        let slot = self.devs[d].slots[local as usize];
+        if slot.verified && !self.verify_always[d] {
+            return Ok(());
+        }
+        let wanted = cx.block_bytes() as usize;
+        let crc = block_crc(job, cx.region_of(job), block as usize * wanted, wanted);
+        if crc != slot.crc {
+            cx.metrics()
+                .dev(d)
+                .checksum_failures
+                .fetch_add(1, Ordering::Relaxed);
+            self.doom_slot(cx, d, local);
+            return Err((
+                KeyFailure::Checksum,
+                format!("stored crc {:08x}, read {crc:08x}", slot.crc),
+            ));
+        }
+        self.devs[d].slots[local as usize].verified = true;
+        Ok(())
     }
 
     /// Removes a bad block from the index now; its slot is freed when the last load unpins it.

@@ -59,6 +59,19 @@ impl Slots {
         self.free.push(local);
     }
 
+    /// One more read of slot `local` in flight, if it holds a block that can be read (valid);
+    /// the read is a use (CLOCK's reference bit). False, with nothing changed, for a slot whose
+    /// block is still being written or is going away.
+    pub fn pin_valid(&mut self, local: u32) -> bool {
+        let s = &mut self.meta[local as usize];
+        if s.state != SlotState::Valid {
+            return false;
+        }
+        s.pins += 1;
+        s.referenced = true;
+        true
+    }
+
     /// One more read of slot `local` in flight.
     pub fn pin(&mut self, local: u32) {
         let s = &mut self.meta[local as usize];

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use crate::io::{IoBackend, IoBuf, Region};
 use crate::job::{JobState, KeyFailure, Shared};
 use crate::metrics::WorkerMetrics;
-use crate::Errno;
 
 use super::{
     Demote, LayoutOp, OpTable, Part, Publisher, Scheduler, Unindexed, WorkQueue, WorkerShared,
@@ -208,12 +207,6 @@ impl<O: LayoutOp> Context<O> {
         self.claim(job, block as usize * bytes, bytes, device_writes)
     }
 
-    /// Load op `idx` started: one more load in flight, until it ends.
-    pub fn load_started(&mut self, idx: u32) {
-        self.ops.mark_load(idx);
-        self.sched.load_started();
-    }
-
     /// Ends load op `idx` in the scheduler now, if it is still counted (an op that goes on as
     /// something else ends its load early); nothing for any other op.
     pub fn end_load(&mut self, idx: u32) {
@@ -237,6 +230,33 @@ impl<O: LayoutOp> Context<O> {
             .expect("a store that begins writing is in its write step");
         *chunks = plan;
         self.store_issuing.push_back(idx);
+    }
+
+    /// A load's read from device `d` completed with `result` (of `wanted` bytes) and the key's
+    /// `outcome` (the read's, or its checksum's): counts the read, records the device's health
+    /// (a failed read is the device's error, a checksum that does not match is not; `name`
+    /// names the device in the log) and reports the key.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_done(
+        &self,
+        job: &Arc<JobState>,
+        item: usize,
+        d: usize,
+        started: Instant,
+        (result, wanted): (i32, u64),
+        outcome: Result<(), (KeyFailure, String)>,
+        name: &str,
+    ) {
+        let m = self.me.metrics.dev(d);
+        m.read_ops.fetch_add(1, Ordering::Relaxed);
+        if let Err((KeyFailure::Io(_) | KeyFailure::ShortIo { .. }, detail)) = &outcome {
+            m.count_result(result, wanted);
+            self.device_error(d, detail);
+        } else {
+            m.bytes_read.fetch_add(wanted, Ordering::Relaxed);
+            self.device_ok(d, || name.to_owned());
+        }
+        self.report_load(job, item, d, started, outcome);
     }
 
     /// Reports a load's outcome and records its latency on device `device`.
@@ -424,20 +444,5 @@ impl<O: LayoutOp> Context<O> {
             .queued_blocks
             .fetch_sub(part.items.len(), Ordering::AcqRel);
         part.fail_from(0, &self.shared);
-    }
-}
-
-/// The outcome of an I/O that should have moved `wanted` bytes: a negative result is an errno,
-/// a shorter one a short transfer.
-pub(crate) fn io_outcome(result: i32, wanted: u64) -> Result<(), KeyFailure> {
-    if result < 0 {
-        Err(KeyFailure::Io(Errno::from_raw(-result)))
-    } else if (result as u64) < wanted {
-        Err(KeyFailure::ShortIo {
-            done: result as u32,
-            wanted: wanted as u32,
-        })
-    } else {
-        Ok(())
     }
 }

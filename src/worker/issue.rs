@@ -2,25 +2,32 @@
 //! stores (retries ahead of new ones) and the chunks of stores already writing, each through
 //! the layout; a key a layout answers without I/O leaves its queue here too.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{Layout, LayoutOp, Start, Worker};
 
 impl<L: Layout> Worker<L> {
+    /// Starts queued loads while the scheduler lets more be in flight. Each is counted in
+    /// flight as it leaves the queue ([`WorkQueue::take_load`]); one the layout answers without
+    /// I/O, or cannot start this turn, is ended at once (and the latter put back).
+    ///
+    /// [`WorkQueue::take_load`]: super::WorkQueue::take_load
     pub(super) fn issue_loads(&mut self) -> bool {
         let mut any = false;
-        while self.cx.sched.may_start_load() {
-            let Some((job, item)) = self.cx.loads.peek() else {
-                break;
-            };
-            let job = Arc::clone(job);
+        while let Some((job, item)) = self.cx.loads.take_load(&mut self.cx.sched) {
             match self.layout.start_load(&mut self.cx, &job, item) {
-                Start::Loading(idx) => self.cx.load_started(idx),
+                Start::Loading => {}
                 Start::Started => unreachable!("a load started as a store"),
-                Start::Resolved => {}
-                Start::Blocked => break,
+                Start::Resolved => self.cx.sched.load_ended(),
+                Start::Blocked => {
+                    self.cx.sched.load_ended();
+                    self.cx.loads.put_back(job, item);
+                    break;
+                }
             }
-            self.cx.loads.take(&self.cx.me);
+            // Started or answered: its queue room is given back.
+            self.cx.me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
             any = true;
         }
         any
@@ -53,7 +60,7 @@ impl<L: Layout> Worker<L> {
                 },
             };
             match self.layout.start_store(&mut self.cx, &job, item, retried) {
-                Start::Loading(_) => unreachable!("a store started as a load"),
+                Start::Loading => unreachable!("a store started as a load"),
                 Start::Started | Start::Resolved => {
                     if retried {
                         self.cx.retry.pop_front();

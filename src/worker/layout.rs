@@ -36,9 +36,10 @@ impl Removal {
 pub(crate) enum Start {
     /// I/O was queued for a store's key.
     Started,
-    /// I/O was queued for a load's key as op `idx`: the worker counts one more load in flight
-    /// until the op is released ([`Context::release`]) or its load ended ([`Context::end_load`]).
-    Loading(u32),
+    /// I/O was queued for a load's key, in an op allocated with `OpTable::alloc_load`: the load
+    /// the worker counted in flight as it took the key ends when the op does (its release,
+    /// [`Context::end_load`], or its one completion).
+    Loading,
     /// The key was answered without I/O (a miss, already stored, a clear failure).
     Resolved,
     /// No room now (ring, op table, space being freed): try again next turn.
@@ -46,7 +47,7 @@ pub(crate) enum Start {
 }
 
 /// What a layout's op offers the worker.
-pub(crate) trait LayoutOp: TableOp {
+pub(crate) trait LayoutOp: TableOp + Default {
     /// The chunk plan of a store whose data write is under way; `None` for any other op or step.
     fn writing(&mut self) -> Option<&mut Chunks>;
 
@@ -92,8 +93,12 @@ pub(crate) trait Layout {
         failure: Option<(KeyFailure, String)>,
     );
 
-    /// A completion of any op that is not a store's data write.
+    /// A completion of any op that is not a store's data write and goes on after it.
     fn on_complete(&mut self, cx: &mut Context<Self::Op>, idx: u32, result: i32);
+
+    /// The completion that ended `op`, one allocated to end with it (`OpTable::alloc_load` with
+    /// `once`), already freed from the table and handed over.
+    fn on_ended(&mut self, cx: &mut Context<Self::Op>, op: Self::Op, result: i32);
 
     /// The caller used `key`: keep it longer.
     fn touch(&mut self, key: Key);

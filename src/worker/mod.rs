@@ -45,7 +45,7 @@ use crate::clock::Clock;
 use crate::io::{Completion, IoBackend, Region};
 use crate::job::{JobState, Shared};
 
-pub(crate) use self::context::{io_outcome, Context};
+pub(crate) use self::context::Context;
 pub(crate) use demote::{Demote, DemoteSink, Demotion};
 pub(crate) use layout::{Layout, LayoutOp, Removal, Start};
 pub(crate) use ops::{OpTable, TableOp};

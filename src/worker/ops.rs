@@ -30,6 +30,9 @@ pub(crate) struct OpTable<T> {
     /// Whether each live op is a load the worker started and counts in flight (until
     /// [`OpTable::take_load`]; `Context::release` ends it).
     load: Vec<bool>,
+    /// Whether each live op ends with its one completion: [`OpTable::complete`] frees it and
+    /// hands it over by value.
+    once: Vec<bool>,
     /// What `born` is read from: the worker's clock (its deadlines and timeout window too).
     clock: Clock,
 }
@@ -45,6 +48,7 @@ impl<T: TableOp> OpTable<T> {
             overdue: vec![false; capacity],
             holds: std::iter::repeat_with(Vec::new).take(capacity).collect(),
             load: vec![false; capacity],
+            once: vec![false; capacity],
             clock,
         }
     }
@@ -60,17 +64,26 @@ impl<T: TableOp> OpTable<T> {
         self.born[i] = self.clock.now();
         self.overdue[i] = false;
         self.load[i] = false;
+        self.once[i] = false;
         Some(idx)
     }
 
-    /// Op `idx` is a load the worker started: it counts as one in flight until it ends.
-    pub fn mark_load(&mut self, idx: u32) {
-        let i = idx as usize;
-        debug_assert!(
-            self.live[i] && !self.load[i],
-            "op {idx} marked a load twice"
-        );
-        self.load[i] = true;
+    /// Allocates `op` as a load the worker started (it counted it in flight, and it counts
+    /// until the op ends: [`OpTable::take_load`]); `once`: it ends with its one completion
+    /// ([`OpTable::complete`]). Returns its index and the `user_data` of its I/O.
+    pub fn alloc_load(&mut self, op: T, once: bool) -> Option<(u32, u64)> {
+        let idx = self.alloc(op)?;
+        self.load[idx as usize] = true;
+        self.once[idx as usize] = once;
+        Some((idx, self.user_data(idx, 0)))
+    }
+
+    /// Frees load op `idx` before its I/O was queued: it never started, and the worker, which
+    /// counted it, ends it.
+    pub fn abandon(&mut self, idx: u32) {
+        debug_assert!(self.load[idx as usize], "op {idx} is not a load");
+        self.load[idx as usize] = false;
+        self.release(idx);
     }
 
     /// Whether op `idx` was a load still counted in flight; it is not from now on.
@@ -149,6 +162,24 @@ impl<T: TableOp> OpTable<T> {
         encode_user_data(idx, self.gens[idx as usize], chunk)
     }
 
+    /// Decodes a completion's `user_data` (see [`OpTable::decode`]). An op that ends with its
+    /// one completion is freed here and handed over; any other stays live.
+    pub fn complete(&mut self, user_data: u64) -> Completed<T>
+    where
+        T: Default,
+    {
+        let (idx, chunk) = self.decode(user_data);
+        let i = idx as usize;
+        if !self.once[i] {
+            return Completed::Live { idx, chunk };
+        }
+        let op = std::mem::take(&mut self.ops[i]);
+        let load = std::mem::replace(&mut self.load[i], false);
+        let holds = std::mem::take(&mut self.holds[i]);
+        self.release(idx);
+        Completed::Ended { op, load, holds }
+    }
+
     /// Decodes `user_data`, asserting that it names a live op of the current generation.
     pub fn decode(&self, user_data: u64) -> (u32, u16) {
         let (idx, chunk, gen) = decode_user_data(user_data);
@@ -159,6 +190,21 @@ impl<T: TableOp> OpTable<T> {
         );
         (idx, chunk)
     }
+}
+
+/// What a completion was for ([`OpTable::complete`]).
+pub(crate) enum Completed<T> {
+    /// Op `idx`, which goes on (its layout releases it); `chunk`: which write of a store.
+    Live { idx: u32, chunk: u16 },
+    /// An op that ended with this completion, freed from the table; `load`: it was a load the
+    /// worker counted in flight, which ends now. `holds`: the leases the op kept (an op past its
+    /// deadline keeps its job's blocks), to drop once its completion is handled, since handling
+    /// it may still read them (a checksum).
+    Ended {
+        op: T,
+        load: bool,
+        holds: Vec<LeaseHold>,
+    },
 }
 
 impl<T> std::ops::Index<usize> for OpTable<T> {
@@ -254,16 +300,46 @@ mod tests {
         let _ = t.decode(stale);
     }
 
-    /// A load counts in flight from `mark_load` until `take_load`, once.
+    /// A load counts in flight from `alloc_load` until `take_load`, once.
     #[test]
     fn a_load_is_taken_once() {
-        let (mut t, _) = table(1);
+        let (mut t, _) = table(2);
         let a = t.alloc(op(1)).expect("room");
-        assert!(!t.take_load(a), "not a load until marked");
-        t.mark_load(a);
+        assert!(!t.take_load(a), "not a load: allocated as an op");
+        t.release(a);
+        let (a, ud) = t.alloc_load(op(1), false).expect("room");
+        assert_eq!(t.decode(ud), (a, 0), "the user_data of its I/O");
         assert!(t.take_load(a));
         assert!(!t.take_load(a), "taken once");
         t.release(a);
+    }
+
+    /// An op that ends with its completion is freed by it and handed over (a load with its
+    /// load flag); any other stays live. A load that never started is abandoned, not ended.
+    #[test]
+    fn an_op_of_one_completion_leaves_the_table_with_it() {
+        let (mut t, _) = table(3);
+        let (once, ud_once) = t.alloc_load(op(1), true).expect("room");
+        let (kept, ud_kept) = t.alloc_load(op(2), false).expect("room");
+        match t.complete(ud_once) {
+            Completed::Ended { op, load, holds } => {
+                assert_eq!(op.tag, 1);
+                assert!(holds.is_empty(), "it kept no lease");
+                assert!(load, "a load the worker counted");
+                assert!(!op.cleared, "handed over whole");
+            }
+            Completed::Live { .. } => panic!("op {once} ends with its completion"),
+        }
+        assert_eq!(t.live_indexes(), [kept], "freed by its completion");
+        match t.complete(ud_kept) {
+            Completed::Live { idx, chunk } => assert_eq!((idx, chunk), (kept, 0)),
+            Completed::Ended { .. } => panic!("op {kept} goes on"),
+        }
+        assert!(t.take_load(kept));
+        t.release(kept);
+        let (lost, _) = t.alloc_load(op(3), true).expect("room");
+        t.abandon(lost);
+        assert_eq!(t.live(), 0, "freed without a completion");
     }
 
     /// Ops past their deadline are reported once each, by age on the table's clock; the table

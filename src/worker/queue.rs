@@ -7,6 +7,7 @@ use std::sync::Arc;
 use crate::config::FirstLookup;
 use crate::job::{JobState, KeyFailure, Shared};
 use crate::key::Key;
+use crate::worker::sched::Scheduler;
 use crate::worker::shared::WorkerShared;
 
 /// Work for one worker: the indexes of the job's keys that hash to it.
@@ -16,6 +17,15 @@ pub(crate) struct Part {
 }
 
 impl Part {
+    /// Sends this part to `worker` (its channel and shared state; the part's queue room is
+    /// reserved already) and wakes it.
+    pub fn send(self, (tx, me): &(crossbeam_channel::Sender<Msg>, Arc<WorkerShared>)) {
+        // Cannot fail: the node holds a receiver of every channel until it is dropped, and its
+        // stop fails whatever is left in them.
+        let _ = tx.send(Msg::Work(self));
+        me.nudge();
+    }
+
     /// Fails the items from `from` on with `KeyFailure::Shutdown`; returns how many (the
     /// caller gives their queue room back).
     pub fn fail_from(&self, from: usize, shared: &Shared) -> usize {
@@ -106,6 +116,47 @@ impl WorkQueue {
     pub fn take(&mut self, me: &WorkerShared) {
         debug_assert!(!self.parts.is_empty(), "take without a peeked item");
         me.queued_blocks.fetch_sub(1, Ordering::AcqRel);
+        self.advance();
+    }
+
+    /// The loads' queue: takes the next block if `sched` lets one more load start, counting it
+    /// in flight there. Its queue room stays reserved: the worker gives it back once the block
+    /// started or was answered, or puts the block back ([`WorkQueue::put_back`]).
+    pub fn take_load(&mut self, sched: &mut Scheduler) -> Option<(Arc<JobState>, usize)> {
+        let part = self.parts.front()?;
+        if !sched.start_load() {
+            return None;
+        }
+        let next = (Arc::clone(&part.job), part.items[self.cursor] as usize);
+        self.advance();
+        Some(next)
+    }
+
+    /// Puts `item` of `job`, the block [`WorkQueue::take_load`] took last, back at the front:
+    /// it could not start this turn.
+    pub fn put_back(&mut self, job: Arc<JobState>, item: usize) {
+        match self.parts.front() {
+            Some(part)
+                if self.cursor > 0
+                    && Arc::ptr_eq(&part.job, &job)
+                    && part.items[self.cursor - 1] as usize == item =>
+            {
+                self.cursor -= 1;
+            }
+            _ => {
+                debug_assert_eq!(self.cursor, 0, "the block put back was the one taken last");
+                self.parts.push_front(Part {
+                    job,
+                    items: vec![item as u32],
+                });
+            }
+        }
+        self.blocks += 1;
+        self.debug_check();
+    }
+
+    /// Moves past the front item.
+    fn advance(&mut self) {
         self.cursor += 1;
         self.blocks -= 1;
         if let Some(part) = self.parts.front() {
@@ -218,6 +269,60 @@ mod tests {
             results.lock().expect("not poisoned").is_empty(),
             "nothing failed"
         );
+    }
+
+    /// Loads leave the queue only while the scheduler lets another start (each counted in
+    /// flight as it leaves); a block put back comes out next, whether its part is still at the
+    /// front or was its last item; a refused take leaves the queue as it was.
+    #[test]
+    fn loads_leave_while_the_scheduler_allows_and_come_back_in_front() {
+        let results = Results::default();
+        let (a, b) = (job(1, 2, &results), job(2, 1, &results));
+        let cfg = crate::config::SchedulerConfig {
+            load_inflight_max: 2,
+            ..crate::config::SchedulerConfig::default()
+        };
+        let mut sched = Scheduler::new(&cfg, 1 << 20, 1 << 20);
+        let mut q = WorkQueue::default();
+        q.push(Part {
+            job: Arc::clone(&a),
+            items: vec![1, 0],
+        });
+        q.push(Part {
+            job: Arc::clone(&b),
+            items: vec![0],
+        });
+        let (j, item) = q.take_load(&mut sched).expect("room for a load");
+        assert_eq!((j.job.id, item), (1, 1));
+        assert_eq!(sched.loads_in_flight(), 1, "counted as it left");
+        // It could not start: back in the queue, and no longer in flight (as the worker does).
+        q.put_back(j, item);
+        sched.load_ended();
+        assert_eq!(q.blocks(), 3, "the block is queued again");
+        let (j, item) = q.take_load(&mut sched).expect("room");
+        assert_eq!(
+            (j.job.id, item),
+            (1, 1),
+            "the block put back comes out first"
+        );
+        let (j, item) = q.take_load(&mut sched).expect("room");
+        assert_eq!((j.job.id, item), (1, 0));
+        assert!(
+            q.take_load(&mut sched).is_none(),
+            "two loads in flight: the cap"
+        );
+        assert_eq!(q.blocks(), 1, "a refused take leaves the block queued");
+        assert_eq!(sched.loads_in_flight(), 2, "and counts nothing");
+        // Job 1's part is gone from the queue; its last block comes back in a part of its own.
+        q.put_back(j, item);
+        sched.load_ended();
+        assert_eq!(q.blocks(), 2);
+        sched.load_ended();
+        let taken: Vec<(u64, usize)> = std::iter::from_fn(|| q.take_load(&mut sched))
+            .map(|(j, i)| (j.job.id, i))
+            .collect();
+        assert_eq!(taken, [(1, 0), (2, 0)]);
+        assert!(q.is_empty() && q.blocks() == 0);
     }
 
     /// A cancel fails exactly the items not taken (the front part's from its cursor on, every

@@ -1,12 +1,15 @@
-//! Completions on the worker thread: each is decoded to its op and handed to the layout, or,
-//! for a store writing its data in chunks, counted here until its last chunk is in.
+//! Completions on the worker thread: each is decoded to its op and handed to the layout (an
+//! op that ends with it, such as a slab load, freed first and its load ended), or, for a store
+//! writing its data in chunks, counted here until its last chunk is in.
 
 use std::sync::atomic::Ordering;
 
 use crate::job::KeyFailure;
 use crate::Errno;
 
-use super::{io_outcome, Layout, LayoutOp, Worker};
+use super::ops::Completed;
+use super::{Layout, LayoutOp, Worker};
+use crate::io::io_outcome;
 
 impl<L: Layout> Worker<L> {
     pub(super) fn reap(&mut self) -> bool {
@@ -15,11 +18,22 @@ impl<L: Layout> Worker<L> {
         self.cx.backend.complete(&mut out);
         let any = !out.is_empty();
         for c in &out {
-            let (idx, chunk) = self.cx.ops.decode(c.user_data);
-            if self.cx.ops[idx as usize].writing().is_some() {
-                self.on_chunk_done(idx, chunk, c.result);
-            } else {
-                self.layout.on_complete(&mut self.cx, idx, c.result);
+            match self.cx.ops.complete(c.user_data) {
+                Completed::Ended { op, load, holds } => {
+                    if load {
+                        self.cx.sched.load_ended();
+                    }
+                    self.layout.on_ended(&mut self.cx, op, c.result);
+                    // Its job's blocks may go back now (an op past its deadline kept them).
+                    drop(holds);
+                }
+                Completed::Live { idx, chunk } => {
+                    if self.cx.ops[idx as usize].writing().is_some() {
+                        self.on_chunk_done(idx, chunk, c.result);
+                    } else {
+                        self.layout.on_complete(&mut self.cx, idx, c.result);
+                    }
+                }
             }
         }
         self.completions = out;

@@ -56,12 +56,12 @@ impl Scheduler {
         self.chunk_bytes
     }
 
-    pub fn may_start_load(&self) -> bool {
-        self.loads_in_flight < self.load_inflight_max
-    }
-
-    pub fn load_started(&mut self) {
-        self.loads_in_flight += 1;
+    /// Counts one more load in flight if the cap allows; false, with nothing counted, if not.
+    /// A load counted here that does not start after all is ended at once.
+    pub fn start_load(&mut self) -> bool {
+        let room = self.loads_in_flight < self.load_inflight_max;
+        self.loads_in_flight += usize::from(room);
+        room
     }
 
     pub fn load_ended(&mut self) {
@@ -189,13 +189,14 @@ mod tests {
     #[test]
     fn loads_are_capped_in_flight() {
         let mut s = sched(2 * MIB, 256 << 10);
-        assert!(s.may_start_load());
-        s.load_started();
-        s.load_started();
-        assert!(!s.may_start_load());
+        assert!(s.start_load());
+        assert!(s.start_load());
+        assert!(!s.start_load(), "the cap is 2");
+        assert_eq!(s.loads_in_flight(), 2, "a refused start counts nothing");
         s.load_ended();
-        assert!(s.may_start_load());
         assert_eq!(s.loads_in_flight(), 1);
+        assert!(s.start_load());
+        assert_eq!(s.loads_in_flight(), 2);
     }
 
     #[test]
@@ -203,7 +204,7 @@ mod tests {
         let mut s = sched(2 * MIB, 256 << 10);
         assert_eq!(s.store_cap(false), 4 * MIB);
         assert_eq!(s.store_cap(true), MIB);
-        s.load_started();
+        assert!(s.start_load());
         assert_eq!(
             s.store_cap(false),
             MIB,
