@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
-use crate::worker::{Chunks, LayoutOp, TableOp};
+use crate::worker::{Chunks, LayoutOp};
 
 use super::index::Pin;
 
@@ -196,13 +196,6 @@ impl Op {
     }
 }
 
-impl TableOp for Op {
-    fn clear(&mut self) {
-        self.job = None;
-        self.pending_failure = None;
-    }
-}
-
 impl LayoutOp for Op {
     fn writing(&mut self) -> Option<&mut Chunks> {
         (self.step == Step::Write).then_some(&mut self.chunks)
@@ -210,13 +203,6 @@ impl LayoutOp for Op {
 
     fn device(&self) -> usize {
         self.dev as usize
-    }
-}
-
-impl Default for Op {
-    /// A free slot of the op table.
-    fn default() -> Op {
-        Op::empty()
     }
 }
 
@@ -234,7 +220,7 @@ impl Op {
             dest: PathBuf::new(),
             tmp: PathBuf::new(),
             crc: None,
-            chunks: Chunks::default(),
+            chunks: Chunks::NONE,
             failed: false,
             bytes: 0,
             resolved: false,

@@ -31,7 +31,7 @@ impl Node {
                 self.jobs_in_flight_max
             )));
         }
-        if kind == JobKind::Store {
+        if matches!(kind, JobKind::Store) {
             // Until it finishes (Shared::finish), or is refused below.
             self.shared
                 .store_jobs_in_flight
@@ -74,7 +74,7 @@ impl Node {
     /// queued, the job adding `n`): the `Backpressure` error that says so.
     fn refuse_full(&self, kind: JobKind, (s, before, n): (usize, usize, usize)) -> Error {
         self.shared.jobs_in_flight.fetch_sub(1, Ordering::AcqRel);
-        if kind == JobKind::Store {
+        if matches!(kind, JobKind::Store) {
             self.shared
                 .store_jobs_in_flight
                 .fetch_sub(1, Ordering::Relaxed);
@@ -94,10 +94,10 @@ impl Node {
     /// load. `None` when the job was refused and reported failed instead.
     fn lease(&self, client: Client, kind: JobKind, job: Job) -> Option<(Arc<Lease>, Job)> {
         let region = &self.regions[usize::from(client.region)].0;
-        match region.lease(&job.blocks, kind == JobKind::Load) {
+        match region.lease(&job.blocks, matches!(kind, JobKind::Load)) {
             // The lease holds each block once: fewer than the job names means a repeat, which
             // a load cannot have (two keys would land in one block).
-            Ok(lease) if kind == JobKind::Load && lease.len() < job.blocks.len() => {
+            Ok(lease) if matches!(kind, JobKind::Load) && lease.len() < job.blocks.len() => {
                 drop(lease);
                 let mut seen = std::collections::HashSet::new();
                 let i = job

@@ -12,7 +12,7 @@ use crossbeam_channel::{Receiver, Sender};
 use crate::clock::Clock;
 use crate::config::{FilesConfig, FirstLookup, Layout, SchedulerConfig, Validated};
 use crate::files::device::{FilesDevice, ScannedFile};
-use crate::files::layout::{FilesLayout, Op as FilesOp};
+use crate::files::layout::FilesLayout;
 use crate::io::{BackendSettings, EventFd, Region, Storage};
 use crate::job::Shared;
 use crate::slab::layout::{SlabDevice, SlabLayout};
@@ -244,7 +244,7 @@ impl WorkerPlan {
                     *temp_seed,
                 );
                 let indexed = layout.indexed();
-                let mut worker = Worker::new(params, layout, FilesOp::empty);
+                let mut worker = Worker::new(params, layout);
                 let (layout, cx) = worker.parts();
                 layout.publish_scanned(cx);
                 Ok((Built::Files(worker), indexed))

@@ -24,8 +24,7 @@ use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
 use crate::slab::{Geometry, ENTRIES_PER_PAGE, ENTRY_BYTES};
 use crate::worker::{
-    own_key, region_buffer, Chunks, Context, Layout, LayoutOp, Removal, Start, TableOp, Worker,
-    WorkerParams,
+    own_key, region_buffer, Chunks, Context, Layout, LayoutOp, Removal, Start, Worker, WorkerParams,
 };
 use crate::Errno;
 
@@ -145,22 +144,9 @@ impl Op {
             dev: 0,
             slot: 0,
             block: 0,
-            chunks: Chunks::default(),
+            chunks: Chunks::NONE,
             started: Instant::now(),
         }
-    }
-}
-
-impl Default for Op {
-    /// A free slot of the op table.
-    fn default() -> Op {
-        Op::new(OpKind::Load)
-    }
-}
-
-impl TableOp for Op {
-    fn clear(&mut self) {
-        self.job = None;
     }
 }
 
@@ -281,7 +267,7 @@ impl SlabLayout {
         devices: &[SlabDevice],
     ) -> Result<(Worker<SlabLayout>, u64), String> {
         let layout = SlabLayout::new(params.id, workers, meta, devices, &params.me.metrics);
-        let mut worker = Worker::new(params, layout, || Op::new(OpKind::Load));
+        let mut worker = Worker::new(params, layout);
         let (layout, cx) = worker.parts();
         let recovered = layout.recover(cx, devices)?;
         Ok((worker, recovered))

@@ -12,7 +12,7 @@ use crate::Errno;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::layout::{EntryState, Finished, Op, SlabLayout, SlotState};
+use super::layout::{EntryState, Finished, Op, SlabLayout, SlotMeta, SlotState};
 
 impl SlabLayout {
     /// Load `op` completed with `result`: its block checked where it must be (the first read
@@ -33,9 +33,10 @@ impl SlabLayout {
                     }
                 ),
             )),
-            Ok(()) => self.check_read(cx, d, local, &job, op.block),
+            Ok(()) => Ok(()),
         };
-        self.devs[d].slots.unpin(local);
+        let slot = self.devs[d].slots.end_read(local);
+        let outcome = outcome.and_then(|()| self.check_read(cx, d, local, &slot, &job, op.block));
         let name = &self.devs[d].name;
         cx.load_done(
             &job,
@@ -48,17 +49,17 @@ impl SlabLayout {
         );
     }
 
-    /// The checksum of a block just read into `job`'s `block` from slot `local`, where it must
-    /// be checked: a block that does not match is doomed (its slot freed at the last unpin).
+    /// The checksum of a block just read into `job`'s `block` from slot `local` (`slot`: as
+    /// the read found it), where it must be checked: a block that does not match is doomed.
     fn check_read(
         &mut self,
         cx: &mut Context<Op>,
         d: usize,
         local: u32,
+        slot: &SlotMeta,
         job: &Arc<JobState>,
         block: u32,
     ) -> Result<(), (KeyFailure, String)> {
-        let slot = self.devs[d].slots[local as usize];
         if slot.verified && !self.verify_always[d] {
             return Ok(());
         }
@@ -75,11 +76,15 @@ impl SlabLayout {
                 format!("stored crc {:08x}, read {crc:08x}", slot.crc),
             ));
         }
-        self.devs[d].slots[local as usize].verified = true;
+        let s = &mut self.devs[d].slots[local as usize];
+        if s.state == SlotState::Valid && s.crc == slot.crc {
+            s.verified = true;
+        }
         Ok(())
     }
 
-    /// Removes a bad block from the index now; its slot is freed when the last load unpins it.
+    /// Removes a bad block from the index now; its slot is freed now if no read holds it, else
+    /// when the last one unpins it.
     pub(super) fn doom_slot(&mut self, cx: &mut Context<Op>, d: usize, local: u32) {
         let s = &mut self.devs[d].slots[local as usize];
         if s.state != SlotState::Valid {
@@ -95,6 +100,9 @@ impl SlabLayout {
             .blocks_stored
             .fetch_sub(1, Ordering::Relaxed);
         self.clear_entry(d, local);
+        if self.devs[d].slots[local as usize].pins == 0 {
+            self.free_slot(d, local);
+        }
     }
 
     /// Why a store found no slot on device `d`.

@@ -64,7 +64,7 @@ impl Slots {
     /// block is still being written or is going away.
     pub fn pin_valid(&mut self, local: u32) -> bool {
         let s = &mut self.meta[local as usize];
-        if s.state != SlotState::Valid {
+        if !matches!(s.state, SlotState::Valid) {
             return false;
         }
         s.pins += 1;
@@ -89,11 +89,19 @@ impl Slots {
         let s = &mut self.meta[local as usize];
         debug_assert!(s.pins > 0, "unpinning slot {local} with no pin");
         s.pins -= 1;
-        if s.pins == 0 && s.state == SlotState::Doomed {
+        if s.pins == 0 && matches!(s.state, SlotState::Doomed) {
             self.free(local);
             return true;
         }
         false
+    }
+
+    /// A load's read of slot `local` ended: unpins it (see [`Slots::unpin`]) and returns the
+    /// slot as the read found it (its checksum, whether it was verified).
+    pub fn end_read(&mut self, local: u32) -> SlotMeta {
+        let found = self.meta[local as usize];
+        self.unpin(local);
+        found
     }
 
     /// CLOCK: the first valid, unpinned slot past the hand whose reference bit is clear,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::job::{JobState, KeyFailure};
 use crate::key::Key;
 
-use super::{Chunks, Context, TableOp};
+use super::{Chunks, Context};
 
 /// Why a layout frees a stored key (slab slot, or file): for the metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,7 +47,7 @@ pub(crate) enum Start {
 }
 
 /// What a layout's op offers the worker.
-pub(crate) trait LayoutOp: TableOp + Default {
+pub(crate) trait LayoutOp {
     /// The chunk plan of a store whose data write is under way; `None` for any other op or step.
     fn writing(&mut self) -> Option<&mut Chunks>;
 

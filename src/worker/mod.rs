@@ -48,7 +48,7 @@ use crate::job::{JobState, Shared};
 pub(crate) use self::context::Context;
 pub(crate) use demote::{Demote, DemoteSink, Demotion};
 pub(crate) use layout::{Layout, LayoutOp, Removal, Start};
-pub(crate) use ops::{OpTable, TableOp};
+pub(crate) use ops::OpTable;
 pub(crate) use published::Publisher;
 pub(crate) use queue::{fail_left_behind, Msg, Part, Removed, WorkQueue};
 pub(crate) use sched::{Chunks, Scheduler};
@@ -152,8 +152,7 @@ pub enum Stopped {
 }
 
 impl<L: Layout> Worker<L> {
-    /// A worker whose op table is filled with `make()` ops.
-    pub fn new(p: WorkerParams, layout: L, make: impl FnMut() -> L::Op) -> Worker<L> {
+    pub fn new(p: WorkerParams, layout: L) -> Worker<L> {
         let capacity = p.sched.ops_capacity(p.ring_entries);
         let publisher = Publisher::new(Arc::clone(&p.me.published));
         let unindexed = Unindexed::new(&p.me.unindexed);
@@ -165,7 +164,7 @@ impl<L: Layout> Worker<L> {
                 regions: p.regions,
                 shared: p.shared,
                 me: p.me,
-                ops: OpTable::new(capacity, p.clock, make),
+                ops: OpTable::new(capacity, p.clock),
                 block_bytes: p.sched.block_bytes(),
                 sched: p.sched,
                 loads: WorkQueue::default(),

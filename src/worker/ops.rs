@@ -6,18 +6,12 @@ use crate::clock::Clock;
 use crate::job::JobState;
 use kvtier_sys::blocks::LeaseHold;
 
-/// What a worker's op must offer its [`OpTable`].
-pub(crate) trait TableOp {
-    /// Drops what a finished op still holds (its job), so the job is freed when it is done
-    /// rather than when the slot is reused.
-    fn clear(&mut self);
-}
-
 /// A fixed table of in-flight ops addressed by index + generation (never by pointer), shared by
 /// the slab and the files workers. `user_data` carries both, and a completion for a released or
 /// reused slot is a bug caught by [`OpTable::decode`].
 pub(crate) struct OpTable<T> {
-    ops: Vec<T>,
+    /// The live ops; a free slot holds none.
+    ops: Vec<Option<T>>,
     gens: Vec<u32>,
     live: Vec<bool>,
     free: Vec<u32>,
@@ -37,10 +31,10 @@ pub(crate) struct OpTable<T> {
     clock: Clock,
 }
 
-impl<T: TableOp> OpTable<T> {
-    pub fn new(capacity: usize, clock: Clock, make: impl FnMut() -> T) -> OpTable<T> {
+impl<T> OpTable<T> {
+    pub fn new(capacity: usize, clock: Clock) -> OpTable<T> {
         OpTable {
-            ops: std::iter::repeat_with(make).take(capacity).collect(),
+            ops: std::iter::repeat_with(|| None).take(capacity).collect(),
             gens: vec![0; capacity],
             live: vec![false; capacity],
             free: (0..capacity as u32).rev().collect(),
@@ -60,7 +54,7 @@ impl<T: TableOp> OpTable<T> {
         debug_assert!(!self.live[i]);
         self.live[i] = true;
         self.gens[i] = self.gens[i].wrapping_add(1);
-        self.ops[i] = op;
+        self.ops[i] = Some(op);
         self.born[i] = self.clock.now();
         self.overdue[i] = false;
         self.load[i] = false;
@@ -100,7 +94,8 @@ impl<T: TableOp> OpTable<T> {
             "load op {idx} released while counted in flight: release it with Context::release"
         );
         self.live[i] = false;
-        self.ops[i].clear();
+        // What the op held (its job) goes now, not when the slot is reused.
+        self.ops[i] = None;
         // The kernel is done with the op's buffers: the leases it kept can go.
         self.holds[i].clear();
         self.free.push(idx);
@@ -131,7 +126,7 @@ impl<T: TableOp> OpTable<T> {
     /// The first live op that `pick` chooses (a scan of the table: for rare paths).
     pub fn find_live(&self, pick: impl Fn(&T) -> bool) -> Option<u32> {
         (0..self.ops.len())
-            .find(|&i| self.live[i] && pick(&self.ops[i]))
+            .find(|&i| self.ops[i].as_ref().is_some_and(&pick))
             .map(|i| i as u32)
     }
 
@@ -164,16 +159,13 @@ impl<T: TableOp> OpTable<T> {
 
     /// Decodes a completion's `user_data` (see [`OpTable::decode`]). An op that ends with its
     /// one completion is freed here and handed over; any other stays live.
-    pub fn complete(&mut self, user_data: u64) -> Completed<T>
-    where
-        T: Default,
-    {
+    pub fn complete(&mut self, user_data: u64) -> Completed<T> {
         let (idx, chunk) = self.decode(user_data);
         let i = idx as usize;
         if !self.once[i] {
             return Completed::Live { idx, chunk };
         }
-        let op = std::mem::take(&mut self.ops[i]);
+        let op = self.ops[i].take().expect("a live op");
         let load = std::mem::replace(&mut self.load[i], false);
         let holds = std::mem::take(&mut self.holds[i]);
         self.release(idx);
@@ -207,16 +199,17 @@ pub(crate) enum Completed<T> {
     },
 }
 
+/// A live op by index (a free slot is a bug: it panics).
 impl<T> std::ops::Index<usize> for OpTable<T> {
     type Output = T;
     fn index(&self, i: usize) -> &T {
-        &self.ops[i]
+        self.ops[i].as_ref().expect("op index names a live op")
     }
 }
 
 impl<T> std::ops::IndexMut<usize> for OpTable<T> {
     fn index_mut(&mut self, i: usize) -> &mut T {
-        &mut self.ops[i]
+        self.ops[i].as_mut().expect("op index names a live op")
     }
 }
 
@@ -239,50 +232,51 @@ pub(crate) fn decode_user_data(user_data: u64) -> (u32, u16, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
-    /// An op that says whether it was cleared.
-    #[derive(Default)]
+    /// An op holding `held` (as an op holds its job), tagged.
     struct Op {
         tag: u32,
-        cleared: bool,
-    }
-
-    impl TableOp for Op {
-        fn clear(&mut self) {
-            self.cleared = true;
-        }
+        held: Arc<()>,
     }
 
     fn op(tag: u32) -> Op {
         Op {
             tag,
-            cleared: false,
+            held: Arc::new(()),
         }
     }
 
     fn table(n: usize) -> (OpTable<Op>, Clock) {
         let clock = Clock::manual();
-        (OpTable::new(n, clock.clone(), Op::default), clock)
+        (OpTable::new(n, clock.clone()), clock)
     }
 
     /// The table holds as many ops as it was made for; a released slot is reused with a new
-    /// generation, its op cleared at the release; user_data names the op and its chunk.
+    /// generation, what its op held dropped at the release; user_data names the op and its
+    /// chunk.
     #[test]
     fn slots_are_reused_under_a_new_generation() {
         let (mut t, _) = table(2);
-        let a = t.alloc(op(1)).expect("room");
+        let first = op(1);
+        let held = Arc::clone(&first.held);
+        let a = t.alloc(first).expect("room");
         let b = t.alloc(op(2)).expect("room");
         assert!(t.alloc(op(3)).is_none(), "full");
         assert_eq!(t.live(), 2);
         let ud = t.user_data(a, 5);
         assert_eq!(t.decode(ud), (a, 5));
+        assert_eq!(Arc::strong_count(&held), 2);
         t.release(a);
-        assert!(t[a as usize].cleared, "a released op drops what it held");
+        assert_eq!(
+            Arc::strong_count(&held),
+            1,
+            "a released op drops what it held"
+        );
         assert_eq!(t.live_indexes(), [b]);
         let c = t.alloc(op(4)).expect("the slot is free again");
         assert_eq!(c, a, "the freed slot is reused");
         assert_eq!(t[c as usize].tag, 4);
-        assert!(!t[c as usize].cleared);
         assert_ne!(t.user_data(c, 5), ud, "a new generation");
         assert_eq!(t.decode(t.user_data(c, 0)), (c, 0));
     }
@@ -319,14 +313,18 @@ mod tests {
     #[test]
     fn an_op_of_one_completion_leaves_the_table_with_it() {
         let (mut t, _) = table(3);
-        let (once, ud_once) = t.alloc_load(op(1), true).expect("room");
+        let first = op(1);
+        let held = Arc::clone(&first.held);
+        let (once, ud_once) = t.alloc_load(first, true).expect("room");
         let (kept, ud_kept) = t.alloc_load(op(2), false).expect("room");
         match t.complete(ud_once) {
             Completed::Ended { op, load, holds } => {
                 assert_eq!(op.tag, 1);
                 assert!(holds.is_empty(), "it kept no lease");
                 assert!(load, "a load the worker counted");
-                assert!(!op.cleared, "handed over whole");
+                assert_eq!(Arc::strong_count(&held), 2, "handed over whole");
+                drop(op);
+                assert_eq!(Arc::strong_count(&held), 1);
             }
             Completed::Live { .. } => panic!("op {once} ends with its completion"),
         }

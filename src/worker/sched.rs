@@ -137,6 +137,15 @@ pub(crate) struct Chunks {
 }
 
 impl Chunks {
+    /// The plan of an op that writes no data (yet).
+    pub const NONE: Chunks = Chunks {
+        len: 0,
+        total: 0,
+        issued: 0,
+        done: 0,
+        failure: None,
+    };
+
     /// Byte range `(start, len)` of chunk `chunk` within a block of `block_bytes`.
     pub fn range(&self, chunk: u16, block_bytes: u64) -> (u64, u64) {
         let start = u64::from(chunk) * self.len;
