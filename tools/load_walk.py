@@ -18,7 +18,8 @@ file with none elsewhere between is one visit, and each step must visit each fil
 counted: a function calling one of its own file's, kvtier-sys calling its own files (it is read
 as a black box, by the file kvtier calls into), a closure run while the function that holds it
 is still on the stack, a drop (a guard or a handle ending what its file started), and the
-one-line reads of a field in `GETTERS`; `--trace` shows them with the reason. Exits 1 if a step
+one-line reads of a field and metric counts in `GETTERS`; `--trace` shows them with the
+reason. Exits 1 if a step
 enters a file it had left.
 
     python3 tools/load_walk.py            # needs gdb; about 10 min the first time (the build)
@@ -37,7 +38,8 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST = "one_load"
-# One-line reads of a field (or a table element) through a function: shown, not counted.
+# One-line reads of a field through a function, and counting into a metric (a couple of
+# atomic adds): shown with --trace, not counted.
 GETTERS = (
     "Context::backend",
     "Context::metrics",
@@ -103,7 +105,7 @@ for line in txt.splitlines():
         continue
     seen.add(loc)
     try:
-        b = Rec(loc, internal=True)
+        Rec(loc, internal=True)
     except Exception:
         continue
     n += 1
