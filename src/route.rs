@@ -9,7 +9,7 @@ use crossbeam_channel::Sender;
 
 use crate::job::JobState;
 use crate::key::Key;
-use crate::worker::{Msg, Part, Removed, WorkerShared};
+use crate::worker::{send_parts, Msg, Removed, WorkerShared};
 
 /// Sends work to the workers: the engine's admitted jobs and its own internal jobs (promotions
 /// from S3, the NVMe half of write-through stores).
@@ -20,15 +20,6 @@ pub(crate) struct Router {
 }
 
 impl Router {
-    /// Sends `items` of `job` to worker `w` (their queue room is already reserved).
-    pub fn send(&self, w: usize, job: &Arc<JobState>, items: Vec<u32>) {
-        Part {
-            job: Arc::clone(job),
-            items,
-        }
-        .send(&self.workers[w]);
-    }
-
     /// The positions of `keys` by the worker each routes to, with queue room reserved for
     /// them on every worker, all or nothing (see [`Router::reserve_or`]).
     pub fn reserve(&self, keys: &[Key]) -> Result<Vec<Vec<u32>>, (usize, usize, usize)> {
@@ -51,15 +42,10 @@ impl Router {
     /// their queued blocks.
     #[cfg_attr(not(feature = "s3"), allow(dead_code))]
     pub fn try_dispatch(&self, job: &Arc<JobState>) -> bool {
-        let parts = items_by_worker(&job.job.keys, self.workers.len());
-        if self.reserve_or(&parts).is_err() {
+        let Ok(parts) = self.reserve(&job.job.keys) else {
             return false;
-        }
-        for (s, items) in parts.into_iter().enumerate() {
-            if !items.is_empty() {
-                self.send(s, job, items);
-            }
-        }
+        };
+        send_parts(&self.workers, job, parts);
         true
     }
 

@@ -10,7 +10,7 @@ use crate::job::RegionId;
 use crate::job::{Job, JobKind, JobState, KeyFailure};
 use crate::key::Key;
 use crate::verdicts::Verdict;
-use crate::worker::Part;
+use crate::worker::send_parts;
 use kvtier_sys::blocks::Lease;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -61,12 +61,7 @@ impl Node {
             // Keys not held locally are loaded from the bucket; their queue room is returned.
             cold::load_remote(cold, &self.router, &state, &mut parts, |k| self.is_local(k));
         }
-        for (items, worker) in parts.into_iter().zip(&self.router.workers) {
-            if !items.is_empty() {
-                let job = Arc::clone(&state);
-                Part { job, items }.send(worker);
-            }
-        }
+        send_parts(&self.router.workers, &state, parts);
         Ok(())
     }
 

@@ -170,7 +170,7 @@ impl Node {
         for ((tx, me), items) in self.router.workers.iter().zip(parts) {
             if !items.is_empty() {
                 let part = items.iter().map(|&i| keys[i as usize]).collect();
-                // Cannot fail (see Router::send); a worker that stopped drops it at its stop.
+                // Cannot fail (see worker::send_parts); a worker that stopped drops it at its stop.
                 let _ = tx.send(Msg::Touch(part));
                 me.nudge();
             }

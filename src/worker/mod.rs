@@ -50,7 +50,7 @@ pub(crate) use demote::{Demote, DemoteSink, Demotion};
 pub(crate) use layout::{Layout, LayoutOp, Removal, Start};
 pub(crate) use ops::OpTable;
 pub(crate) use published::Publisher;
-pub(crate) use queue::{fail_left_behind, Msg, Part, Removed, WorkQueue};
+pub(crate) use queue::{fail_left_behind, send_parts, Msg, Part, Removed, WorkQueue};
 pub(crate) use sched::{Chunks, Scheduler};
 pub(crate) use shared::WorkerShared;
 use shared::{awake, ready_to_sleep};

@@ -16,16 +16,25 @@ pub(crate) struct Part {
     pub items: Vec<u32>,
 }
 
-impl Part {
-    /// Sends this part to `worker` (its channel and shared state; the part's queue room is
-    /// reserved already) and wakes it.
-    pub fn send(self, (tx, me): &(crossbeam_channel::Sender<Msg>, Arc<WorkerShared>)) {
-        // Cannot fail: the node holds a receiver of every channel until it is dropped, and its
-        // stop fails whatever is left in them.
-        let _ = tx.send(Msg::Work(self));
-        me.nudge();
+/// Sends `job`'s items to the workers they route to (`parts[w]`: worker `w`'s, their queue room
+/// reserved already; an empty part is not sent) and wakes each.
+pub(crate) fn send_parts(
+    workers: &[(crossbeam_channel::Sender<Msg>, Arc<WorkerShared>)],
+    job: &Arc<JobState>,
+    parts: Vec<Vec<u32>>,
+) {
+    for ((tx, me), items) in workers.iter().zip(parts) {
+        if !items.is_empty() {
+            let job = Arc::clone(job);
+            // Cannot fail: the node holds a receiver of every channel until it is dropped, and
+            // its stop fails whatever is left in them.
+            let _ = tx.send(Msg::Work(Part { job, items }));
+            me.nudge();
+        }
     }
+}
 
+impl Part {
     /// Fails the items from `from` on with `KeyFailure::Shutdown`; returns how many (the
     /// caller gives their queue room back).
     pub fn fail_from(&self, from: usize, shared: &Shared) -> usize {
