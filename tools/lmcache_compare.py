@@ -9,6 +9,11 @@ aiofiles on an asyncio loop, buffered unless ``--fs-odirect``). Both are driven 
 same ``L2AdapterInterface`` calls LMCache's storage controller makes: ``submit_store_task`` /
 ``submit_load_task`` of L1 objects, completions waited for on the adapter's event fds.
 
+With ``--in-place``, every L1 object (both adapters') is carved from one arena as LMCache's
+allocator carves it (aligned to kvtier's block size, as ``--l1-align-bytes`` would make it),
+and kvtier runs as the ``plugin`` adapter ``KvtierL2Adapter`` over that arena: its region is
+the arena and objects move with no copy (the fs adapter is handed the same description).
+
 A request is one task of --objects-per-request objects of --object-bytes each; --in-flight
 tasks are kept submitted. Per round and adapter (the order alternates): a store phase of fresh
 keys, then (after ``sync`` and dropping the page cache when allowed) a load phase of the same
@@ -19,6 +24,7 @@ buffered stores return once the bytes are in the page cache).
 
     python tools/lmcache_compare.py --dir /var/tmp --rounds 5
     python tools/lmcache_compare.py --in-flight 1 16 --object-bytes 8MiB --json out.json
+    python tools/lmcache_compare.py --in-place --fs-odirect --rounds 5
 
 Needs: the kvtier package (pip install ./python), numpy, aiofiles, and LMCache's wheel (pip
 download lmcache==0.5.6 --no-deps -d DIR; KVTIER_LMCACHE_WHEEL_DIR=DIR).
@@ -99,6 +105,12 @@ def main() -> None:
     ap.add_argument("--layout", choices=("files", "slab"), default="files")
     ap.add_argument("--slab-bytes", default="4GiB")
     ap.add_argument("--fs-odirect", action="store_true", help="LMCache fs adapter with O_DIRECT")
+    ap.add_argument("--in-place", action="store_true",
+                    help="objects in one L1 arena; kvtier as the plugin adapter over it")
+    ap.add_argument("--no-files-checksums", action="store_true",
+                    help="kvtier's files layout without its crc32c xattrs ([files] checksums)")
+    ap.add_argument("--arena-thp", action="store_true",
+                    help="with --in-place: the arena in transparent huge pages")
     ap.add_argument("--no-drop-caches", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -112,12 +124,22 @@ def main() -> None:
     staging = max(args.in_flight) * per * obj + (64 << 20)
     print(f"LMCache {lm.version}; objects of {obj >> 10} KiB, {count} a phase "
           f"({count * obj >> 20} MiB), {per} a request; kvtier {args.layout} layout, blocks of "
-          f"{args.block_size}, staging {staging >> 20} MiB; fs adapter "
+          f"{args.block_size}, " + ("in place" if args.in_place else
+                                    f"staging {staging >> 20} MiB") + "; fs adapter "
           f"{'O_DIRECT' if args.fs_odirect else 'buffered'}")
     base = tempfile.mkdtemp(prefix="lmcache-compare-", dir=args.dir)
     rng = np.random.default_rng(0)
-    src = [H.TensorMemoryObj(obj) for _ in range(count)]
-    dst = [H.TensorMemoryObj(obj) for _ in range(count)]
+    desc = None
+    if args.in_place:
+        block = kvtier.parse_size(args.block_size)
+        physical = -(-obj // block) * block
+        arena = H.Arena(lm, 2 * count * physical, align=block, thp=args.arena_thp)
+        desc = arena.desc
+        src = [arena.allocate(obj) for _ in range(count)]
+        dst = [arena.allocate(obj) for _ in range(count)]
+    else:
+        src = [H.TensorMemoryObj(obj) for _ in range(count)]
+        dst = [H.TensorMemoryObj(obj) for _ in range(count)]
     results: dict = {}
     dropped = True
     try:
@@ -131,11 +153,23 @@ def main() -> None:
                               "block_size": args.block_size, "staging_bytes": staging}
                     if args.layout == "slab":
                         params["capacity_bytes"] = args.slab_bytes
+                    if args.no_files_checksums:
+                        from kvtier._tier_config import cores_auto
+                        params = {"block_size": args.block_size,
+                                  "staging_bytes": staging,
+                                  "config": {"cores": cores_auto("auto"), "direct_io": "auto",
+                                             "devices": [{"layout": "files", "path": root}],
+                                             "files": {"checksums": False}}}
                     spec = {"type": "native_plugin", "module_path": "kvtier.lmcache",
                             "class_name": "KvtierL2Connector", "adapter_params": params}
+                    if args.in_place:
+                        del params["staging_bytes"]
+                        spec.update(type="plugin", class_name="KvtierL2Adapter")
                 else:
                     spec = {"type": "fs", "base_path": root, "use_odirect": args.fs_odirect}
-                adapters[name] = H.adapter_from_cli(lm, spec)
+                adapters[name] = H.adapter_from_cli(lm, spec, desc)
+                if name == "kvtier" and args.in_place and not adapters[name].connector.in_place:
+                    raise SystemExit("kvtier: not in place over the arena (see the warning)")
             cells = {n: {"store": [], "load": [], "store_cpu": [], "load_cpu": [],
                          "store_synced": []} for n in adapters}
             for r in range(args.rounds):

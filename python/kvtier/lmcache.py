@@ -18,14 +18,32 @@ TOML text or table); and two of this adapter's own:
   ceil(n / block_size) blocks under its key and the block's number.
 * ``staging_bytes`` (default ``"1 GiB"``): kvtier's own region, where objects are staged.
 
-**Staged, not in place.** The buffers LMCache hands a native connector are slices of its L1
-arena at its allocator's offsets, which kvtier's fixed-size block region cannot address: every
-object is copied into the staging region before its store is submitted, and out of it (into
-LMCache's buffer) when its load has finished, in ``drain_completions``. Each object of a batch
-is a kvtier job of its own, so one object's copy overlaps the others' I/O; the batch completes
-with its last object. A batch that does not fit
-the staging room left completes at once as failed (LMCache treats it as not stored / a miss);
-``stats()`` counts those.
+**In place, as a ``plugin``** (``KvtierL2Adapter``)::
+
+    lmcache server ... --l1-align-bytes 2097152 --l2-adapter '{"type": "plugin",
+      "module_path": "kvtier.lmcache", "class_name": "KvtierL2Adapter",
+      "adapter_params": {"root_dir": "/mnt/nvme/lmcache", "capacity_bytes": "2 TiB"}}'
+
+LMCache hands a ``plugin`` adapter the description of its L1 arena (``L1MemoryDesc``: base,
+size, allocation alignment). ``KvtierL2Adapter`` is LMCache's own ``NativeConnectorL2Adapter``
+over a ``KvtierL2Connector`` whose engine region *is* that arena (its stable, pinned prefix):
+objects go from the arena to the device and back with no copy. That needs every object to
+start on a kvtier block, so the arena's alignment (``--l1-align-bytes``) must be a multiple of
+``block_size`` (an object's last block then ends inside its own allocation's padding, which a
+load may overwrite). Where that does not hold (LMCache's default alignment is 4 KiB; a POSIX
+shared-memory arena exposes no stable prefix), the adapter logs why once and stages, as the
+native plugin does. ``adapter_params`` may add LMCache's ``max_capacity_gb``; ``staging_bytes``
+is not used in place. A buffer outside the registered arena (an arena grown past its stable
+prefix) cannot be used in place: its object fails (not stored / a miss), counted in
+``stats()["lmcache"]["objects_outside_arena"]``.
+
+**Staged, as a ``native_plugin``.** The buffers LMCache hands a native connector are slices of
+its L1 arena at its allocator's offsets, and the connector is not told where the arena is:
+every object is copied into the staging region before its store is submitted, and out of it
+(into LMCache's buffer) when its load has finished, in ``drain_completions``. Each object of a
+batch is a kvtier job of its own, so one object's copy overlaps the others' I/O; the batch
+completes with its last object. A batch that does not fit the staging room left completes at
+once as failed (LMCache treats it as not stored / a miss); ``stats()`` counts those.
 
 The event fd is kvtier's result eventfd: the engine bumps it when a job's result is published
 (no Python thread polls the engine); this adapter bumps it too for what completes without I/O
@@ -50,6 +68,8 @@ from typing import Any
 
 import numpy as np
 
+import ctypes
+
 import kvtier
 from kvtier._tier_config import cores_auto, load_config, size_bytes
 
@@ -66,6 +86,30 @@ _DELETE_OBJECT_BYTES = 64 << 20
 
 def _key_hash(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+def _address(view: memoryview) -> int:
+    """Where a byte view's memory starts."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _arena_refusal(desc: Any, block: int) -> str | None:
+    """Why LMCache's L1 arena `desc` cannot be kvtier's region for blocks of `block` bytes."""
+    align = int(desc.align_bytes)
+    stable = desc.stable_registration_size
+    if align % block:
+        return (f"the L1 arena's alignment ({align} bytes) is not a multiple of kvtier's "
+                f"block_size ({block} bytes): start LMCache with --l1-align-bytes {block} "
+                "(or a multiple), or set block_size to a divisor of it")
+    if stable is None:
+        return ("the L1 arena exposes no stable registration prefix (POSIX shared memory, "
+                "which io_uring cannot register)")
+    if int(desc.ptr) % _ALIGN:
+        return f"the L1 arena starts at {int(desc.ptr):#x}, not {_ALIGN}-byte aligned"
+    if int(stable) // block < 1:
+        return (f"the L1 arena's stable prefix ({int(stable)} bytes) holds no block of "
+                f"{block} bytes")
+    return None
 
 
 class _Batch:
@@ -95,6 +139,7 @@ class KvtierL2Connector:
         config: Any = None,
         block_size: int | str = "2 MiB",
         staging_bytes: int | str = "1 GiB",
+        l1_memory_desc: Any = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -151,8 +196,26 @@ class KvtierL2Connector:
             path = str(dev.get("path", ""))
             os.makedirs(path if dev.get("layout", "slab") == "files" else
                         os.path.dirname(path) or ".", exist_ok=True)
-        self._region = kvtier.allocate_region(blocks, self._block)
-        self._bytes = np.frombuffer(self._region, dtype=np.uint8)
+        # In place: the engine's region is LMCache's L1 arena (its stable prefix, whole
+        # blocks); (base address, bytes). Otherwise a staging region of kvtier's own.
+        self._arena: tuple[int, int] | None = None
+        if l1_memory_desc is not None:
+            refusal = _arena_refusal(l1_memory_desc, self._block)
+            if refusal is None:
+                arena_blocks = int(l1_memory_desc.stable_registration_size) // self._block
+                self._arena = (int(l1_memory_desc.ptr), arena_blocks * self._block)
+            else:
+                logger.warning("kvtier.lmcache: objects are staged, not used in place: %s",
+                               refusal)
+        if self._arena is not None:
+            base, nbytes = self._arena
+            self._region = np.ctypeslib.as_array(
+                (ctypes.c_ubyte * nbytes).from_address(base))
+            self._bytes = self._region
+            blocks = 0
+        else:
+            self._region = kvtier.allocate_region(blocks, self._block)
+            self._bytes = np.frombuffer(self._region, dtype=np.uint8)
         self._engine = kvtier.Engine(cfg, self._region)
         self._fd = self._engine.result_fd()
         self._lock = threading.Lock()
@@ -167,10 +230,33 @@ class KvtierL2Connector:
         self._closed = False
         self._stats = collections.Counter()
         # The most blocks an object had (a delete removes that many per key); at least what
-        # the staging region could hold of one, so objects stored before a restart go too.
-        self._max_parts = min(blocks, self._parts(_DELETE_OBJECT_BYTES))
-        logger.info("kvtier.lmcache: %s, blocks of %d bytes, %d staging blocks",
-                    self._engine, self._block, blocks)
+        # the region could hold of one, so objects stored before a restart go too.
+        room = blocks if self._arena is None else self._arena[1] // self._block
+        self._max_parts = min(room, self._parts(_DELETE_OBJECT_BYTES))
+        if self._arena is None:
+            logger.info("kvtier.lmcache: %s, blocks of %d bytes, %d staging blocks",
+                        self._engine, self._block, blocks)
+        else:
+            logger.info("kvtier.lmcache: %s, blocks of %d bytes, in place over the L1 arena "
+                        "(%d bytes at %#x)", self._engine, self._block, self._arena[1],
+                        self._arena[0])
+
+    @property
+    def in_place(self) -> bool:
+        """Whether objects move between LMCache's L1 arena and the device with no copy."""
+        return self._arena is not None
+
+    def _arena_blocks(self, view: memoryview, n: int) -> list[int] | None:
+        """The region blocks of an object in the arena (`n` of them from its start), or None
+        if it does not start on a block of the registered arena or reaches past it."""
+        base, nbytes = self._arena  # type: ignore[misc]
+        if view.nbytes == 0:
+            return None
+        off = _address(view) - base
+        if off < 0 or off % self._block or off + n * self._block > nbytes:
+            return None
+        first = off // self._block
+        return list(range(first, first + n))
 
     def _short_form(self, short: dict[str, Any]) -> dict[str, Any]:
         root = short.get("root_dir")
@@ -225,6 +311,8 @@ class KvtierL2Connector:
         parts = [self._parts(v.nbytes) for v in views]
         if parts:
             self._max_parts = max(self._max_parts, max(parts))
+        if self._arena is not None:
+            return self._submit_in_place(op, keys, views, parts)
         need = sum(parts)
         with self._lock:
             if self._closed or need > len(self._free):
@@ -252,22 +340,58 @@ class KvtierL2Connector:
                     self._bytes[dst:dst + len(chunk)] = chunk
                     if len(chunk) < self._block:
                         self._bytes[dst + len(chunk):dst + self._block] = 0
-            job = next(self._ids)
-            with self._lock:
-                self._jobs[job] = (future, k, mine, view if op == "get" else None)
-            try:
-                if op == "set":
-                    self._engine.submit_store(job, bkeys, mine)
-                else:
-                    self._engine.submit_load(job, bkeys, mine)
-            except (kvtier.Error, ValueError) as e:
-                self._stats["objects_refused_engine"] += 1
-                with self._lock:
-                    del self._jobs[job]
-                    self._free.extend(mine)
-                self._settle(future, k, False, str(e))
-            else:
+            if self._submit_object(op, future, k, bkeys, mine, view if op == "get" else None):
                 self._stats[f"staged_{op}_bytes"] += view.nbytes
+        self._settle(future, None, True, "")
+        return future
+
+    def _submit_object(self, op: str, future: int, k: int, bkeys: list[bytes],
+                       blocks: list[int], copy_to: memoryview | None) -> bool:
+        """Submits one object's job (its staging blocks go back if the engine refuses it,
+        and the object fails); whether it was submitted."""
+        job = next(self._ids)
+        with self._lock:
+            self._jobs[job] = (future, k, blocks, copy_to)
+        try:
+            if op == "set":
+                self._engine.submit_store(job, bkeys, blocks)
+            else:
+                self._engine.submit_load(job, bkeys, blocks)
+        except (kvtier.Error, ValueError) as e:
+            self._stats["objects_refused_engine"] += 1
+            with self._lock:
+                del self._jobs[job]
+                if self._arena is None:
+                    self._free.extend(blocks)
+            self._settle(future, k, False, str(e))
+            return False
+        return True
+
+    def _submit_in_place(self, op: str, keys: list[str], views: list[memoryview],
+                         parts: list[int]) -> int:
+        """Each object a job over its own blocks of the arena: nothing is copied."""
+        if self._closed:
+            self._stats["batches_closed"] += 1
+            return self._complete_now(False, [False] * len(keys), "closed")
+        future = next(self._ids)
+        with self._lock:
+            self._batches[future] = _Batch(op, len(keys))
+        for k, (key, view, n) in enumerate(zip(keys, views, parts)):
+            blocks = self._arena_blocks(view, n)
+            if blocks is None:
+                self._stats["objects_outside_arena"] += 1
+                if self._stats["objects_outside_arena"] == 1:
+                    logger.warning(
+                        "kvtier.lmcache: a buffer of %d bytes at %#x is not on a block of the "
+                        "registered L1 arena; its object fails (counted in "
+                        "stats()['lmcache']['objects_outside_arena'])", view.nbytes,
+                        _address(view) if view.nbytes else 0)
+                self._settle(future, k, False, "buffer outside kvtier's registered L1 arena")
+                continue
+            h = _key_hash(key)
+            bkeys = [h + j.to_bytes(4, "big") for j in range(n)]
+            if self._submit_object(op, future, k, bkeys, blocks, None):
+                self._stats[f"in_place_{op}_bytes"] += view.nbytes
         self._settle(future, None, True, "")
         return future
 
@@ -345,8 +469,9 @@ class KvtierL2Connector:
                         src = b * self._block
                         n = min(self._block, view.nbytes - j * self._block)
                         view[j * self._block:j * self._block + n] = self._bytes[src:src + n]
-            with self._lock:
-                self._free.extend(blocks)
+            if self._arena is None:
+                with self._lock:
+                    self._free.extend(blocks)
             error = "" if r.success else "; ".join(
                 sorted({f"{cls}: {reason}" for (_, _, cls, reason) in r.failures})[:3])
             self._settle(future, k, ok, error, out)
@@ -364,8 +489,70 @@ class KvtierL2Connector:
         if self._closed:
             return
         self._closed = True
-        self._engine.shutdown()
+        report = self._engine.shutdown()
+        if self._arena is not None and report.get("workers_gave_up"):
+            logger.error("kvtier.lmcache: I/O into LMCache's L1 arena outlived the stop (%s); "
+                         "the arena must not be freed or reused", report)
 
     @property
     def engine(self) -> kvtier.Engine:
         return self._engine
+
+
+_ADAPTER: type | None = None
+
+
+def _adapter_class() -> type:
+    """``KvtierL2Adapter``: LMCache's own ``NativeConnectorL2Adapter`` over a
+    ``KvtierL2Connector`` built in place over the L1 arena LMCache describes."""
+    global _ADAPTER
+    if _ADAPTER is not None:
+        return _ADAPTER
+    try:
+        from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
+            NativeConnectorL2Adapter,
+        )
+    except ImportError as e:
+        raise ImportError(
+            "kvtier.lmcache.KvtierL2Adapter is LMCache's `plugin` L2 adapter and needs LMCache "
+            f"(pip install lmcache=={TESTED_LMCACHE}); KvtierL2Connector, the `native_plugin` "
+            f"connector, needs nothing from it ({e})"
+        ) from e
+
+    class KvtierL2Adapter(NativeConnectorL2Adapter):  # type: ignore[misc, valid-type]
+        """kvtier as LMCache's ``plugin`` L2 adapter, in place over its L1 arena (see the
+        ``kvtier.lmcache`` docstring). ``adapter_params`` as for ``KvtierL2Connector``, plus
+        LMCache's ``max_capacity_gb``."""
+
+        def __init__(self, adapter_params: dict[str, Any] | None = None,
+                     l1_memory_desc: Any = None) -> None:
+            params = dict(adapter_params or {})
+            max_capacity_gb = params.pop("max_capacity_gb", 0)
+            if not isinstance(max_capacity_gb, (int, float)) or max_capacity_gb < 0:
+                raise ValueError(
+                    f"kvtier.lmcache: max_capacity_gb = {max_capacity_gb!r}: expected a "
+                    "number >= 0 (0: no limit; kvtier's capacity_bytes bounds the device)")
+            if "l1_memory_desc" in params:
+                raise TypeError("kvtier.lmcache: l1_memory_desc comes from LMCache, not from "
+                                "adapter_params")
+            connector = KvtierL2Connector(**params, l1_memory_desc=l1_memory_desc)
+            try:
+                super().__init__(connector, max_capacity_gb=max_capacity_gb,
+                                 type_name="kvtier")
+            except BaseException:
+                connector.close()
+                raise
+
+        @property
+        def connector(self) -> KvtierL2Connector:
+            return self._client
+
+    KvtierL2Adapter.__module__ = __name__
+    _ADAPTER = KvtierL2Adapter
+    return _ADAPTER
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvtierL2Adapter":
+        return _adapter_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -59,6 +59,7 @@ _REAL = [
     _D + "l2_adapters/factory.py",
     _D + "l2_adapters/native_plugin_l2_adapter.py",
     _D + "l2_adapters/native_connector_l2_adapter.py",
+    _D + "l2_adapters/plugin_l2_adapter.py",
     _D + "l2_adapters/fs_l2_adapter.py",
     "lmcache/v1/mp_observability/event.py",
     "lmcache/v1/mp_observability/event_bus.py",
@@ -152,6 +153,42 @@ class TensorMemoryObj:
         return self._array[: self._size]
 
 
+class ArenaObj(TensorMemoryObj):
+    """An L1 object carved from an `Arena`: `size` logical bytes at `offset`, in an
+    allocation of `physical` bytes (the size rounded up to the arena's alignment)."""
+
+    def __init__(self, arena: "Arena", offset: int, size: int, physical: int) -> None:
+        self._map = arena.map
+        self._array = arena.bytes[offset:offset + physical]
+        self._size = size
+        self.metadata = types.SimpleNamespace(cached_positions=None)
+
+
+class Arena:
+    """LMCache's L1 arena as its allocator hands it out: one mapping, objects at offsets
+    that are multiples of `align` (a bump allocator here), and its `L1MemoryDesc`."""
+
+    def __init__(self, lm: types.SimpleNamespace, size: int, align: int,
+                 thp: bool = False) -> None:
+        self.map = mmap.mmap(-1, size)
+        if thp:
+            # As LMCache's --l1-use-hugepages backs it (there from the hugetlb pool).
+            self.map.madvise(mmap.MADV_HUGEPAGE)
+        self.bytes = np.frombuffer(self.map, dtype=np.uint8)
+        self.align = align
+        self.next = 0
+        self.desc = lm.L1MemoryDesc(ptr=int(self.bytes.ctypes.data), size=size,
+                                    align_bytes=align, stable_registration_size=size)
+
+    def allocate(self, size: int) -> ArenaObj:
+        physical = -(-size // self.align) * self.align
+        if self.next + physical > self.bytes.size:
+            raise MemoryError("arena full")
+        obj = ArenaObj(self, self.next, size, physical)
+        self.next += physical
+        return obj
+
+
 MemoryObj = TensorMemoryObj
 
 _loaded: types.SimpleNamespace | None = None
@@ -198,6 +235,7 @@ def load_lmcache() -> types.SimpleNamespace:
         wheel=wheel,
         version=LMCACHE_VERSION,
         ObjectKey=api.ObjectKey,
+        L1MemoryDesc=sys.modules["lmcache.v1.distributed.internal_api"].L1MemoryDesc,
         add_l2_adapters_args=cfg.add_l2_adapters_args,
         parse_args_to_l2_adapters_config=cfg.parse_args_to_l2_adapters_config,
         create_l2_adapter=l2.create_l2_adapter,
@@ -208,13 +246,15 @@ def load_lmcache() -> types.SimpleNamespace:
     return _loaded
 
 
-def adapter_from_cli(lm: types.SimpleNamespace, spec: dict[str, Any]) -> Any:
-    """The adapter LMCache's server builds from `--l2-adapter '<spec as JSON>'`."""
+def adapter_from_cli(lm: types.SimpleNamespace, spec: dict[str, Any],
+                     l1_memory_desc: Any = None) -> Any:
+    """The adapter LMCache's server builds from `--l2-adapter '<spec as JSON>'` (its storage
+    manager hands every adapter the L1 arena's description)."""
     parser = argparse.ArgumentParser()
     lm.add_l2_adapters_args(parser)
     args = parser.parse_args(["--l2-adapter", json.dumps(spec)])
     [config] = lm.parse_args_to_l2_adapters_config(args).adapters
-    return lm.create_l2_adapter(config)
+    return lm.create_l2_adapter(config, l1_memory_desc)
 
 
 def object_key(lm: types.SimpleNamespace, i: int, model: str = "meta-llama/Llama-3.1-8B",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -252,3 +253,171 @@ def test_import_without_lmcache_is_fine_the_connector_needs_nothing_from_it():
                        env={**os.environ, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "kvtier.lmcache"
+
+
+# -- in place: the `plugin` type over LMCache's L1 arena ------------------------------------
+
+
+def plugin_spec(root, **params):
+    p = {"root_dir": str(root), "block_size": "64 KiB"}
+    p.update(params)
+    return {"type": "plugin", "module_path": "kvtier.lmcache", "class_name": "KvtierL2Adapter",
+            "adapter_params": {k: v for k, v in p.items() if v is not None}}
+
+
+def arena_objects(arena, sizes, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in sizes:
+        o = arena.allocate(n)
+        o.array[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        out.append(o)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["files", "slab"])
+def test_in_place_over_the_l1_arena_moves_objects_without_staging(lm, tmp_path, layout):
+    """LMCache's plugin factory hands the adapter its L1 arena; objects aligned to kvtier's
+    block go to the device and back in place: byte-exact, nothing staged, and a load writes
+    nothing outside its object's own allocation."""
+    block = 64 << 10
+    arena = H.Arena(lm, 8 << 20, align=block)
+    cap = "64 MiB" if layout == "slab" else None
+    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path, layout=layout, capacity_bytes=cap,
+                                                 max_capacity_gb=1),
+                                 l1_memory_desc=arena.desc)
+    try:
+        assert type(adapter).__name__ == "KvtierL2Adapter"
+        assert isinstance(adapter, lm.NativeConnectorL2Adapter)
+        client = adapter.connector
+        assert client.in_place
+        sizes = [block, 200 << 10, 1000, 2 * block]
+        keys = [H.object_key(lm, i) for i in range(40, 44)]
+        src = arena_objects(arena, sizes, seed=11)
+        assert int(store(adapter, keys, src)) == sum(sizes)
+        assert lookup(adapter, keys + [H.object_key(lm, 49)]) == [True] * 4 + [False]
+        # Loads land in other objects of the arena; the bytes past the last one are a canary.
+        dst = arena_objects(arena, sizes, seed=12)
+        canary = arena.bytes[arena.next:arena.next + block].copy()
+        assert load(adapter, keys, dst) == [True] * 4
+        for s, d in zip(src, dst):
+            assert bytes(d.byte_array) == bytes(s.byte_array)
+        assert np.array_equal(arena.bytes[arena.next:arena.next + block], canary)
+        lmstats = client.stats()["lmcache"]
+        assert lmstats["in_place_set_bytes"] == sum(sizes)
+        assert lmstats["in_place_get_bytes"] == sum(sizes)
+        assert "staged_set_bytes" not in lmstats and "staged_get_bytes" not in lmstats
+    finally:
+        adapter.close()
+
+
+def test_in_place_refuses_a_buffer_outside_the_arena_and_leaves_it(lm, tmp_path):
+    block = 64 << 10
+    arena = H.Arena(lm, 4 << 20, align=block)
+    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path), l1_memory_desc=arena.desc)
+    try:
+        keys = [H.object_key(lm, i) for i in range(50, 52)]
+        inside = arena_objects(arena, [block], seed=13)
+        outside = objects([block], seed=14)
+        # One object in the arena and one not: the batch fails, the one inside is stored.
+        assert int(store(adapter, keys, inside + outside)) == -1
+        assert lookup(adapter, keys) == [True, False]
+        before = bytes(outside[0].byte_array)
+        assert load(adapter, keys, inside + outside) == [True, False]
+        assert bytes(outside[0].byte_array) == before
+        assert adapter.connector.stats()["lmcache"]["objects_outside_arena"] == 2
+    finally:
+        adapter.close()
+
+
+def test_an_arena_not_aligned_to_the_block_is_staged_and_says_why(lm, tmp_path, caplog):
+    arena = H.Arena(lm, 4 << 20, align=4096)
+    with caplog.at_level("WARNING", logger="kvtier.lmcache"):
+        adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path, staging_bytes="1 MiB"),
+                                     l1_memory_desc=arena.desc)
+    try:
+        assert not adapter.connector.in_place
+        assert "--l1-align-bytes 65536" in caplog.text
+        keys = [H.object_key(lm, i) for i in range(60, 62)]
+        src = arena_objects(arena, [100 << 10, 5000], seed=15)
+        assert int(store(adapter, keys, src)) == (100 << 10) + 5000
+        dst = arena_objects(arena, [100 << 10, 5000], seed=16)
+        assert load(adapter, keys, dst) == [True, True]
+        assert [bytes(d.byte_array) for d in dst] == [bytes(s.byte_array) for s in src]
+        assert adapter.connector.stats()["lmcache"]["staged_get_bytes"] == (100 << 10) + 5000
+    finally:
+        adapter.close()
+
+
+def test_in_place_a_damaged_block_fails_its_key(lm, tmp_path):
+    """In place the device's bytes land in the object before the checksum is checked: the key
+    fails (LMCache then reads nothing of that object); the other key is byte-exact."""
+    import glob
+
+    block = 64 << 10
+    arena = H.Arena(lm, 4 << 20, align=block)
+    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path), l1_memory_desc=arena.desc)
+    try:
+        keys = [H.object_key(lm, i) for i in range(70, 72)]
+        src = arena_objects(arena, [2 * block, block], seed=17)
+        store(adapter, keys, src)
+        files = sorted(glob.glob(f"{tmp_path}/**/*_g1/*.bin", recursive=True))
+        assert len(files) == 1, files
+        with open(files[0], "r+b") as f:
+            b = f.read(1)
+            f.seek(0)
+            f.write(bytes([b[0] ^ 0x55]))
+        dst = arena_objects(arena, [2 * block, block], seed=18)
+        assert load(adapter, keys, dst) == [False, True]
+        assert bytes(dst[1].byte_array) == bytes(src[1].byte_array)
+    finally:
+        adapter.close()
+
+
+def test_in_place_nothing_is_written_after_close(lm, tmp_path):
+    block = 64 << 10
+    arena = H.Arena(lm, 32 << 20, align=block)
+    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path), l1_memory_desc=arena.desc)
+    keys = [H.object_key(lm, i) for i in range(200, 240)]
+    src = arena_objects(arena, [4 * block] * len(keys), seed=19)
+    store(adapter, keys, src)
+    dst = arena_objects(arena, [4 * block] * len(keys), seed=20)
+    adapter.submit_load_task(keys, dst)
+    adapter.close()
+    client = adapter.connector
+    # An object whose job was cut by the stop may hold some of its blocks (it fails); what
+    # close left is never written again.
+    after = [bytes(d.byte_array) for d in dst]
+    time.sleep(0.2)
+    out = client.drain_completions()
+    assert [bytes(d.byte_array) for d in dst] == after, "a buffer was written after close"
+    for _future, _ok, _err, per_key in out:
+        for i, loaded in enumerate(per_key):
+            if loaded:
+                assert after[i] == bytes(src[i].byte_array)
+    client.submit_batch_get([keys[0]], [dst[0].byte_array])
+    assert [r[1] for r in client.drain_completions()] == [False]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (dict(max_capacity_gb=-1), "max_capacity_gb = -1"),
+        (dict(l1_memory_desc=1), "l1_memory_desc comes from LMCache"),
+        (dict(chunk_size=256), "'chunk_size'"),
+    ],
+)
+def test_bad_plugin_params_are_refused_naming_the_field(lm, tmp_path, params, message):
+    arena = H.Arena(lm, 1 << 20, align=64 << 10)
+    with pytest.raises(Exception) as err:
+        H.adapter_from_cli(lm, plugin_spec(tmp_path, **params), l1_memory_desc=arena.desc)
+    assert message in str(err.value)
+
+
+def test_the_plugin_class_without_lmcache_says_what_to_install():
+    code = ("import kvtier.lmcache as m\n"
+            "try:\n    m.KvtierL2Adapter\nexcept ImportError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert "pip install lmcache==" in r.stdout
