@@ -30,12 +30,15 @@ over a ``KvtierL2Connector`` whose engine region *is* that arena (its stable, pi
 objects go from the arena to the device and back with no copy. That needs every object to
 start on a kvtier block, so the arena's alignment (``--l1-align-bytes``) must be a multiple of
 ``block_size`` (an object's last block then ends inside its own allocation's padding, which a
-load may overwrite). Where that does not hold (LMCache's default alignment is 4 KiB; a POSIX
-shared-memory arena exposes no stable prefix), the adapter logs why once and stages, as the
-native plugin does. ``adapter_params`` may add LMCache's ``max_capacity_gb``; ``staging_bytes``
-is not used in place. A buffer outside the registered arena (an arena grown past its stable
-prefix) cannot be used in place: its object fails (not stored / a miss), counted in
-``stats()["lmcache"]["objects_outside_arena"]``.
+load may overwrite), and the whole arena must be there from the start. Where that does not
+hold (LMCache's default alignment is 4 KiB; a POSIX shared-memory arena exposes no stable
+prefix; a lazily grown arena larger than its initial size), the adapter logs why once and
+stages, as the native plugin does. ``adapter_params`` may add LMCache's ``max_capacity_gb``;
+``staging_bytes`` is not used in place. A buffer that is not on a block of the registered arena
+cannot be used in place: its object fails (not stored / a miss), counted in
+``stats()["lmcache"]["objects_outside_arena"]``. A load that fails in place (a checksum that
+does not match, a device error) may leave part of what the device returned in its object's
+buffer; LMCache reads nothing of an object whose load failed.
 
 **Staged, as a ``native_plugin``.** The buffers LMCache hands a native connector are slices of
 its L1 arena at its allocator's offsets, and the connector is not told where the arena is:
@@ -104,6 +107,11 @@ def _arena_refusal(desc: Any, block: int) -> str | None:
     if stable is None:
         return ("the L1 arena exposes no stable registration prefix (POSIX shared memory, "
                 "which io_uring cannot register)")
+    if int(stable) < int(desc.size):
+        return (f"the L1 arena grows lazily (its stable prefix is {int(stable)} of "
+                f"{int(desc.size)} bytes, and objects past it could not be used in place): "
+                "start LMCache with --no-l1-use-lazy, or an --l1-size-gb no larger than "
+                "--l1-init-size-gb")
     if int(desc.ptr) % _ALIGN:
         return f"the L1 arena starts at {int(desc.ptr):#x}, not {_ALIGN}-byte aligned"
     if int(stable) // block < 1:

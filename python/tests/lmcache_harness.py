@@ -166,10 +166,11 @@ class ArenaObj(TensorMemoryObj):
 
 class Arena:
     """LMCache's L1 arena as its allocator hands it out: one mapping, objects at offsets
-    that are multiples of `align` (a bump allocator here), and its `L1MemoryDesc`."""
+    that are multiples of `align` (a bump allocator here), and its `L1MemoryDesc`, whose
+    stable prefix is `stable` bytes (-1: the whole arena; None: none, as for shared memory)."""
 
     def __init__(self, lm: types.SimpleNamespace, size: int, align: int,
-                 thp: bool = False) -> None:
+                 thp: bool = False, stable: int | None = -1) -> None:
         self.map = mmap.mmap(-1, size)
         if thp:
             # As LMCache's --l1-use-hugepages backs it (there from the hugetlb pool).
@@ -178,7 +179,8 @@ class Arena:
         self.align = align
         self.next = 0
         self.desc = lm.L1MemoryDesc(ptr=int(self.bytes.ctypes.data), size=size,
-                                    align_bytes=align, stable_registration_size=size)
+                                    align_bytes=align,
+                                    stable_registration_size=size if stable == -1 else stable)
 
     def allocate(self, size: int) -> ArenaObj:
         physical = -(-size // self.align) * self.align

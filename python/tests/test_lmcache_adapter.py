@@ -330,14 +330,23 @@ def test_in_place_refuses_a_buffer_outside_the_arena_and_leaves_it(lm, tmp_path)
         adapter.close()
 
 
-def test_an_arena_not_aligned_to_the_block_is_staged_and_says_why(lm, tmp_path, caplog):
-    arena = H.Arena(lm, 4 << 20, align=4096)
+@pytest.mark.parametrize(
+    ("align", "stable", "why"),
+    [
+        (4096, -1, "--l1-align-bytes 65536"),
+        (64 << 10, 2 << 20, "--no-l1-use-lazy"),
+        (64 << 10, None, "no stable registration prefix"),
+    ],
+)
+def test_an_arena_kvtier_cannot_use_in_place_is_staged_and_says_why(lm, tmp_path, caplog,
+                                                                    align, stable, why):
+    arena = H.Arena(lm, 4 << 20, align=align, stable=stable)
     with caplog.at_level("WARNING", logger="kvtier.lmcache"):
         adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path, staging_bytes="1 MiB"),
                                      l1_memory_desc=arena.desc)
     try:
         assert not adapter.connector.in_place
-        assert "--l1-align-bytes 65536" in caplog.text
+        assert why in caplog.text
         keys = [H.object_key(lm, i) for i in range(60, 62)]
         src = arena_objects(arena, [100 << 10, 5000], seed=15)
         assert int(store(adapter, keys, src)) == (100 << 10) + 5000
