@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--no-drop-caches", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.no_files_checksums and args.layout != "files":
+        ap.error("--no-files-checksums is for --layout files")
     import kvtier
 
     lm = H.load_lmcache()
