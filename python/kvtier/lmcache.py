@@ -1,4 +1,5 @@
-"""kvtier as an L2 adapter of LMCache's multi-process server: ``KvtierL2Connector``.
+"""kvtier as an L2 adapter of LMCache's multi-process server: ``KvtierL2Adapter`` (in place,
+LMCache's ``plugin`` type) and ``KvtierL2Connector`` (staged, its ``native_plugin`` type).
 
 LMCache loads it out of tree as a ``native_plugin`` (its connector interface: ``event_fd``,
 ``submit_batch_get`` / ``_set`` / ``_exists``, ``drain_completions``, ``close``), wrapped by its
@@ -31,14 +32,19 @@ objects go from the arena to the device and back with no copy. That needs every 
 start on a kvtier block, so the arena's alignment (``--l1-align-bytes``) must be a multiple of
 ``block_size`` (an object's last block then ends inside its own allocation's padding, which a
 load may overwrite), and the whole arena must be there from the start. Where that does not
-hold (LMCache's default alignment is 4 KiB; a POSIX shared-memory arena exposes no stable
-prefix; a lazily grown arena larger than its initial size), the adapter logs why once and
-stages, as the native plugin does. ``adapter_params`` may add LMCache's ``max_capacity_gb``;
+hold (LMCache's default alignment is 4 KiB; a POSIX shared-memory or Device-DAX arena exposes
+no stable prefix; a lazily grown arena larger than its initial size; no description at all; an
+arena the engine cannot register), the adapter logs why once and stages, as the native plugin
+does. ``report_status()`` says which (``in_place``). ``adapter_params`` may add LMCache's ``max_capacity_gb``;
 ``staging_bytes`` is not used in place. A buffer that is not on a block of the registered arena
 cannot be used in place: its object fails (not stored / a miss), counted in
 ``stats()["lmcache"]["objects_outside_arena"]``. A load that fails in place (a checksum that
 does not match, a device error) may leave part of what the device returned in its object's
-buffer; LMCache reads nothing of an object whose load failed.
+buffer; LMCache reads nothing of an object whose load failed. (LMCache 0.5.6 itself, aborting a
+prefetch, frees the L1 buffers of loads it leaves running; a load into such a buffer, in place
+or through its staged copy, writes memory LMCache may have reused, as its own fs adapter's
+would.) The arena in 4 KiB pages costs the device one segment per page: LMCache's
+``--l1-use-hugepages`` (with ``--no-l1-use-lazy``) backs it with huge pages.
 
 **Staged, as a ``native_plugin``.** The buffers LMCache hands a native connector are slices of
 its L1 arena at its allocator's offsets, and the connector is not told where the arena is:
@@ -96,8 +102,14 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+_CONNECTOR_PARAMS = ("root_dir", "layout", "capacity_bytes", "cores", "s3", "direct_io",
+                     "config", "block_size", "staging_bytes")
+
+
 def _arena_refusal(desc: Any, block: int) -> str | None:
     """Why LMCache's L1 arena `desc` cannot be kvtier's region for blocks of `block` bytes."""
+    if desc is None:
+        return "LMCache described no L1 arena to this adapter"
     align = int(desc.align_bytes)
     stable = desc.stable_registration_size
     if align % block:
@@ -105,8 +117,8 @@ def _arena_refusal(desc: Any, block: int) -> str | None:
                 f"block_size ({block} bytes): start LMCache with --l1-align-bytes {block} "
                 "(or a multiple), or set block_size to a divisor of it")
     if stable is None:
-        return ("the L1 arena exposes no stable registration prefix (POSIX shared memory, "
-                "which io_uring cannot register)")
+        return ("the L1 arena exposes no stable registration prefix (POSIX shared memory or "
+                "a Device-DAX arena, which io_uring cannot register)")
     if int(stable) < int(desc.size):
         return (f"the L1 arena grows lazily (its stable prefix is {int(stable)} of "
                 f"{int(desc.size)} bytes, and objects past it could not be used in place): "
@@ -147,14 +159,14 @@ class KvtierL2Connector:
         config: Any = None,
         block_size: int | str = "2 MiB",
         staging_bytes: int | str = "1 GiB",
-        l1_memory_desc: Any = None,
+        *,
+        _l1_arena: Any = None,
         **unknown: Any,
     ) -> None:
         if unknown:
             raise TypeError(
                 f"kvtier.lmcache: adapter_params key(s) {', '.join(map(repr, sorted(unknown)))} "
-                "not understood; accepted: root_dir, layout, capacity_bytes, cores, s3, "
-                "direct_io, config, block_size, staging_bytes"
+                f"not understood; accepted: {', '.join(_CONNECTOR_PARAMS)}"
             )
         self._block = size_bytes(block_size)
         if self._block < _ALIGN or self._block % _ALIGN:
@@ -163,11 +175,6 @@ class KvtierL2Connector:
             )
         staging = size_bytes(staging_bytes)
         blocks = staging // self._block
-        if blocks < 1:
-            raise ValueError(
-                f"kvtier.lmcache: staging_bytes = {staging_bytes!r}: must hold at least one "
-                f"block of {self._block} bytes"
-            )
         short = {"root_dir": root_dir, "layout": layout, "capacity_bytes": capacity_bytes,
                  "cores": cores, "s3": s3, "direct_io": direct_io}
         given = {k: v for k, v in short.items() if v is not None}
@@ -204,27 +211,38 @@ class KvtierL2Connector:
             path = str(dev.get("path", ""))
             os.makedirs(path if dev.get("layout", "slab") == "files" else
                         os.path.dirname(path) or ".", exist_ok=True)
-        # In place: the engine's region is LMCache's L1 arena (its stable prefix, whole
-        # blocks); (base address, bytes). Otherwise a staging region of kvtier's own.
+        # In place (`_l1_arena`: KvtierL2Adapter's `[L1MemoryDesc]`): the engine's region is
+        # LMCache's L1 arena (its stable prefix, whole blocks); (base address, bytes).
+        # Otherwise a staging region of kvtier's own.
         self._arena: tuple[int, int] | None = None
-        if l1_memory_desc is not None:
-            refusal = _arena_refusal(l1_memory_desc, self._block)
+        self._engine = None
+        if _l1_arena is not None:
+            [desc] = _l1_arena
+            refusal = _arena_refusal(desc, self._block)
             if refusal is None:
-                arena_blocks = int(l1_memory_desc.stable_registration_size) // self._block
-                self._arena = (int(l1_memory_desc.ptr), arena_blocks * self._block)
-            else:
+                nbytes = int(desc.stable_registration_size) // self._block * self._block
+                self._region = np.ctypeslib.as_array(
+                    (ctypes.c_ubyte * nbytes).from_address(int(desc.ptr)))
+                try:
+                    self._engine = kvtier.Engine(cfg, self._region)
+                except (kvtier.Error, ValueError, OSError) as e:
+                    refusal = f"the engine could not take the L1 arena as its region ({e})"
+                else:
+                    self._arena = (int(desc.ptr), nbytes)
+                    self._bytes = self._region
+                    blocks = 0
+            if refusal is not None:
                 logger.warning("kvtier.lmcache: objects are staged, not used in place: %s",
                                refusal)
-        if self._arena is not None:
-            base, nbytes = self._arena
-            self._region = np.ctypeslib.as_array(
-                (ctypes.c_ubyte * nbytes).from_address(base))
-            self._bytes = self._region
-            blocks = 0
-        else:
+        if self._engine is None:
+            if blocks < 1:
+                raise ValueError(
+                    f"kvtier.lmcache: staging_bytes = {staging_bytes!r}: must hold at least "
+                    f"one block of {self._block} bytes"
+                )
             self._region = kvtier.allocate_region(blocks, self._block)
             self._bytes = np.frombuffer(self._region, dtype=np.uint8)
-        self._engine = kvtier.Engine(cfg, self._region)
+            self._engine = kvtier.Engine(cfg, self._region)
         self._fd = self._engine.result_fd()
         self._lock = threading.Lock()
         self._free: collections.deque[int] = collections.deque(range(blocks))
@@ -248,6 +266,10 @@ class KvtierL2Connector:
             logger.info("kvtier.lmcache: %s, blocks of %d bytes, in place over the L1 arena "
                         "(%d bytes at %#x)", self._engine, self._block, self._arena[1],
                         self._arena[0])
+
+    @property
+    def block_size(self) -> int:
+        return self._block
 
     @property
     def in_place(self) -> bool:
@@ -428,11 +450,13 @@ class KvtierL2Connector:
             os.write(self._fd, _NOTIFY)
 
     def submit_batch_set(self, keys: list[str], buffers: list[Any]) -> int:
-        """Copies each buffer into staging blocks, then queues their store. Never blocks."""
+        """Queues each buffer's store: in place, or copied into staging blocks first. Never
+        blocks."""
         return self._submit("set", list(keys), list(buffers))
 
     def submit_batch_get(self, keys: list[str], buffers: list[Any]) -> int:
-        """Queues the loads into staging blocks; drain_completions copies them into `buffers`."""
+        """Queues the loads: in place into `buffers`, or into staging blocks that
+        drain_completions copies into `buffers`."""
         return self._submit("get", list(keys), list(buffers))
 
     def submit_batch_exists(self, keys: list[str]) -> int:
@@ -457,7 +481,7 @@ class KvtierL2Connector:
 
     def drain_completions(self) -> list[tuple[int, bool, str, list[bool] | None]]:
         """Every batch completed since the last call: (future id, ok, error, per-key results).
-        A loaded object is copied into LMCache's buffer here, before its batch is reported."""
+        A staged load is copied into LMCache's buffer here, before its batch is reported."""
         self._engine.clear_result_fd()
         with self._lock:
             out, self._ready = self._ready, []
@@ -535,18 +559,24 @@ def _adapter_class() -> type:
         def __init__(self, adapter_params: dict[str, Any] | None = None,
                      l1_memory_desc: Any = None) -> None:
             params = dict(adapter_params or {})
+            unknown = sorted(set(params) - set(_CONNECTOR_PARAMS) - {"max_capacity_gb"})
+            if unknown:
+                raise TypeError(
+                    f"kvtier.lmcache: adapter_params key(s) {', '.join(map(repr, unknown))} "
+                    f"not understood; accepted: {', '.join(_CONNECTOR_PARAMS)}, max_capacity_gb"
+                )
             max_capacity_gb = params.pop("max_capacity_gb", 0)
-            if not isinstance(max_capacity_gb, (int, float)) or max_capacity_gb < 0:
+            if (isinstance(max_capacity_gb, bool)
+                    or not isinstance(max_capacity_gb, (int, float)) or max_capacity_gb < 0):
                 raise ValueError(
                     f"kvtier.lmcache: max_capacity_gb = {max_capacity_gb!r}: expected a "
                     "number >= 0 (0: no limit; kvtier's capacity_bytes bounds the device)")
-            if "l1_memory_desc" in params:
-                raise TypeError("kvtier.lmcache: l1_memory_desc comes from LMCache, not from "
-                                "adapter_params")
-            connector = KvtierL2Connector(**params, l1_memory_desc=l1_memory_desc)
+            connector = KvtierL2Connector(**params, _l1_arena=[l1_memory_desc])
             try:
-                super().__init__(connector, max_capacity_gb=max_capacity_gb,
-                                 type_name="kvtier")
+                super().__init__(
+                    connector, max_capacity_gb=max_capacity_gb, type_name="kvtier",
+                    extra_status={"in_place": connector.in_place,
+                                  "block_size": connector.block_size})
             except BaseException:
                 connector.close()
                 raise
