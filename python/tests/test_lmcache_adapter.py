@@ -38,11 +38,12 @@ def spec(root, **params):
             "adapter_params": {k: v for k, v in p.items() if v is not None}}
 
 
-def objects(sizes, seed):
+def objects(sizes, seed, allocate=H.TensorMemoryObj):
+    """L1 objects of `sizes` bytes (each its own mapping, or from `allocate`), random bytes."""
     rng = np.random.default_rng(seed)
     out = []
     for n in sizes:
-        o = H.TensorMemoryObj(n)
+        o = allocate(n)
         o.array[:] = rng.integers(0, 256, n, dtype=np.uint8)
         out.append(o)
     return out
@@ -61,6 +62,19 @@ def lookup(adapter, keys):
     bitmap = adapter.query_lookup_and_lock_result(task)
     adapter.submit_unlock(keys)
     return [bitmap.test(i) for i in range(len(keys))]
+
+
+def damage_second_block(root):
+    """Flips a byte in the one block file of a block numbered 1 (an object's second block), so
+    that its crc32c no longer matches."""
+    import glob
+
+    files = sorted(glob.glob(f"{root}/**/*_g1/*.bin", recursive=True))
+    assert len(files) == 1, files
+    with open(files[0], "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0x55]))
 
 
 def load(adapter, keys, objs):
@@ -128,20 +142,13 @@ def test_a_restarted_connector_serves_what_was_stored(lm, tmp_path):
 
 
 def test_a_damaged_block_fails_its_key_and_leaves_its_buffer(lm, tmp_path):
-    import glob
-
     adapter = H.adapter_from_cli(lm, spec(tmp_path))
     try:
         keys = [H.object_key(lm, i) for i in range(20, 22)]
         src = objects([128 << 10, 64 << 10], seed=7)
         store(adapter, keys, src)
-        # Flip a byte in one of key 0's two block files (its crc32c no longer matches).
-        files = sorted(glob.glob(f"{tmp_path}/**/*_g1/*.bin", recursive=True))
-        assert len(files) == 1, files
-        with open(files[0], "r+b") as f:
-            b = f.read(1)
-            f.seek(0)
-            f.write(bytes([b[0] ^ 0x55]))
+        # Key 0 has two blocks: its second one no longer matches its crc32c.
+        damage_second_block(tmp_path)
         dst = objects([128 << 10, 64 << 10], seed=8)
         before = bytes(dst[0].byte_array)
         assert load(adapter, keys, dst) == [False, True]
@@ -266,14 +273,17 @@ def plugin_spec(root, **params):
             "adapter_params": {k: v for k, v in p.items() if v is not None}}
 
 
+BLOCK = 64 << 10
+
+
+def in_place(lm, root, arena_bytes, align=BLOCK, **params):
+    """An arena, and the plugin adapter built over it (blocks of BLOCK) as LMCache builds it."""
+    arena = H.Arena(lm, arena_bytes, align=align)
+    return arena, H.adapter_from_cli(lm, plugin_spec(root, **params), l1_memory_desc=arena.desc)
+
+
 def arena_objects(arena, sizes, seed):
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in sizes:
-        o = arena.allocate(n)
-        o.array[:] = rng.integers(0, 256, n, dtype=np.uint8)
-        out.append(o)
-    return out
+    return objects(sizes, seed, allocate=arena.allocate)
 
 
 @pytest.mark.parametrize("layout", ["files", "slab"])
@@ -281,12 +291,9 @@ def test_in_place_over_the_l1_arena_moves_objects_without_staging(lm, tmp_path, 
     """LMCache's plugin factory hands the adapter its L1 arena; objects aligned to kvtier's
     block go to the device and back in place: byte-exact, nothing staged, and a load writes
     nothing outside its object's own allocation."""
-    block = 64 << 10
-    arena = H.Arena(lm, 8 << 20, align=block)
     cap = "64 MiB" if layout == "slab" else None
-    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path, layout=layout, capacity_bytes=cap,
-                                                 max_capacity_gb=1),
-                                 l1_memory_desc=arena.desc)
+    arena, adapter = in_place(lm, tmp_path, 8 << 20, layout=layout, capacity_bytes=cap,
+                              max_capacity_gb=1)
     try:
         assert type(adapter).__name__ == "KvtierL2Adapter"
         assert isinstance(adapter, lm.NativeConnectorL2Adapter)
@@ -296,18 +303,18 @@ def test_in_place_over_the_l1_arena_moves_objects_without_staging(lm, tmp_path, 
         assert client.engine.region_address == arena.desc.ptr
         status = adapter.report_status()
         assert status["type"] == "kvtier" and status["in_place"] is True
-        sizes = [block, 200 << 10, 1000, 2 * block]
+        sizes = [BLOCK, 200 << 10, 1000, 2 * BLOCK]
         keys = [H.object_key(lm, i) for i in range(40, 44)]
         src = arena_objects(arena, sizes, seed=11)
         assert int(store(adapter, keys, src)) == sum(sizes)
         assert lookup(adapter, keys + [H.object_key(lm, 49)]) == [True] * 4 + [False]
         # Loads land in other objects of the arena; the bytes past the last one are a canary.
         dst = arena_objects(arena, sizes, seed=12)
-        canary = arena.bytes[arena.next:arena.next + block].copy()
+        canary = arena.bytes[arena.next:arena.next + BLOCK].copy()
         assert load(adapter, keys, dst) == [True] * 4
         for s, d in zip(src, dst):
             assert bytes(d.byte_array) == bytes(s.byte_array)
-        assert np.array_equal(arena.bytes[arena.next:arena.next + block], canary)
+        assert np.array_equal(arena.bytes[arena.next:arena.next + BLOCK], canary)
         lmstats = client.stats()["lmcache"]
         assert lmstats["in_place_set_bytes"] == sum(sizes)
         assert lmstats["in_place_get_bytes"] == sum(sizes)
@@ -317,13 +324,11 @@ def test_in_place_over_the_l1_arena_moves_objects_without_staging(lm, tmp_path, 
 
 
 def test_in_place_refuses_a_buffer_outside_the_arena_and_leaves_it(lm, tmp_path):
-    block = 64 << 10
-    arena = H.Arena(lm, 4 << 20, align=block)
-    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path), l1_memory_desc=arena.desc)
+    arena, adapter = in_place(lm, tmp_path, 4 << 20)
     try:
         keys = [H.object_key(lm, i) for i in range(50, 52)]
-        inside = arena_objects(arena, [block], seed=13)
-        outside = objects([block], seed=14)
+        inside = arena_objects(arena, [BLOCK], seed=13)
+        outside = objects([BLOCK], seed=14)
         # One object in the arena and one not: the batch fails, the one inside is stored.
         assert int(store(adapter, keys, inside + outside)) == -1
         assert lookup(adapter, keys) == [True, False]
@@ -366,22 +371,13 @@ def test_an_arena_kvtier_cannot_use_in_place_is_staged_and_says_why(lm, tmp_path
 def test_in_place_a_damaged_block_fails_its_key(lm, tmp_path):
     """In place the device's bytes land in the object before the checksum is checked: the key
     fails (LMCache then reads nothing of that object); the other key is byte-exact."""
-    import glob
-
-    block = 64 << 10
-    arena = H.Arena(lm, 4 << 20, align=block)
-    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path), l1_memory_desc=arena.desc)
+    arena, adapter = in_place(lm, tmp_path, 4 << 20)
     try:
         keys = [H.object_key(lm, i) for i in range(70, 72)]
-        src = arena_objects(arena, [2 * block, block], seed=17)
+        src = arena_objects(arena, [2 * BLOCK, BLOCK], seed=17)
         store(adapter, keys, src)
-        files = sorted(glob.glob(f"{tmp_path}/**/*_g1/*.bin", recursive=True))
-        assert len(files) == 1, files
-        with open(files[0], "r+b") as f:
-            b = f.read(1)
-            f.seek(0)
-            f.write(bytes([b[0] ^ 0x55]))
-        dst = arena_objects(arena, [2 * block, block], seed=18)
+        damage_second_block(tmp_path)
+        dst = arena_objects(arena, [2 * BLOCK, BLOCK], seed=18)
         assert load(adapter, keys, dst) == [False, True]
         assert bytes(dst[1].byte_array) == bytes(src[1].byte_array)
     finally:
@@ -389,13 +385,11 @@ def test_in_place_a_damaged_block_fails_its_key(lm, tmp_path):
 
 
 def test_in_place_nothing_is_written_after_close(lm, tmp_path):
-    block = 64 << 10
-    arena = H.Arena(lm, 32 << 20, align=block)
-    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path), l1_memory_desc=arena.desc)
+    arena, adapter = in_place(lm, tmp_path, 32 << 20)
     keys = [H.object_key(lm, i) for i in range(200, 240)]
-    src = arena_objects(arena, [4 * block] * len(keys), seed=19)
+    src = arena_objects(arena, [4 * BLOCK] * len(keys), seed=19)
     store(adapter, keys, src)
-    dst = arena_objects(arena, [4 * block] * len(keys), seed=20)
+    dst = arena_objects(arena, [4 * BLOCK] * len(keys), seed=20)
     task = adapter.submit_load_task(keys, dst)
     adapter.close()
     client = adapter.connector
@@ -418,14 +412,12 @@ def test_in_place_nothing_is_written_after_close(lm, tmp_path):
 
 
 def test_in_place_moves_only_an_objects_blocks_not_its_whole_allocation(lm, tmp_path):
-    """With the arena aligned to two blocks, an object of one block and a bit takes two
+    """With the arena aligned to four blocks, an object of one block and a bit takes two
     blocks and one of a few bytes takes one: the rest of each allocation is left alone."""
-    block = 64 << 10
-    arena = H.Arena(lm, 4 << 20, align=4 * block)
-    adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path), l1_memory_desc=arena.desc)
+    arena, adapter = in_place(lm, tmp_path, 4 << 20, align=4 * BLOCK)
     try:
         assert adapter.connector.in_place
-        sizes = [block + 1000, 100]
+        sizes = [BLOCK + 1000, 100]
         keys = [H.object_key(lm, i) for i in range(80, 82)]
         src = arena_objects(arena, sizes, seed=21)
         store(adapter, keys, src)
@@ -437,13 +429,12 @@ def test_in_place_moves_only_an_objects_blocks_not_its_whole_allocation(lm, tmp_
         for s, d, n in zip(src, dst, parts):
             assert bytes(d.byte_array) == bytes(s.byte_array)
             # Past the blocks the object spans, its allocation's padding is untouched.
-            assert (d._array[n * block:] == 0xA5).all()
+            assert (d._array[n * BLOCK:] == 0xA5).all()
     finally:
         adapter.close()
 
 
 def test_a_plugin_without_an_arena_or_one_the_engine_cannot_take_stages(lm, tmp_path, caplog):
-    block = 64 << 10
     # LMCache hands no description (an L1 it cannot describe): staged, and said.
     with caplog.at_level("WARNING", logger="kvtier.lmcache"):
         adapter = H.adapter_from_cli(lm, plugin_spec(tmp_path / "a", staging_bytes="1 MiB"))
@@ -451,10 +442,10 @@ def test_a_plugin_without_an_arena_or_one_the_engine_cannot_take_stages(lm, tmp_
         assert not adapter.connector.in_place
         assert adapter.report_status()["in_place"] is False
         assert "described no L1 arena" in caplog.text
-        src = objects([block], seed=23)
+        src = objects([BLOCK], seed=23)
         key = [H.object_key(lm, 90)]
         store(adapter, key, src)
-        dst = objects([block], seed=24)
+        dst = objects([BLOCK], seed=24)
         assert load(adapter, key, dst) == [True]
         assert bytes(dst[0].byte_array) == bytes(src[0].byte_array)
     finally:
@@ -464,7 +455,7 @@ def test_a_plugin_without_an_arena_or_one_the_engine_cannot_take_stages(lm, tmp_
 
     ro = mmap.mmap(-1, 1 << 20, prot=mmap.PROT_READ)
     ptr = int(np.frombuffer(ro, dtype=np.uint8).ctypes.data)
-    desc = lm.L1MemoryDesc(ptr=ptr, size=1 << 20, align_bytes=block,
+    desc = lm.L1MemoryDesc(ptr=ptr, size=1 << 20, align_bytes=BLOCK,
                            stable_registration_size=1 << 20)
     caplog.clear()
     with caplog.at_level("WARNING", logger="kvtier.lmcache"):
