@@ -13,7 +13,6 @@ pub(crate) struct OpTable<T> {
     /// The live ops; a free slot holds none.
     ops: Vec<Option<T>>,
     gens: Vec<u32>,
-    live: Vec<bool>,
     free: Vec<u32>,
     /// When each live op started: its deadline counts from here.
     born: Vec<Instant>,
@@ -36,7 +35,6 @@ impl<T> OpTable<T> {
         OpTable {
             ops: std::iter::repeat_with(|| None).take(capacity).collect(),
             gens: vec![0; capacity],
-            live: vec![false; capacity],
             free: (0..capacity as u32).rev().collect(),
             born: vec![clock.now(); capacity],
             overdue: vec![false; capacity],
@@ -51,8 +49,7 @@ impl<T> OpTable<T> {
     pub fn alloc(&mut self, op: T) -> Option<u32> {
         let idx = self.free.pop()?;
         let i = idx as usize;
-        debug_assert!(!self.live[i]);
-        self.live[i] = true;
+        debug_assert!(self.ops[i].is_none());
         self.gens[i] = self.gens[i].wrapping_add(1);
         self.ops[i] = Some(op);
         self.born[i] = self.clock.now();
@@ -88,16 +85,19 @@ impl<T> OpTable<T> {
     /// Frees op `idx`. A load still counted in flight is ended first (`Context::release`).
     pub fn release(&mut self, idx: u32) {
         let i = idx as usize;
-        assert!(self.live[i], "op {idx} released twice");
         debug_assert!(
             !self.load[i],
             "load op {idx} released while counted in flight: release it with Context::release"
         );
-        self.live[i] = false;
         // What the op held (its job) goes now, not when the slot is reused.
-        self.ops[i] = None;
+        assert!(self.ops[i].take().is_some(), "op {idx} released twice");
+        self.free_slot(idx);
+    }
+
+    /// Returns the slot of an op taken out of it to the free list.
+    fn free_slot(&mut self, idx: u32) {
         // The kernel is done with the op's buffers: the leases it kept can go.
-        self.holds[i].clear();
+        self.holds[idx as usize].clear();
         self.free.push(idx);
     }
 
@@ -110,7 +110,8 @@ impl<T> OpTable<T> {
     pub fn take_overdue(&mut self, now: Instant, limit: Duration) -> Vec<u32> {
         let mut out = Vec::new();
         for i in 0..self.ops.len() {
-            if self.live[i] && !self.overdue[i] && now.duration_since(self.born[i]) > limit {
+            if self.ops[i].is_some() && !self.overdue[i] && now.duration_since(self.born[i]) > limit
+            {
                 self.overdue[i] = true;
                 out.push(i as u32);
             }
@@ -120,7 +121,10 @@ impl<T> OpTable<T> {
 
     /// Whether every live op has passed its deadline (and had its keys failed by it).
     pub fn all_overdue(&self) -> bool {
-        self.live.iter().zip(&self.overdue).all(|(&l, &o)| !l || o)
+        self.ops
+            .iter()
+            .zip(&self.overdue)
+            .all(|(op, &o)| op.is_none() || o)
     }
 
     /// The first live op that `pick` chooses (a scan of the table: for rare paths).
@@ -142,14 +146,14 @@ impl<T> OpTable<T> {
     /// Ops in use.
     #[cfg(any(test, feature = "sim"))]
     pub fn live(&self) -> usize {
-        self.live.iter().filter(|&&l| l).count()
+        self.ops.iter().filter(|op| op.is_some()).count()
     }
 
     /// The indexes of the ops in use.
     #[cfg(any(test, feature = "sim"))]
     pub fn live_indexes(&self) -> Vec<u32> {
         (0..self.ops.len() as u32)
-            .filter(|&i| self.live[i as usize])
+            .filter(|&i| self.ops[i as usize].is_some())
             .collect()
     }
 
@@ -168,7 +172,7 @@ impl<T> OpTable<T> {
         let op = self.ops[i].take().expect("a live op");
         let load = std::mem::replace(&mut self.load[i], false);
         let holds = std::mem::take(&mut self.holds[i]);
-        self.release(idx);
+        self.free_slot(idx);
         Completed::Ended { op, load, holds }
     }
 
@@ -177,7 +181,7 @@ impl<T> OpTable<T> {
         let (idx, chunk, gen) = decode_user_data(user_data);
         let i = idx as usize;
         assert!(
-            self.live[i] && self.gens[i] == gen,
+            self.ops[i].is_some() && self.gens[i] == gen,
             "completion for a stale op {idx} gen {gen}"
         );
         (idx, chunk)

@@ -127,7 +127,7 @@ impl Scheduler {
 
 /// How one store's block is written: `total` writes of `len` bytes (the last may be shorter),
 /// how many are issued and done, and the first failure.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(crate) struct Chunks {
     pub len: u64,
     pub total: u16,
