@@ -93,8 +93,10 @@ _NOTIFY = (1).to_bytes(8, "little")
 _DELETE_OBJECT_BYTES = 64 << 20
 
 
-def _key_hash(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+def _block_keys(key: str, n: int) -> list[bytes]:
+    """kvtier's keys of the first `n` blocks of LMCache's object `key`."""
+    h = hashlib.sha256(key.encode()).digest()
+    return [h + j.to_bytes(4, "big") for j in range(n)]
 
 
 def _address(view: memoryview) -> int:
@@ -333,47 +335,68 @@ class KvtierL2Connector:
         return max(1, -(-n // self._block))
 
     def _submit(self, op: str, keys: list[str], buffers: list[Any]) -> int:
-        """One engine job per object, so that copying one object overlaps the I/O of the
-        others; the batch's future completes with the last of them."""
+        """One engine job per object, over its own blocks of the arena (in place) or over
+        staging blocks (so that copying one object overlaps the I/O of the others); the
+        batch's future completes with the last of them."""
         if len(keys) != len(buffers):
             raise ValueError(f"kvtier.lmcache: {len(keys)} keys but {len(buffers)} buffers")
         views = [memoryview(b).cast("B") for b in buffers]
         parts = [self._parts(v.nbytes) for v in views]
         if parts:
             self._max_parts = max(self._max_parts, max(parts))
-        if self._arena is not None:
-            return self._submit_in_place(op, keys, views, parts)
-        need = sum(parts)
-        with self._lock:
-            if self._closed or need > len(self._free):
-                blocks = None
-            else:
-                blocks = [self._free.popleft() for _ in range(need)]
-        if blocks is None:
-            self._stats["batches_refused_staging" if not self._closed else "batches_closed"] += 1
-            return self._complete_now(False, [False] * len(keys),
-                                      "closed" if self._closed else "staging region full")
+        if self._closed:
+            self._stats["batches_closed"] += 1
+            return self._complete_now(False, [False] * len(keys), "closed")
+        staged: list[int] | None = None
+        if self._arena is None:
+            need = sum(parts)
+            with self._lock:
+                if need <= len(self._free):
+                    staged = [self._free.popleft() for _ in range(need)]
+            if staged is None:
+                self._stats["batches_refused_staging"] += 1
+                return self._complete_now(False, [False] * len(keys), "staging region full")
         future = next(self._ids)
-        batch = _Batch(op, len(keys))
         with self._lock:
-            self._batches[future] = batch
+            self._batches[future] = _Batch(op, len(keys))
         at = 0
         for k, (key, view, n) in enumerate(zip(keys, views, parts)):
-            mine = blocks[at:at + n]
-            at += n
-            h = _key_hash(key)
-            bkeys = [h + j.to_bytes(4, "big") for j in range(n)]
-            if op == "set":
-                for j, b in enumerate(mine):
-                    dst = b * self._block
-                    chunk = view[j * self._block:(j + 1) * self._block]
-                    self._bytes[dst:dst + len(chunk)] = chunk
-                    if len(chunk) < self._block:
-                        self._bytes[dst + len(chunk):dst + self._block] = 0
-            if self._submit_object(op, future, k, bkeys, mine, view if op == "get" else None):
-                self._stats[f"staged_{op}_bytes"] += view.nbytes
+            if staged is not None:
+                blocks = staged[at:at + n]
+                at += n
+                if op == "set":
+                    self._stage(view, blocks)
+            else:
+                blocks = self._arena_blocks(view, n)
+                if blocks is None:
+                    self._outside_arena(view)
+                    self._settle(future, k, False, "buffer outside kvtier's registered L1 arena")
+                    continue
+            copy_to = view if op == "get" and staged is not None else None
+            if self._submit_object(op, future, k, _block_keys(key, n), blocks, copy_to):
+                how = "in_place" if staged is None else "staged"
+                self._stats[f"{how}_{op}_bytes"] += view.nbytes
         self._settle(future, None, True, "")
         return future
+
+    def _stage(self, view: memoryview, blocks: list[int]) -> None:
+        """Copies an object into its staging blocks (the last one's tail zeroed)."""
+        for j, b in enumerate(blocks):
+            dst = b * self._block
+            chunk = view[j * self._block:(j + 1) * self._block]
+            self._bytes[dst:dst + len(chunk)] = chunk
+            if len(chunk) < self._block:
+                self._bytes[dst + len(chunk):dst + self._block] = 0
+
+    def _outside_arena(self, view: memoryview) -> None:
+        """Counts an in-place object whose buffer is not on a block of the arena (logged once)."""
+        self._stats["objects_outside_arena"] += 1
+        if self._stats["objects_outside_arena"] == 1:
+            logger.warning(
+                "kvtier.lmcache: a buffer of %d bytes at %#x is not on a block of the registered "
+                "L1 arena; its object fails (counted in "
+                "stats()['lmcache']['objects_outside_arena'])", view.nbytes,
+                _address(view) if view.nbytes else 0)
 
     def _submit_object(self, op: str, future: int, k: int, bkeys: list[bytes],
                        blocks: list[int], copy_to: memoryview | None) -> bool:
@@ -396,34 +419,6 @@ class KvtierL2Connector:
             self._settle(future, k, False, str(e))
             return False
         return True
-
-    def _submit_in_place(self, op: str, keys: list[str], views: list[memoryview],
-                         parts: list[int]) -> int:
-        """Each object a job over its own blocks of the arena: nothing is copied."""
-        if self._closed:
-            self._stats["batches_closed"] += 1
-            return self._complete_now(False, [False] * len(keys), "closed")
-        future = next(self._ids)
-        with self._lock:
-            self._batches[future] = _Batch(op, len(keys))
-        for k, (key, view, n) in enumerate(zip(keys, views, parts)):
-            blocks = self._arena_blocks(view, n)
-            if blocks is None:
-                self._stats["objects_outside_arena"] += 1
-                if self._stats["objects_outside_arena"] == 1:
-                    logger.warning(
-                        "kvtier.lmcache: a buffer of %d bytes at %#x is not on a block of the "
-                        "registered L1 arena; its object fails (counted in "
-                        "stats()['lmcache']['objects_outside_arena'])", view.nbytes,
-                        _address(view) if view.nbytes else 0)
-                self._settle(future, k, False, "buffer outside kvtier's registered L1 arena")
-                continue
-            h = _key_hash(key)
-            bkeys = [h + j.to_bytes(4, "big") for j in range(n)]
-            if self._submit_object(op, future, k, bkeys, blocks, None):
-                self._stats[f"in_place_{op}_bytes"] += view.nbytes
-        self._settle(future, None, True, "")
-        return future
 
     def _settle(self, future: int, k: int | None, ok: bool, error: str,
                 out: list[Any] | None = None) -> None:
@@ -463,7 +458,7 @@ class KvtierL2Connector:
         """Per key, whether kvtier holds it (its first block), from the index; no I/O."""
         if self._closed:
             return self._complete_now(False, [False] * len(keys), "closed")
-        answers = self._engine.lookup([_key_hash(k) + b"\0\0\0\0" for k in keys])
+        answers = self._engine.lookup([_block_keys(k, 1)[0] for k in keys])
         return self._complete_now(True, [a in ("nvme", "s3") for a in answers])
 
     def submit_batch_delete(self, keys: list[str]) -> int:
@@ -472,7 +467,7 @@ class KvtierL2Connector:
         if self._closed:
             return self._complete_now(False, [False] * len(keys), "closed")
         parts = max(self._max_parts, 1)
-        bkeys = [_key_hash(k) + j.to_bytes(4, "big") for k in keys for j in range(parts)]
+        bkeys = [b for k in keys for b in _block_keys(k, parts)]
         removed = self._engine.remove(bkeys)
         # A key counts as deleted when its first block was (the others go with it if held).
         results = [removed[i * parts] for i in range(len(keys))]
