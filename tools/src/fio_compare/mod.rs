@@ -856,6 +856,49 @@ mod tests {
     }
 
     #[test]
+    fn every_row_of_a_cell_fills_the_columns_and_the_caller_cpu_is_on_the_first() {
+        let mib2 = 2 << 20;
+        let mut load = cell(Kind::Load, mib2, (2.0, 1000.0), None, 2.0);
+        load.kvtier_thread_cpu = Some(bench::ThreadCpu {
+            caller: 0.0042,
+            workers: 1.0,
+            io_kernel: 0.0,
+            s3_reactor: 0.0,
+        });
+        let mut mixed = cell(Kind::Mixed, mib2, (1.7, 2500.0), Some(1.0), 1.0);
+        mixed.store_ratio = Some(report::Spread::of([0.5]));
+        let bare = cell(Kind::Store, mib2, (5.0, 500.0), None, 4.0);
+        let caller = report::COLUMNS
+            .iter()
+            .position(|&c| c == "kvtier caller cpu")
+            .expect("the caller's column");
+        let rows = report::cell_rows(&load);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].len(), report::COLUMNS.len());
+        assert_eq!(rows[0][caller], "0.004");
+        // Without thread CPU (an engine that could not read it) the column says so.
+        assert_eq!(report::cell_rows(&bare)[0][caller], "-");
+        let mut store = bare;
+        store.fio_crc32c = Some(store.fio);
+        store.fio_crc32c_cpu_s_per_gib = Some(3.0);
+        store.ratio_crc32c = Some(report::Spread::of([1.0]));
+        store.cpu_ratio_crc32c = Some(report::Spread::of([0.5]));
+        let rows = report::cell_rows(&store);
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        assert_eq!(rows[1][0], "  fio+crc32c");
+        assert_eq!(rows[1][report::COLUMNS.len() - 2], "0.50");
+        assert_eq!(rows[1][caller], "-");
+        assert_eq!(rows[1].len(), report::COLUMNS.len());
+        let rows = report::cell_rows(&mixed);
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        assert_eq!(rows[1][0], "mixed: stores");
+        for row in &rows {
+            assert_eq!(row.len(), report::COLUMNS.len(), "{row:?}");
+        }
+        assert_eq!(rows[1][caller], "-");
+    }
+
+    #[test]
     fn medians_and_fio_reports() {
         assert!((median([3.0, 1.0, 2.0]) - 2.0).abs() < 1e-12);
         assert!((median([4.0, 1.0, 2.0, 3.0]) - 2.5).abs() < 1e-12);

@@ -600,63 +600,82 @@ fn checksum_row(c: &CellSummary) -> Option<Vec<String>> {
     ])
 }
 
+/// The second row of a mixed cell: its stores (bandwidth and latency; CPU is on the loads row,
+/// for both streams).
+fn mixed_stores_row(c: &CellSummary) -> Option<Vec<String>> {
+    let (f, k, r) = (c.fio.store?, c.kvtier.store?, c.store_ratio?);
+    let lat = |s: &Stream| format!("{:.0}/{:.0}", s.p50_us, s.p99_us);
+    let mut row = vec![
+        "mixed: stores".to_owned(),
+        output::size(c.block_bytes),
+        c.queue_depth.to_string(),
+        format!("{:.3}", f.gib_per_s),
+        format!("{:.3}", k.gib_per_s),
+        format!("{:.3} ({:.2}-{:.2})", r.median, r.min, r.max),
+        lat(&f),
+        lat(&k),
+    ];
+    row.resize(row.len() + 4, "-".to_owned());
+    Some(row)
+}
+
+/// The main table's columns.
+pub(super) const COLUMNS: [&str; 12] = [
+    "workload",
+    "block",
+    "QD",
+    "fio GiB/s",
+    "kvtier GiB/s",
+    "ratio (min-max)",
+    "fio p50/p99 µs",
+    "kvtier p50/p99 µs",
+    "fio cpu s/GiB",
+    "kvtier cpu s/GiB",
+    "cpu ratio",
+    "kvtier caller cpu",
+];
+
+/// A cell's rows in the main table: its own, then fio+crc32c's under a store cell, or the
+/// stores' under a mixed one. CPU (the caller's too) is on the first row only.
+pub(super) fn cell_rows(c: &CellSummary) -> Vec<Vec<String>> {
+    let lat = |s: &Stream| format!("{:.0}/{:.0}", s.p50_us, s.p99_us);
+    let s = &c.ratio;
+    let flag = if s.median < RATIO_GOAL { " <" } else { "" };
+    let name = if c.kind == Kind::Mixed {
+        "mixed: loads"
+    } else {
+        c.kind.name()
+    };
+    let mut rows = vec![vec![
+        name.to_owned(),
+        output::size(c.block_bytes),
+        c.queue_depth.to_string(),
+        format!("{:.3}", c.fio.main.gib_per_s),
+        format!("{:.3}", c.kvtier.main.gib_per_s),
+        format!("{:.3} ({:.2}-{:.2}){flag}", s.median, s.min, s.max),
+        lat(&c.fio.main),
+        lat(&c.kvtier.main),
+        format!("{:.3}", c.fio_cpu_s_per_gib),
+        format!("{:.3}", c.kvtier_cpu_s_per_gib),
+        format!("{:.2}", c.cpu_ratio.median),
+        c.kvtier_thread_cpu
+            .map_or_else(|| "-".to_owned(), |t| format!("{:.3}", t.caller)),
+    ]];
+    if let Some(mut row) = checksum_row(c) {
+        row.push("-".into());
+        rows.push(row);
+    }
+    rows.extend(mixed_stores_row(c));
+    rows
+}
+
 /// The table of the cells run at `limit` (every cell when the run had no `--device-limit`).
 pub(super) fn render(all: &[CellSummary], limit: Limit, first: &Prepared) -> String {
     let cells: Vec<&CellSummary> = all.iter().filter(|c| c.device_limit == limit).collect();
-    let mut table = Table::new(&[
-        "workload",
-        "block",
-        "QD",
-        "fio GiB/s",
-        "kvtier GiB/s",
-        "ratio (min-max)",
-        "fio p50/p99 µs",
-        "kvtier p50/p99 µs",
-        "fio cpu s/GiB",
-        "kvtier cpu s/GiB",
-        "cpu ratio",
-    ]);
-    let lat = |s: &Stream| format!("{:.0}/{:.0}", s.p50_us, s.p99_us);
-    let spread = |s: &Spread| {
-        let flag = if s.median < RATIO_GOAL { " <" } else { "" };
-        format!("{:.3} ({:.2}-{:.2}){flag}", s.median, s.min, s.max)
-    };
+    let mut table = Table::new(&COLUMNS);
     for &c in &cells {
-        let name = if c.kind == Kind::Mixed {
-            "mixed: loads"
-        } else {
-            c.kind.name()
-        };
-        table.row(vec![
-            name.to_owned(),
-            output::size(c.block_bytes),
-            c.queue_depth.to_string(),
-            format!("{:.3}", c.fio.main.gib_per_s),
-            format!("{:.3}", c.kvtier.main.gib_per_s),
-            spread(&c.ratio),
-            lat(&c.fio.main),
-            lat(&c.kvtier.main),
-            format!("{:.3}", c.fio_cpu_s_per_gib),
-            format!("{:.3}", c.kvtier_cpu_s_per_gib),
-            format!("{:.2}", c.cpu_ratio.median),
-        ]);
-        if let Some(row) = checksum_row(c) {
+        for row in cell_rows(c) {
             table.row(row);
-        }
-        if let (Some(f), Some(k), Some(r)) = (c.fio.store, c.kvtier.store, c.store_ratio) {
-            table.row(vec![
-                "mixed: stores".to_owned(),
-                output::size(c.block_bytes),
-                c.queue_depth.to_string(),
-                format!("{:.3}", f.gib_per_s),
-                format!("{:.3}", k.gib_per_s),
-                format!("{:.3} ({:.2}-{:.2})", r.median, r.min, r.max),
-                lat(&f),
-                lat(&k),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-            ]);
         }
     }
     let mut text = table.to_string();
@@ -664,9 +683,11 @@ pub(super) fn render(all: &[CellSummary], limit: Limit, first: &Prepared) -> Str
         text,
         "ratio: kvtier / fio bandwidth, median over the pairs (min-max); `<` marks a median \
          below {RATIO_GOAL}.\n\
-         cpu s/GiB: fio usr+sys of its jobs, kvtier its worker threads (mixed: both streams; \
-         kvtier's caller thread is in the JSON as kvtier_caller_cpu_s); cpu ratio: kvtier / fio, \
-         lower is better for kvtier.\n\
+         cpu s/GiB: fio usr+sys of its jobs, kvtier its worker threads (mixed: both streams); \
+         cpu ratio: kvtier / fio, lower is better for kvtier. kvtier caller cpu: the CPU per GiB \
+         of the thread that submits kvtier's jobs and takes their results (fio does both in its \
+         jobs): how long it waits for a result moves CPU between it and the workers (docs/perf.md, \
+         \"Issue 35 from end to end\").\n\
          fio+crc32c (under a store row): fio's stores with a crc32c of every block written into \
          its verify header, the checksum work kvtier does (see --show-fio); ratios against it.\n\
          fio ran {} job(s) per stream, iodepth = ceil(QD / {}), cpus_allowed={} ({}), \
