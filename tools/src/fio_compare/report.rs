@@ -576,6 +576,11 @@ fn render_mix(mix: &[MixAgainstAlone]) -> String {
     text
 }
 
+/// A stream's p50/p99 latency cell, in µs.
+fn lat(s: &Stream) -> String {
+    format!("{:.0}/{:.0}", s.p50_us, s.p99_us)
+}
+
 /// The row under a store row: fio with a crc32c per block, and kvtier against it.
 fn checksum_row(c: &CellSummary) -> Option<Vec<String>> {
     let (f, fc, r, cr) = (
@@ -584,7 +589,6 @@ fn checksum_row(c: &CellSummary) -> Option<Vec<String>> {
         c.ratio_crc32c?,
         c.cpu_ratio_crc32c?,
     );
-    let lat = |s: &Stream| format!("{:.0}/{:.0}", s.p50_us, s.p99_us);
     Some(vec![
         "  fio+crc32c".to_owned(),
         output::size(c.block_bytes),
@@ -604,7 +608,6 @@ fn checksum_row(c: &CellSummary) -> Option<Vec<String>> {
 /// for both streams).
 fn mixed_stores_row(c: &CellSummary) -> Option<Vec<String>> {
     let (f, k, r) = (c.fio.store?, c.kvtier.store?, c.store_ratio?);
-    let lat = |s: &Stream| format!("{:.0}/{:.0}", s.p50_us, s.p99_us);
     let mut row = vec![
         "mixed: stores".to_owned(),
         output::size(c.block_bytes),
@@ -615,7 +618,7 @@ fn mixed_stores_row(c: &CellSummary) -> Option<Vec<String>> {
         lat(&f),
         lat(&k),
     ];
-    row.resize(row.len() + 4, "-".to_owned());
+    row.resize(COLUMNS.len(), "-".to_owned());
     Some(row)
 }
 
@@ -638,7 +641,6 @@ pub(super) const COLUMNS: [&str; 12] = [
 /// A cell's rows in the main table: its own, then fio+crc32c's under a store cell, or the
 /// stores' under a mixed one. CPU (the caller's too) is on the first row only.
 pub(super) fn cell_rows(c: &CellSummary) -> Vec<Vec<String>> {
-    let lat = |s: &Stream| format!("{:.0}/{:.0}", s.p50_us, s.p99_us);
     let s = &c.ratio;
     let flag = if s.median < RATIO_GOAL { " <" } else { "" };
     let name = if c.kind == Kind::Mixed {
@@ -662,7 +664,7 @@ pub(super) fn cell_rows(c: &CellSummary) -> Vec<Vec<String>> {
             .map_or_else(|| "-".to_owned(), |t| format!("{:.3}", t.caller)),
     ]];
     if let Some(mut row) = checksum_row(c) {
-        row.push("-".into());
+        row.resize(COLUMNS.len(), "-".to_owned());
         rows.push(row);
     }
     rows.extend(mixed_stores_row(c));
