@@ -73,6 +73,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,15 @@ def _address(view: memoryview) -> int:
 
 _CONNECTOR_PARAMS = ("root_dir", "layout", "capacity_bytes", "cores", "s3", "direct_io",
                      "config", "block_size", "staging_bytes")
+
+
+def _refuse_unknown(unknown: Collection[str], accepted: Iterable[str]) -> None:
+    """A TypeError naming the `adapter_params` keys not understood and those accepted."""
+    if unknown:
+        raise TypeError(
+            f"kvtier.lmcache: adapter_params key(s) {', '.join(map(repr, sorted(unknown)))} "
+            f"not understood; accepted: {', '.join(accepted)}"
+        )
 
 
 def _arena_refusal(desc: Any, block: int) -> str | None:
@@ -165,11 +175,7 @@ class KvtierL2Connector:
         _l1_arena: Any = None,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            raise TypeError(
-                f"kvtier.lmcache: adapter_params key(s) {', '.join(map(repr, sorted(unknown)))} "
-                f"not understood; accepted: {', '.join(_CONNECTOR_PARAMS)}"
-            )
+        _refuse_unknown(unknown, _CONNECTOR_PARAMS)
         self._block = size_bytes(block_size)
         if self._block < _ALIGN or self._block % _ALIGN:
             raise ValueError(
@@ -554,12 +560,8 @@ def _adapter_class() -> type:
         def __init__(self, adapter_params: dict[str, Any] | None = None,
                      l1_memory_desc: Any = None) -> None:
             params = dict(adapter_params or {})
-            unknown = sorted(set(params) - set(_CONNECTOR_PARAMS) - {"max_capacity_gb"})
-            if unknown:
-                raise TypeError(
-                    f"kvtier.lmcache: adapter_params key(s) {', '.join(map(repr, unknown))} "
-                    f"not understood; accepted: {', '.join(_CONNECTOR_PARAMS)}, max_capacity_gb"
-                )
+            accepted = (*_CONNECTOR_PARAMS, "max_capacity_gb")
+            _refuse_unknown(set(params) - set(accepted), accepted)
             max_capacity_gb = params.pop("max_capacity_gb", 0)
             if (isinstance(max_capacity_gb, bool)
                     or not isinstance(max_capacity_gb, (int, float)) or max_capacity_gb < 0):

@@ -475,6 +475,7 @@ def test_a_plugin_without_an_arena_or_one_the_engine_cannot_take_stages(lm, tmp_
         (dict(max_capacity_gb=-1), "max_capacity_gb = -1"),
         (dict(max_capacity_gb="1"), "max_capacity_gb = '1'"),
         (dict(l1_memory_desc=1), "'l1_memory_desc' not understood"),
+        (dict(chunk_size=256), "'chunk_size'"),
         (dict(chunk_size=256), "accepted: root_dir"),
         (dict(chunk_size=256), "max_capacity_gb"),
     ],
